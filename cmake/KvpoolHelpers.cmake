@@ -1,0 +1,68 @@
+# Small helpers so that every directory's CMakeLists.txt reads as a list of declarations.
+#
+#   kvpool_cc_library(NAME foo SRCS foo.cc HDRS foo.h DEPS absl::status)
+#   kvpool_cc_binary(NAME kvpoold SRCS main.cc DEPS kvpool_server)
+#   kvpool_cc_test(NAME foo_test SRCS foo_test.cc DEPS foo [LABELS slow] [ARGS ...])
+#   kvpool_cuda_library(NAME kernels_cuda SRCS quantize.cu DEPS ...)   # only when nvcc exists
+
+include(CMakeParseArguments)
+
+function(kvpool_cc_library)
+  cmake_parse_arguments(KV "" "NAME" "SRCS;HDRS;DEPS;PRIVATE_DEPS" ${ARGN})
+  if(KV_SRCS)
+    add_library(${KV_NAME} STATIC ${KV_SRCS} ${KV_HDRS})
+    target_include_directories(${KV_NAME} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+    target_link_libraries(${KV_NAME} PUBLIC ${KV_DEPS} PRIVATE ${KV_PRIVATE_DEPS})
+    target_compile_options(${KV_NAME} PRIVATE ${KVPOOL_CXX_WARNINGS})
+  else()
+    add_library(${KV_NAME} INTERFACE)
+    target_include_directories(${KV_NAME} INTERFACE ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+    target_link_libraries(${KV_NAME} INTERFACE ${KV_DEPS})
+  endif()
+endfunction()
+
+function(kvpool_cc_binary)
+  cmake_parse_arguments(KV "" "NAME;OUTPUT_NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${KV_NAME} ${KV_SRCS})
+  target_link_libraries(${KV_NAME} PRIVATE ${KV_DEPS})
+  target_compile_options(${KV_NAME} PRIVATE ${KVPOOL_CXX_WARNINGS})
+  if(KV_OUTPUT_NAME)
+    set_target_properties(${KV_NAME} PROPERTIES OUTPUT_NAME ${KV_OUTPUT_NAME})
+  endif()
+  set_target_properties(${KV_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin)
+endfunction()
+
+function(kvpool_cc_test)
+  cmake_parse_arguments(KV "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS;ARGS;ENV" ${ARGN})
+  add_executable(${KV_NAME} ${KV_SRCS})
+  target_link_libraries(${KV_NAME} PRIVATE ${KV_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  target_compile_options(${KV_NAME} PRIVATE ${KVPOOL_CXX_WARNINGS})
+  target_compile_definitions(${KV_NAME} PRIVATE
+    KVPOOL_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
+    KVPOOL_BINARY_DIR="${PROJECT_BINARY_DIR}"
+    KVPOOL_FIXTURES_DIR="${KVPOOL_FIXTURES_DIR}")
+  set_target_properties(${KV_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  add_test(NAME ${KV_NAME} COMMAND ${KV_NAME} ${KV_ARGS})
+  if(NOT KV_TIMEOUT)
+    set(KV_TIMEOUT 600)
+  endif()
+  set_tests_properties(${KV_NAME} PROPERTIES TIMEOUT ${KV_TIMEOUT})
+  if(KV_LABELS)
+    set_tests_properties(${KV_NAME} PROPERTIES LABELS "${KV_LABELS}")
+  endif()
+  if(KV_ENV)
+    set_tests_properties(${KV_NAME} PROPERTIES ENVIRONMENT "${KV_ENV}")
+  endif()
+endfunction()
+
+function(kvpool_cuda_library)
+  cmake_parse_arguments(KV "" "NAME" "SRCS;HDRS;DEPS" ${ARGN})
+  add_library(${KV_NAME} STATIC ${KV_SRCS} ${KV_HDRS})
+  target_include_directories(${KV_NAME} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_link_libraries(${KV_NAME} PUBLIC ${KV_DEPS} CUDA::cudart_static)
+  set_target_properties(${KV_NAME} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF
+                                              POSITION_INDEPENDENT_CODE ON)
+  target_compile_options(${KV_NAME} PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xcompiler=-Wall,-Wextra --fmad=false>
+    $<$<COMPILE_LANGUAGE:CXX>:${KVPOOL_CXX_WARNINGS}>)
+endfunction()

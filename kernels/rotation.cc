@@ -1,0 +1,2 @@
+// PLACEHOLDER: being written (replace this whole file).
+#include "kernels/rotation.h"

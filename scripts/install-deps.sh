@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages kvpool builds against. Idempotent: does nothing (not even
+# `apt-get update`) when every package is already present, so `make` stays fast.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake pkg-config git python3 python3-venv
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  libabsl-dev libucx-dev ucx-utils
+  libgtest-dev libgmock-dev libbenchmark-dev
+  nlohmann-json3-dev libeigen3-dev liblapacke-dev libopenblas-dev libssl-dev libspdlog-dev
+  clang-format
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
