@@ -1,0 +1,79 @@
+#include "tests/bench/bench_report.h"
+
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "nlohmann/json.hpp"
+
+namespace kvpool::bench {
+
+void BenchReport::Add(BenchResult r) {
+  if (r.ratio < 0.0) r.ratio = r.baseline.value != 0.0 ? r.value / r.baseline.value : 0.0;
+  results_.push_back(std::move(r));
+}
+
+void BenchReport::PrintTable(std::ostream& os) const {
+  os << "\n" << suite_ << " benchmark\n";
+  os << std::left << std::setw(34) << "name" << std::setw(36) << "params" << std::right
+     << std::setw(12) << "value" << "  " << std::left << std::setw(8) << "unit" << std::setw(24)
+     << "baseline" << std::right << std::setw(12) << "base value" << std::setw(9) << "ratio"
+     << "\n";
+  for (const BenchResult& r : results_) {
+    std::ostringstream params;
+    for (const auto& [k, v] : r.params) params << k << "=" << v << " ";
+    os << std::left << std::setw(34) << r.name << std::setw(36) << params.str() << std::right
+       << std::setw(12) << std::setprecision(4) << r.value << "  " << std::left << std::setw(8)
+       << r.unit << std::setw(24) << r.baseline.name << std::right << std::setw(12)
+       << std::setprecision(4) << r.baseline.value << std::setw(9) << std::setprecision(3)
+       << r.ratio << "\n";
+  }
+}
+
+absl::Status BenchReport::WriteJson(const std::string& path) const {
+  nlohmann::json doc;
+  doc["suite"] = suite_;
+  doc["machine"] = MachineInfo();
+  doc["results"] = nlohmann::json::array();
+  for (const BenchResult& r : results_) {
+    doc["results"].push_back({{"name", r.name},
+                              {"params", r.params},
+                              {"value", r.value},
+                              {"unit", r.unit},
+                              {"baseline", {{"name", r.baseline.name}, {"value", r.baseline.value}}},
+                              {"ratio", r.ratio}});
+  }
+  std::ofstream out(path);
+  if (!out) return absl::UnavailableError("cannot write " + path);
+  out << doc.dump(2) << "\n";
+  if (!out) return absl::DataLossError("short write to " + path);
+  return absl::OkStatus();
+}
+
+std::map<std::string, std::string> MachineInfo() {
+  std::map<std::string, std::string> m;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      m["cpu"] = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  m["cores"] = std::to_string(sysconf(_SC_NPROCESSORS_ONLN));
+  struct sysinfo si;
+  if (sysinfo(&si) == 0) {
+    m["memory_gib"] =
+        std::to_string(static_cast<double>(si.totalram) * si.mem_unit / (1024.0 * 1024 * 1024));
+  }
+  m["compiler"] = std::string("gcc ") + __VERSION__;
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) == 0) m["host"] = host;
+  return m;
+}
+
+}  // namespace kvpool::bench

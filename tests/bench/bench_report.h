@@ -1,0 +1,55 @@
+// Benchmark results in design.md's JSON form, shared by every kvpool benchmark:
+//
+//   {"machine": {...}, "results": [{"name", "params", "value", "unit",
+//                                   "baseline": {"name", "value"}, "ratio"}]}
+//
+// ratio = value / baseline.value (for "lower is better" units such as latency the caller passes
+// the ratio it wants to show; see BenchResult::ratio).
+//
+//   BenchReport report("cpu");
+//   report.Add({"rotate_quantize", {{"D", "128"}}, 1.2, "GB/s", {"sgemm_implied", 2.0}});
+//   report.PrintTable(std::cout);
+//   KVPOOL_RETURN_IF_ERROR(report.WriteJson("bench-results/cpu.json"));
+#pragma once
+
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace kvpool::bench {
+
+struct BenchBaseline {
+  std::string name;
+  double value = 0.0;
+};
+
+struct BenchResult {
+  std::string name;
+  std::map<std::string, std::string> params;
+  double value = 0.0;
+  std::string unit;
+  BenchBaseline baseline;
+  // value / baseline.value unless set explicitly (>= 0).
+  double ratio = -1.0;
+};
+
+class BenchReport {
+ public:
+  explicit BenchReport(std::string suite) : suite_(std::move(suite)) {}
+  void Add(BenchResult r);
+  const std::vector<BenchResult>& results() const { return results_; }
+  void PrintTable(std::ostream& os) const;
+  absl::Status WriteJson(const std::string& path) const;
+
+ private:
+  std::string suite_;
+  std::vector<BenchResult> results_;
+};
+
+// CPU model, core count, memory, compiler: the "machine" object.
+std::map<std::string, std::string> MachineInfo();
+
+}  // namespace kvpool::bench
