@@ -1,2 +1,404 @@
-// PLACEHOLDER: being written (replace this whole file).
 #include "kernels/row_codec.h"
+
+#include <algorithm>
+#include <array>
+#include <cassert>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+
+namespace kvpool {
+namespace {
+
+constexpr int kMaxHeadDim = 256;
+
+// Lloyd-Max constants (oscar-method.md section 8), evaluated in fp32 like the reference:
+// kLloydMaxStep == 1.16739297f (0x3f956d5b).
+constexpr float kLloydMaxStep = (2.0f * 1.50956f / 3.0f) * 1.16f;
+constexpr float kLloydMaxThreshold = 0.98107f;
+constexpr float kLloydMaxEps = 1e-8f;
+
+// BF16 bit patterns: |x| >= kNonFiniteAbsBits is Inf or NaN.
+constexpr uint16_t kNonFiniteAbsBits = 0x7f80;
+// Rows whose largest |x| is at most this can never overflow the 16-bit scale/min (uniform:
+// |min| <= |x|, scale <= 2|x|/3; Lloyd-Max: sigma <= 2|x|, |mu - 1.5 s| <= 4.6|x|). Blocks of
+// such rows are encoded in place; others go through a staging buffer so errors write nothing.
+constexpr uint16_t kSafeAbsBitsFp16 = 0x4600;  // 8192
+constexpr uint16_t kSafeAbsBitsBf16 = 0x5b80;  // 2^56: keeps the Lloyd-Max variance finite
+
+float Bf16BitsToFloat(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Byte -> the float codes it holds, so Decode is a table load, a multiply and an add.
+struct DecodeTables {
+  float two_bit[256][4];
+  float four_bit[256][2];
+};
+
+constexpr DecodeTables MakeDecodeTables() {
+  DecodeTables t{};
+  for (int b = 0; b < 256; ++b) {
+    for (int i = 0; i < 4; ++i) t.two_bit[b][i] = static_cast<float>((b >> (2 * i)) & 3);
+    for (int i = 0; i < 2; ++i) t.four_bit[b][i] = static_cast<float>((b >> (4 * i)) & 15);
+  }
+  return t;
+}
+
+constexpr DecodeTables kDecodeTables = MakeDecodeTables();
+
+// c = clamp(floor(r * D), 0, D-1), in fp32.
+int ClipIndex(float ratio, int d) {
+  const float f = std::floor(ratio * static_cast<float>(d));
+  if (!(f < static_cast<float>(d - 1))) return d - 1;
+  if (!(f > 0.0f)) return 0;
+  return static_cast<int>(f);
+}
+
+// Normative summation order (row_codec.h): pairwise halving, v[i] += v[i + n/2] until one
+// value is left. Destroys v; n is a power of two.
+float HalvingSum(float* v, int n) {
+  for (int h = n / 2; h >= 1; h /= 2) {
+    for (int i = 0; i < h; ++i) v[i] = v[i] + v[i + h];
+  }
+  return v[0];
+}
+
+void StoreMeta(uint8_t* meta_out, const GroupMeta* meta, int groups) {
+  std::memcpy(meta_out, meta, sizeof(GroupMeta) * groups);
+}
+
+absl::Status WithContext(const absl::Status& s, int row, int head) {
+  return absl::Status(s.code(), absl::StrCat("row ", row, " head ", head, ": ", s.message()));
+}
+
+// Encodes one BF16 row (as raw words). Everything is computed before the first byte is
+// written, so an error leaves `codes` and `meta_out` untouched. `meta_out` may be unaligned.
+absl::Status EncodeRowBits(const QuantConfig& cfg, int d, int g, KvTensor t, const uint16_t* words,
+                           uint8_t* codes, uint8_t* meta_out) {
+  uint16_t max_abs = 0;
+  for (int j = 0; j < d; ++j) max_abs = std::max<uint16_t>(max_abs, words[j] & 0x7fff);
+  if (max_abs >= kNonFiniteAbsBits) {
+    return absl::InvalidArgumentError("row contains NaN or Inf");
+  }
+  if (cfg.method == QuantMethod::kBypass) {
+    std::memcpy(codes, words, sizeof(uint16_t) * d);
+    return absl::OkStatus();
+  }
+
+  // Clip (section 6): tau is the exact order statistic of |x| over the whole row. Comparing
+  // BF16 magnitude bits orders exactly like comparing the values, and is cheaper.
+  const float ratio = cfg.ClipRatio(t);
+  bool clip = false;
+  float tau = std::numeric_limits<float>::infinity();
+  if (ratio > 0.0f) {
+    const int c = ClipIndex(ratio, d);
+    uint16_t tau_bits = max_abs;
+    if (c < d - 1) {
+      uint16_t keys[kMaxHeadDim];
+      for (int j = 0; j < d; ++j) keys[j] = words[j] & 0x7fff;
+      std::nth_element(keys, keys + c, keys + d);
+      tau_bits = keys[c];
+    }
+    clip = tau_bits < max_abs;  // otherwise clipping changes nothing
+    tau = Bf16BitsToFloat(tau_bits);
+  }
+  float x[kMaxHeadDim];
+  for (int j = 0; j < d; ++j) x[j] = Bf16BitsToFloat(words[j]);
+  if (clip) {
+    for (int j = 0; j < d; ++j) x[j] = std::min(std::max(x[j], -tau), tau);
+  }
+
+  const int groups = d / g;
+  const int levels = (1 << cfg.bits) - 1;
+  GroupMeta meta[kMaxHeadDim / 8];
+  float scale[kMaxHeadDim / 8];
+  float minimum[kMaxHeadDim / 8];
+  float lm_mu = 0.0f, lm_sigma = 0.0f;
+  if (cfg.method == QuantMethod::kLloydMax) {
+    // Section 8, single group (Validate guarantees G == D).
+    float tmp[kMaxHeadDim];
+    std::memcpy(tmp, x, sizeof(float) * d);
+    lm_mu = HalvingSum(tmp, d) / static_cast<float>(d);
+    for (int j = 0; j < d; ++j) {
+      const float dev = x[j] - lm_mu;
+      tmp[j] = dev * dev;
+    }
+    const float var = HalvingSum(tmp, d) / static_cast<float>(d);
+    lm_sigma = std::sqrt(var + kLloydMaxEps);
+    const float s32 = kLloydMaxStep * lm_sigma;
+    const float prod = 1.5f * s32;
+    const float m32 = lm_mu - prod;
+    meta[0].scale = FloatToScaleWord(s32, cfg.scale_dtype);
+    meta[0].min = FloatToScaleWord(m32, cfg.scale_dtype);
+  } else {
+    for (int k = 0; k < groups; ++k) {
+      const float* xg = x + k * g;
+      float mn = xg[0], mx = xg[0];
+      for (int j = 1; j < g; ++j) {
+        mn = std::min(mn, xg[j]);
+        mx = std::max(mx, xg[j]);
+      }
+      const float s32 = (mx - mn) / static_cast<float>(levels);
+      meta[k].scale = FloatToScaleWord(s32, cfg.scale_dtype);
+      meta[k].min = FloatToScaleWord(mn, cfg.scale_dtype);
+    }
+  }
+  for (int k = 0; k < groups; ++k) {
+    scale[k] = ScaleWordToFloat(meta[k].scale, cfg.scale_dtype);
+    minimum[k] = ScaleWordToFloat(meta[k].min, cfg.scale_dtype);
+    if (std::isinf(scale[k]) || std::isinf(minimum[k])) {
+      return absl::OutOfRangeError(
+          absl::StrCat("group ", k, ": scale or min overflows ", ScaleDtypeName(cfg.scale_dtype)));
+    }
+  }
+
+  uint8_t q[kMaxHeadDim];
+  if (cfg.method == QuantMethod::kLloydMax) {
+    for (int j = 0; j < d; ++j) {
+      const float tn = (x[j] - lm_mu) / lm_sigma;
+      q[j] = static_cast<uint8_t>((tn >= -kLloydMaxThreshold) + (tn >= 0.0f) +
+                                  (tn >= kLloydMaxThreshold));
+    }
+  } else {
+    const float top = static_cast<float>(levels);
+    for (int k = 0; k < groups; ++k) {
+      const float* xg = x + k * g;
+      uint8_t* qg = q + k * g;
+      const float s = scale[k];
+      const float m = minimum[k];
+      if (s == 0.0f) {
+        std::memset(qg, 0, g);
+        continue;
+      }
+      for (int j = 0; j < g; ++j) {
+        const float r = std::floor((xg[j] - m) / s + 0.5f);
+        qg[j] = static_cast<uint8_t>(static_cast<int>(std::min(std::max(r, 0.0f), top)));
+      }
+    }
+  }
+
+  if (cfg.bits == 2) {
+    for (int j = 0; j < d / 4; ++j) {
+      codes[j] = static_cast<uint8_t>(q[4 * j] | (q[4 * j + 1] << 2) | (q[4 * j + 2] << 4) |
+                                      (q[4 * j + 3] << 6));
+    }
+  } else {
+    for (int j = 0; j < d / 2; ++j) {
+      codes[j] = static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
+    }
+  }
+  StoreMeta(meta_out, meta, groups);
+  return absl::OkStatus();
+}
+
+// Decodes one row; `meta_in` may be unaligned.
+void DecodeRow(const QuantConfig& cfg, int d, int g, const uint8_t* codes, const uint8_t* meta_in,
+               float* out) {
+  if (cfg.method == QuantMethod::kBypass) {
+    for (int j = 0; j < d; ++j) {
+      uint16_t w;
+      std::memcpy(&w, codes + 2 * j, sizeof(w));
+      out[j] = Bf16BitsToFloat(w);
+    }
+    return;
+  }
+  const int groups = d / g;
+  for (int k = 0; k < groups; ++k) {
+    GroupMeta meta;
+    std::memcpy(&meta, meta_in + k * sizeof(GroupMeta), sizeof(meta));
+    const float s = ScaleWordToFloat(meta.scale, cfg.scale_dtype);
+    const float m = ScaleWordToFloat(meta.min, cfg.scale_dtype);
+    float* o = out + k * g;
+    if (cfg.bits == 2) {
+      const uint8_t* b = codes + k * g / 4;
+      for (int j = 0; j < g / 4; ++j) {
+        const float* c = kDecodeTables.two_bit[b[j]];
+        for (int i = 0; i < 4; ++i) o[4 * j + i] = m + c[i] * s;
+      }
+    } else {
+      const uint8_t* b = codes + k * g / 2;
+      for (int j = 0; j < g / 2; ++j) {
+        const float* c = kDecodeTables.four_bit[b[j]];
+        for (int i = 0; i < 2; ++i) o[2 * j + i] = m + c[i] * s;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+float ClipThreshold(absl::Span<const float> row, float ratio, absl::Span<float> scratch) {
+  if (!(ratio > 0.0f) || row.empty()) return std::numeric_limits<float>::infinity();
+  assert(scratch.size() >= row.size());
+  const int d = static_cast<int>(row.size());
+  const int c = ClipIndex(ratio, d);
+  for (int j = 0; j < d; ++j) scratch[j] = std::fabs(row[j]);
+  std::nth_element(scratch.begin(), scratch.begin() + c, scratch.begin() + d);
+  return scratch[c];
+}
+
+float ScaleWordToFloat(uint16_t word, ScaleDtype dtype) {
+  return dtype == ScaleDtype::kBf16 ? Bf16BitsToFloat(word) : Fp16::FromBits(word).ToFloat();
+}
+
+uint16_t FloatToScaleWord(float value, ScaleDtype dtype) {
+  return dtype == ScaleDtype::kBf16 ? Bf16::FromFloat(value).bits : Fp16::FromFloat(value).bits;
+}
+
+RowCodec::RowCodec(const QuantConfig& cfg, int head_dim)
+    : cfg_(cfg),
+      head_dim_(head_dim),
+      layout_(BlockLayout::ForModel(cfg, /*kv_heads=*/1, head_dim)) {}
+
+absl::StatusOr<RowCodec> RowCodec::Create(const QuantConfig& cfg, int head_dim) {
+  KVPOOL_RETURN_IF_ERROR(cfg.Validate(head_dim));
+  return RowCodec(cfg, head_dim);
+}
+
+absl::Status RowCodec::Encode(KvTensor t, absl::Span<const Bf16> row, uint8_t* codes,
+                              GroupMeta* meta) const {
+  if (static_cast<int>(row.size()) != head_dim_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row has ", row.size(), " values, expected head_dim ", head_dim_));
+  }
+  if (codes == nullptr || (meta == nullptr && layout_.groups_per_row() > 0)) {
+    return absl::InvalidArgumentError("null output buffer");
+  }
+  static_assert(sizeof(Bf16) == sizeof(uint16_t), "Bf16 is one word");
+  return EncodeRowBits(cfg_, head_dim_, layout_.group_size, t,
+                       reinterpret_cast<const uint16_t*>(row.data()), codes,
+                       reinterpret_cast<uint8_t*>(meta));
+}
+
+absl::Status RowCodec::EncodeFloat(KvTensor t, absl::Span<const float> row, uint8_t* codes,
+                                   GroupMeta* meta) const {
+  if (static_cast<int>(row.size()) != head_dim_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row has ", row.size(), " values, expected head_dim ", head_dim_));
+  }
+  Bf16 rounded[kMaxHeadDim];
+  for (int j = 0; j < head_dim_; ++j) {
+    if (!std::isfinite(row[j])) {
+      return absl::InvalidArgumentError(absl::StrCat("row contains NaN or Inf at dim ", j));
+    }
+    rounded[j] = Bf16::FromFloat(row[j]);
+    if ((rounded[j].bits & 0x7fff) >= kNonFiniteAbsBits) {
+      return absl::OutOfRangeError(
+          absl::StrCat("value ", row[j], " at dim ", j, " overflows BF16"));
+    }
+  }
+  return Encode(t, absl::MakeConstSpan(rounded, head_dim_), codes, meta);
+}
+
+void RowCodec::Decode(const uint8_t* codes, const GroupMeta* meta, absl::Span<float> out) const {
+  assert(static_cast<int>(out.size()) >= head_dim_);
+  DecodeRow(cfg_, head_dim_, layout_.group_size, codes, reinterpret_cast<const uint8_t*>(meta),
+            out.data());
+}
+
+absl::Status RowCodec::EncodeIntoBlock(KvTensor t, const BlockLayout& block,
+                                       absl::Span<const Bf16> rows, int first_token,
+                                       uint8_t* block_data) const {
+  if (block.head_dim != head_dim_ || block.bits != layout_.bits ||
+      (layout_.bits != 16 && block.group_size != layout_.group_size) || block.kv_heads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block layout (D=", block.head_dim, ", G=", block.group_size, ", bits=", block.bits,
+        ", heads=", block.kv_heads, ") does not match the codec (D=", head_dim_,
+        ", G=", layout_.group_size, ", bits=", layout_.bits, ")"));
+  }
+  const size_t token_values = static_cast<size_t>(block.kv_heads) * head_dim_;
+  if (rows.size() % token_values != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rows has ", rows.size(), " values, not a multiple of kv_heads * D = ", token_values));
+  }
+  const int count = static_cast<int>(rows.size() / token_values);
+  if (first_token < 0 || first_token > block.tokens - count) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens [", first_token, ", ",
+                                                   first_token + count, ") do not fit a block of ",
+                                                   block.tokens));
+  }
+  if (count == 0) return absl::OkStatus();
+  if (block_data == nullptr) return absl::InvalidArgumentError("null block");
+
+  const uint16_t* words = reinterpret_cast<const uint16_t*>(rows.data());
+  const size_t code_bytes = layout_.code_bytes_per_row();
+  const size_t meta_bytes = layout_.meta_bytes_per_row();
+  // Pass 1: NaN/Inf anywhere rejects the whole call before anything is written.
+  uint16_t max_abs = 0;
+  for (int r = 0; r < count; ++r) {
+    for (int h = 0; h < block.kv_heads; ++h) {
+      const uint16_t* row = words + (static_cast<size_t>(r) * block.kv_heads + h) * head_dim_;
+      uint16_t row_max = 0;
+      for (int j = 0; j < head_dim_; ++j) row_max = std::max<uint16_t>(row_max, row[j] & 0x7fff);
+      if (row_max >= kNonFiniteAbsBits) {
+        return WithContext(absl::InvalidArgumentError("row contains NaN or Inf"), r, h);
+      }
+      max_abs = std::max(max_abs, row_max);
+    }
+  }
+  const uint16_t safe_bits =
+      cfg_.scale_dtype == ScaleDtype::kFp16 ? kSafeAbsBitsFp16 : kSafeAbsBitsBf16;
+  const bool in_place = cfg_.method == QuantMethod::kBypass || max_abs <= safe_bits;
+
+  // Pass 2: encode in place when no row can fail, else into a staging buffer first.
+  std::vector<uint8_t> staging;
+  if (!in_place)
+    staging.resize(static_cast<size_t>(count) * block.kv_heads * (code_bytes + meta_bytes));
+  for (int r = 0; r < count; ++r) {
+    for (int h = 0; h < block.kv_heads; ++h) {
+      const size_t row_index = static_cast<size_t>(r) * block.kv_heads + h;
+      uint8_t* codes;
+      uint8_t* meta;
+      if (in_place) {
+        codes = block_data + block.CodesOffset(t, h) + (first_token + r) * code_bytes;
+        meta = block_data + block.MetaOffset(t, h) + (first_token + r) * meta_bytes;
+      } else {
+        codes = staging.data() + row_index * (code_bytes + meta_bytes);
+        meta = codes + code_bytes;
+      }
+      const absl::Status s = EncodeRowBits(cfg_, head_dim_, layout_.group_size, t,
+                                           words + row_index * head_dim_, codes, meta);
+      if (!s.ok()) return WithContext(s, r, h);
+    }
+  }
+  if (!in_place) {
+    for (int r = 0; r < count; ++r) {
+      for (int h = 0; h < block.kv_heads; ++h) {
+        const uint8_t* src = staging.data() + (static_cast<size_t>(r) * block.kv_heads + h) *
+                                                  (code_bytes + meta_bytes);
+        std::memcpy(block_data + block.CodesOffset(t, h) + (first_token + r) * code_bytes, src,
+                    code_bytes);
+        std::memcpy(block_data + block.MetaOffset(t, h) + (first_token + r) * meta_bytes,
+                    src + code_bytes, meta_bytes);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void RowCodec::DecodeFromBlock(KvTensor t, const BlockLayout& block, const uint8_t* block_data,
+                               int first_token, int count, absl::Span<float> out) const {
+  assert(block.head_dim == head_dim_ && block.bits == layout_.bits);
+  assert(first_token >= 0 && first_token + count <= block.tokens);
+  assert(out.size() >= static_cast<size_t>(count) * block.kv_heads * head_dim_);
+  const size_t code_bytes = layout_.code_bytes_per_row();
+  const size_t meta_bytes = layout_.meta_bytes_per_row();
+  for (int r = 0; r < count; ++r) {
+    for (int h = 0; h < block.kv_heads; ++h) {
+      DecodeRow(cfg_, head_dim_, layout_.group_size,
+                block_data + block.CodesOffset(t, h) + (first_token + r) * code_bytes,
+                block_data + block.MetaOffset(t, h) + (first_token + r) * meta_bytes,
+                out.data() + (static_cast<size_t>(r) * block.kv_heads + h) * head_dim_);
+    }
+  }
+}
+
+}  // namespace kvpool

@@ -12,6 +12,8 @@
 //             t = (x - mu) / sigma; code = [t >= -0.98107] + [t >= 0] + [t >= 0.98107];
 //             s32 = kLloydMaxStep * sigma, kLloydMaxStep = (2 * 1.50956 / 3) * 1.16
 //             evaluated in fp32 as the reference does; s = to16(s32), m = to16(mu - 1.5f * s32)
+//             sums (for mu and the variance) in one fixed order, pairwise halving: v[i] += v[i+n/2]
+//             for n = D, D/2, ..., 2 (a warp's shuffle-down tree); mean = sum / D
 //   dequant:  x_hat = m + code * s   (16-bit m and s widened to fp32)
 //
 // Rows with NaN or Inf are rejected with InvalidArgument and nothing is written. Values outside
