@@ -1,2 +1,388 @@
-// PLACEHOLDER: being written (replace this whole file).
 #include "kernels/rotation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+// GCC 12 reports a false -Wmaybe-uninitialized inside Eigen's AVX-512 GEMM packing
+// (gemm_pack_lhs transposes); the warning fires at instantiation, so it is silenced file-wide.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "Eigen/Core"
+#include "absl/strings/str_cat.h"
+
+namespace kvpool {
+namespace {
+
+using RowMajorMatrixF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using RowMajorMatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// rotation.h's own range (the same as codec_config's IsSupportedHeadDim, kept local so the
+// rotation library does not depend on the quant config's implementation).
+bool ValidHeadDim(int d) { return d >= 32 && d <= 256 && (d & (d - 1)) == 0; }
+
+absl::Status CheckShape(int num_layers, int head_dim) {
+  if (!ValidHeadDim(head_dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rotation: head_dim ", head_dim, " is not a power of two in [32, 256]"));
+  }
+  if (num_layers <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rotation: num_layers ", num_layers, " must be positive"));
+  }
+  return absl::OkStatus();
+}
+
+uint64_t SplitMix64Next(uint64_t& state) {
+  state += 0x9E3779B97F4A7C15ull;
+  uint64_t z = state;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// True when every value is finite (exponent bits not all ones). An integer OR-reduction, so
+// the loop vectorizes without relaxing floating-point semantics.
+bool AllFinite(const float* x, size_t n) {
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], sizeof(u));
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
+}
+
+// In-place unnormalized Walsh-Hadamard transform of one row (Sylvester order), then scaled by
+// 1/sqrt(D): x <- x * H. H is symmetric, so this is also H * x.
+void FwhtRow(float* x, int d, float scale) {
+  for (int h = 1; h < d; h *= 2) {
+    for (int i = 0; i < d; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j];
+        const float b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  for (int j = 0; j < d; ++j) x[j] *= scale;
+}
+
+// Rows per chunk on the BF16 path: large enough for an efficient GEMM, small enough that the
+// fp32 staging buffers stay in L2.
+constexpr size_t kBf16ChunkRows = 512;
+
+}  // namespace
+
+absl::string_view RotationKindName(RotationKind k) {
+  switch (k) {
+    case RotationKind::kIdentity:
+      return "identity";
+    case RotationKind::kHadamard:
+      return "hadamard";
+    case RotationKind::kRandomizedHadamard:
+      return "randomized_hadamard";
+    case RotationKind::kDense:
+      return "dense";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<RotationKind> ParseRotationKind(absl::string_view name) {
+  for (RotationKind k : {RotationKind::kIdentity, RotationKind::kHadamard,
+                         RotationKind::kRandomizedHadamard, RotationKind::kDense}) {
+    if (name == RotationKindName(k)) return k;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("rotation: unknown rotation kind '", name,
+                   "' (expected identity, hadamard, randomized_hadamard or dense)"));
+}
+
+std::vector<float> RandomizedHadamardSigns(uint64_t seed, int layer, KvTensor t, int head_dim) {
+  const uint64_t stream = 2u * static_cast<uint64_t>(layer) + static_cast<uint64_t>(t) + 1u;
+  uint64_t state = seed ^ (0x9E3779B97F4A7C15ull * stream);
+  std::vector<float> signs(static_cast<size_t>(std::max(head_dim, 0)));
+  uint64_t bits = 0;
+  for (size_t i = 0; i < signs.size(); ++i) {
+    if (i % 64 == 0) bits = SplitMix64Next(state);
+    signs[i] = ((bits >> (i % 64)) & 1u) ? -1.0f : 1.0f;
+  }
+  return signs;
+}
+
+absl::StatusOr<RotationSet> RotationSet::Identity(int num_layers, int head_dim) {
+  if (absl::Status s = CheckShape(num_layers, head_dim); !s.ok()) return s;
+  RotationSet r;
+  r.kind_ = RotationKind::kIdentity;
+  r.num_layers_ = num_layers;
+  r.head_dim_ = head_dim;
+  return r;
+}
+
+absl::StatusOr<RotationSet> RotationSet::Hadamard(int num_layers, int head_dim) {
+  if (absl::Status s = CheckShape(num_layers, head_dim); !s.ok()) return s;
+  RotationSet r;
+  r.kind_ = RotationKind::kHadamard;
+  r.num_layers_ = num_layers;
+  r.head_dim_ = head_dim;
+  return r;
+}
+
+absl::StatusOr<RotationSet> RotationSet::RandomizedHadamard(int num_layers, int head_dim,
+                                                            uint64_t seed) {
+  if (absl::Status s = CheckShape(num_layers, head_dim); !s.ok()) return s;
+  RotationSet r;
+  r.kind_ = RotationKind::kRandomizedHadamard;
+  r.num_layers_ = num_layers;
+  r.head_dim_ = head_dim;
+  r.seed_ = seed;
+  r.k_.reserve(num_layers);
+  r.v_.reserve(num_layers);
+  for (int layer = 0; layer < num_layers; ++layer) {
+    r.k_.push_back(RandomizedHadamardSigns(seed, layer, KvTensor::kKey, head_dim));
+    r.v_.push_back(RandomizedHadamardSigns(seed, layer, KvTensor::kValue, head_dim));
+  }
+  return r;
+}
+
+absl::StatusOr<RotationSet> RotationSet::Dense(int num_layers, int head_dim,
+                                               std::vector<std::vector<float>> k,
+                                               std::vector<std::vector<float>> v, float tolerance) {
+  if (absl::Status s = CheckShape(num_layers, head_dim); !s.ok()) return s;
+  if (!(tolerance > 0.0f) || !std::isfinite(tolerance)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rotation: orthogonality tolerance ", tolerance, " must be positive"));
+  }
+  const size_t dd = static_cast<size_t>(head_dim) * head_dim;
+  for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+    const std::vector<std::vector<float>>& mats = t == KvTensor::kKey ? k : v;
+    const char* name = t == KvTensor::kKey ? "K" : "V";
+    if (mats.size() != static_cast<size_t>(num_layers)) {
+      return absl::InvalidArgumentError(absl::StrCat("rotation: ", mats.size(), " ", name,
+                                                     " matrices for ", num_layers, " layers"));
+    }
+    for (int layer = 0; layer < num_layers; ++layer) {
+      const std::vector<float>& m = mats[layer];
+      const std::string where = absl::StrCat("rotation: layer ", layer, " ", name, " matrix");
+      if (m.size() != dd) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, " has ", m.size(), " values, expected ", head_dim, "x", head_dim, " = ", dd));
+      }
+      if (!AllFinite(m.data(), m.size())) {
+        return absl::InvalidArgumentError(where + " has a non-finite value");
+      }
+      // Checked in float64 so the check's own rounding does not eat into the tolerance.
+      const RowMajorMatrixD md =
+          Eigen::Map<const RowMajorMatrixF>(m.data(), head_dim, head_dim).cast<double>();
+      RowMajorMatrixD gram = md * md.transpose();
+      gram.diagonal().array() -= 1.0;
+      const double err = gram.cwiseAbs().maxCoeff();
+      if (!(err <= tolerance)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, " is not orthogonal: max |M M^T - I| = ", err, " > tolerance ", tolerance));
+      }
+    }
+  }
+  RotationSet r;
+  r.kind_ = RotationKind::kDense;
+  r.num_layers_ = num_layers;
+  r.head_dim_ = head_dim;
+  r.k_ = std::move(k);
+  r.v_ = std::move(v);
+  return r;
+}
+
+std::vector<float> RotationSet::Matrix(int layer, KvTensor t) const {
+  if (layer < 0 || layer >= num_layers_) return {};
+  const int d = head_dim_;
+  std::vector<float> m(static_cast<size_t>(d) * d, 0.0f);
+  switch (kind_) {
+    case RotationKind::kIdentity:
+      for (int i = 0; i < d; ++i) m[static_cast<size_t>(i) * d + i] = 1.0f;
+      break;
+    case RotationKind::kHadamard:
+    case RotationKind::kRandomizedHadamard: {
+      const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+      const std::vector<float>* signs = nullptr;
+      if (kind_ == RotationKind::kRandomizedHadamard) {
+        signs = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
+      }
+      for (int i = 0; i < d; ++i) {
+        // Row i of diag(s) H is s[i] times row i of H.
+        const float row_sign = signs != nullptr ? (*signs)[i] : 1.0f;
+        for (int j = 0; j < d; ++j) {
+          const float h = (__builtin_popcount(static_cast<unsigned>(i & j)) & 1) ? -scale : scale;
+          m[static_cast<size_t>(i) * d + j] = row_sign * h;
+        }
+      }
+      break;
+    }
+    case RotationKind::kDense:
+      m = t == KvTensor::kKey ? k_[layer] : v_[layer];
+      break;
+  }
+  return m;
+}
+
+namespace {
+
+absl::Status CheckRows(int layer, int num_layers, int head_dim, size_t in_size, size_t out_size,
+                       const void* in, const void* out, size_t elem_bytes) {
+  if (layer < 0 || layer >= num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rotation: layer ", layer, " out of range [0, ", num_layers, ")"));
+  }
+  if (in_size != out_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rotation: input has ", in_size, " values but output has ", out_size));
+  }
+  if (in_size % static_cast<size_t>(head_dim) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rotation: ", in_size, " values is not a whole number of rows of head_dim ", head_dim));
+  }
+  const char* a = static_cast<const char*>(in);
+  const char* b = static_cast<const char*>(out);
+  const size_t bytes = in_size * elem_bytes;
+  if (bytes > 0 && a < b + bytes && b < a + bytes) {
+    return absl::InvalidArgumentError("rotation: input and output overlap");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OverflowError() {
+  return absl::InvalidArgumentError("rotation: a rotated value overflows float32");
+}
+
+// Shared fp32 kernel after validation. `inverse` selects x * M^T.
+void ApplyRotation(RotationKind kind, int d, const std::vector<float>* data, bool inverse,
+                   const float* in, float* out, size_t rows) {
+  const size_t n = rows * static_cast<size_t>(d);
+  switch (kind) {
+    case RotationKind::kIdentity:
+      if (n > 0) std::memcpy(out, in, n * sizeof(float));
+      return;
+    case RotationKind::kHadamard: {
+      const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+      if (n > 0) std::memcpy(out, in, n * sizeof(float));
+      for (size_t r = 0; r < rows; ++r) FwhtRow(out + r * d, d, scale);
+      return;
+    }
+    case RotationKind::kRandomizedHadamard: {
+      // x M = FWHT(x .* s);  x M^T = x H diag(s) = FWHT(x) .* s.
+      const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+      const float* s = data->data();
+      for (size_t r = 0; r < rows; ++r) {
+        const float* x = in + r * d;
+        float* y = out + r * d;
+        if (!inverse) {
+          for (int j = 0; j < d; ++j) y[j] = x[j] * s[j];
+          FwhtRow(y, d, scale);
+        } else {
+          std::memcpy(y, x, d * sizeof(float));
+          FwhtRow(y, d, scale);
+          for (int j = 0; j < d; ++j) y[j] *= s[j];
+        }
+      }
+      return;
+    }
+    case RotationKind::kDense: {
+      const Eigen::Index m_rows = static_cast<Eigen::Index>(rows);
+      Eigen::Map<const RowMajorMatrixF> x(in, m_rows, d);
+      Eigen::Map<const RowMajorMatrixF> m(data->data(), d, d);
+      Eigen::Map<RowMajorMatrixF> y(out, m_rows, d);
+      if (!inverse) {
+        y.noalias() = x * m;
+      } else {
+        y.noalias() = x * m.transpose();
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status RotationSet::Rotate(int layer, KvTensor t, absl::Span<const float> in,
+                                 absl::Span<float> out) const {
+  if (absl::Status s = CheckRows(layer, num_layers_, head_dim_, in.size(), out.size(), in.data(),
+                                 out.data(), sizeof(float));
+      !s.ok()) {
+    return s;
+  }
+  if (!AllFinite(in.data(), in.size())) {
+    return absl::InvalidArgumentError("rotation: input has a non-finite value");
+  }
+  const std::vector<float>* data = nullptr;
+  if (kind_ == RotationKind::kDense || kind_ == RotationKind::kRandomizedHadamard) {
+    data = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
+  }
+  ApplyRotation(kind_, head_dim_, data, /*inverse=*/false, in.data(), out.data(),
+                in.size() / head_dim_);
+  // Finite inputs near FLT_MAX can still overflow: a coordinate may grow by up to sqrt(D).
+  if (!AllFinite(out.data(), out.size())) return OverflowError();
+  return absl::OkStatus();
+}
+
+absl::Status RotationSet::Unrotate(int layer, KvTensor t, absl::Span<const float> in,
+                                   absl::Span<float> out) const {
+  if (absl::Status s = CheckRows(layer, num_layers_, head_dim_, in.size(), out.size(), in.data(),
+                                 out.data(), sizeof(float));
+      !s.ok()) {
+    return s;
+  }
+  if (!AllFinite(in.data(), in.size())) {
+    return absl::InvalidArgumentError("rotation: input has a non-finite value");
+  }
+  const std::vector<float>* data = nullptr;
+  if (kind_ == RotationKind::kDense || kind_ == RotationKind::kRandomizedHadamard) {
+    data = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
+  }
+  ApplyRotation(kind_, head_dim_, data, /*inverse=*/true, in.data(), out.data(),
+                in.size() / head_dim_);
+  if (!AllFinite(out.data(), out.size())) return OverflowError();
+  return absl::OkStatus();
+}
+
+absl::Status RotationSet::RotateBf16(int layer, KvTensor t, absl::Span<const Bf16> in,
+                                     absl::Span<Bf16> out) const {
+  if (absl::Status s = CheckRows(layer, num_layers_, head_dim_, in.size(), out.size(), in.data(),
+                                 out.data(), sizeof(Bf16));
+      !s.ok()) {
+    return s;
+  }
+  // BF16 is the top half of fp32, so a 16-bit mask finds non-finite values without converting.
+  uint16_t bad = 0;
+  for (const Bf16& b : in) bad |= static_cast<uint16_t>((b.bits & 0x7f80u) == 0x7f80u);
+  if (bad != 0) return absl::InvalidArgumentError("rotation: input has a non-finite value");
+
+  if (kind_ == RotationKind::kIdentity) {
+    // x * I rounds back to the same BF16 value: copy the bits.
+    if (!in.empty()) std::memcpy(out.data(), in.data(), in.size() * sizeof(Bf16));
+    return absl::OkStatus();
+  }
+  const std::vector<float>* data = nullptr;
+  if (kind_ == RotationKind::kDense || kind_ == RotationKind::kRandomizedHadamard) {
+    data = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
+  }
+  const size_t d = static_cast<size_t>(head_dim_);
+  const size_t rows = in.size() / d;
+  const size_t chunk = std::min(rows, kBf16ChunkRows);
+  std::vector<float> x(chunk * d), y(chunk * d);
+  for (size_t r0 = 0; r0 < rows; r0 += chunk) {
+    const size_t nr = std::min(chunk, rows - r0);
+    const Bf16* src = in.data() + r0 * d;
+    Bf16* dst = out.data() + r0 * d;
+    for (size_t i = 0; i < nr * d; ++i) x[i] = src[i].ToFloat();
+    ApplyRotation(kind_, head_dim_, data, /*inverse=*/false, x.data(), y.data(), nr);
+    uint16_t overflow = 0;
+    for (size_t i = 0; i < nr * d; ++i) {
+      dst[i] = Bf16::FromFloat(y[i]);
+      overflow |= static_cast<uint16_t>((dst[i].bits & 0x7f80u) == 0x7f80u);
+    }
+    if (overflow != 0) return OverflowError();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool
