@@ -1,0 +1,182 @@
+// The codec kernels: fused rotate + clip + quantize + pack on arrival, and dequantize to BF16.
+// One warp per (token, KV head) row; a CTA holds kWarpsPerCta rows. Templated on the head dim
+// (kD = 0: the generic path, D read at run time); codec_d*.cu instantiate them.
+//
+//   LaunchArrival<128>(params, stream);   // defined here, instantiated in codec_d128.cu
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/codec_params.h"
+#include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/warp_row_codec.cuh"
+
+namespace kvpool::cuda::internal {
+
+inline constexpr int kCodecWarpsPerCta = 4;
+
+// Elements per lane: exact when D is a template constant, else the largest supported (D = 256).
+template <int kD>
+inline constexpr int kMaxElemsPerLane = kD == 0 ? 8 : kD / kWarpSize;
+
+// Loads `count` consecutive floats (the lane's slice of a matrix row) with the widest loads
+// the static shape allows.
+template <int kMaxE, bool kStatic>
+__device__ __forceinline__ void LoadLaneFloats(const float* __restrict__ src, int count,
+                                               float (&out)[kMaxE]) {
+  if constexpr (kStatic && kMaxE % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < kMaxE; e += 4) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(src + e));
+      out[e] = v.x;
+      out[e + 1] = v.y;
+      out[e + 2] = v.z;
+      out[e + 3] = v.w;
+    }
+  } else if constexpr (kStatic && kMaxE == 2) {
+    const float2 v = __ldg(reinterpret_cast<const float2*>(src));
+    out[0] = v.x;
+    out[1] = v.y;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) out[e] = e < count ? __ldg(src + e) : 0.f;
+  }
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
+    ArrivalKernel(const ArrivalParams p) {
+  constexpr int kMaxE = kMaxElemsPerLane<kD>;
+  constexpr bool kStatic = kD != 0;
+  __shared__ float row_smem[kCodecWarpsPerCta][kMaxE * kWarpSize];
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int head_dim = kStatic ? kD : p.geo.head_dim;
+  const int e_count = kStatic ? kMaxE : head_dim / kWarpSize;
+  const int kv_heads = p.geo.kv_heads;
+  const int64_t row_head = static_cast<int64_t>(blockIdx.x) * kCodecWarpsPerCta + warp;
+  if (row_head >= static_cast<int64_t>(p.batch.total_rows) * kv_heads) return;
+  const int row = static_cast<int>(row_head / kv_heads);
+  const int head = static_cast<int>(row_head % kv_heads);
+
+  const int seq = FindSequence(p.batch, row);
+  const RowSlot slot = LocateRow(p.geo, p.batch, seq, row, head, p.tensor);
+  if (!slot.valid) {
+    if (lane == 0) atomicOr(p.error_word, kErrorBadBlock);
+    return;
+  }
+
+  // The lane's slice of the input row.
+  const uint16_t* src = p.rows + row_head * head_dim + lane * e_count;
+  uint16_t bits[kMaxE];
+#pragma unroll
+  for (int e = 0; e < kMaxE; ++e) bits[e] = e < e_count ? __ldg(src + e) : 0;
+
+  if (p.rotation != nullptr) {
+    // x_rot[j] = sum_i x[i] * M[i][j], in dim order, separate multiply and add (fp32).
+    float* xs = row_smem[warp];
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) {
+      if (e < e_count) xs[lane * e_count + e] = Bf16BitsToFloat(bits[e]);
+    }
+    __syncwarp();
+    float acc[kMaxE];
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) acc[e] = 0.f;
+    const float* m_col = p.rotation + lane * e_count;
+#pragma unroll 4
+    for (int i = 0; i < head_dim; ++i) {
+      float m[kMaxE];
+      LoadLaneFloats<kMaxE, kStatic>(m_col + static_cast<int64_t>(i) * head_dim, e_count, m);
+      const float xi = xs[i];
+#pragma unroll
+      for (int e = 0; e < kMaxE; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(xi, m[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) bits[e] = e < e_count ? FloatToBf16Bits(acc[e]) : 0;
+  }
+
+  if (p.rotated_rows != nullptr) {
+    uint16_t* dst = p.rotated_rows + row_head * head_dim + lane * e_count;
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) {
+      if (e < e_count) dst[e] = bits[e];
+    }
+  }
+
+  RowShape shape;
+  shape.head_dim = head_dim;
+  shape.group_size = p.geo.group_size;
+  shape.bits = p.geo.bits;
+  shape.clip_rank = p.clip_rank;
+  shape.scale_bf16 = p.scale_is_bf16 != 0;
+  shape.lloyd_max = p.lloyd_max != 0;
+  const uint32_t err =
+      EncodeRowWarp<kMaxE>(bits, e_count, shape, p.pool + slot.codes, p.pool + slot.meta);
+  if (err != 0 && lane == 0) atomicOr(p.error_word, err);
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
+    DequantKernel(const DequantParams p) {
+  constexpr int kMaxE = kMaxElemsPerLane<kD>;
+  constexpr bool kStatic = kD != 0;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int head_dim = kStatic ? kD : p.geo.head_dim;
+  const int e_count = kStatic ? kMaxE : head_dim / kWarpSize;
+  const int kv_heads = p.geo.kv_heads;
+  const int64_t row_head = static_cast<int64_t>(blockIdx.x) * kCodecWarpsPerCta + warp;
+  if (row_head >= static_cast<int64_t>(p.batch.total_rows) * kv_heads) return;
+  const int row = static_cast<int>(row_head / kv_heads);
+  const int head = static_cast<int>(row_head % kv_heads);
+
+  const int seq = FindSequence(p.batch, row);
+  const RowSlot slot = LocateRow(p.geo, p.batch, seq, row, head, p.tensor);
+  if (!slot.valid) {
+    if (lane == 0) atomicOr(p.error_word, kErrorBadBlock);
+    return;
+  }
+  RowShape shape;
+  shape.head_dim = head_dim;
+  shape.group_size = p.geo.group_size;
+  shape.bits = p.geo.bits;
+  shape.clip_rank = -1;
+  shape.scale_bf16 = p.scale_is_bf16 != 0;
+  shape.lloyd_max = false;
+  float values[kMaxE];
+  DecodeRowWarp<kMaxE>(p.pool + slot.codes, p.pool + slot.meta, e_count, shape, values);
+  uint16_t* dst = p.out + row_head * head_dim + lane * e_count;
+#pragma unroll
+  for (int e = 0; e < kMaxE; ++e) {
+    if (e < e_count) dst[e] = FloatToBf16Bits(values[e]);
+  }
+}
+
+inline unsigned CodecGrid(int total_rows, int kv_heads) {
+  const int64_t rows = static_cast<int64_t>(total_rows) * kv_heads;
+  return static_cast<unsigned>((rows + kCodecWarpsPerCta - 1) / kCodecWarpsPerCta);
+}
+
+template <int kD>
+int LaunchArrival(const ArrivalParams& p, CUstream_st* stream) {
+  if (p.batch.total_rows == 0) return 0;
+  ArrivalKernel<kD>
+      <<<CodecGrid(p.batch.total_rows, p.geo.kv_heads), kCodecWarpsPerCta * kWarpSize, 0, stream>>>(
+          p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int kD>
+int LaunchDequant(const DequantParams& p, CUstream_st* stream) {
+  if (p.batch.total_rows == 0) return 0;
+  DequantKernel<kD>
+      <<<CodecGrid(p.batch.total_rows, p.geo.kv_heads), kCodecWarpsPerCta * kWarpSize, 0, stream>>>(
+          p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace kvpool::cuda::internal

@@ -1,0 +1,224 @@
+// Host side of the CUDA codec: argument checks, the block geometry, and the one central
+// dispatch from run-time head_dim to the instantiated kernels (codec_d*.cu).
+#include "kernels/cuda/cuda_codec.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+#include "kernels/cuda/codec_params.h"
+
+namespace kvpool::cuda {
+namespace {
+
+using internal::ArrivalParams;
+using internal::BatchParams;
+using internal::BlockGeometry;
+using internal::DequantParams;
+
+absl::Status CudaStatus(int err, const char* what) {
+  if (err == 0) return absl::OkStatus();
+  const auto e = static_cast<cudaError_t>(err);
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+bool IsPowerOfTwo(int v) { return v > 0 && (v & (v - 1)) == 0; }
+
+bool SameLayout(const BlockLayout& a, const BlockLayout& b) {
+  return a.tokens == b.tokens && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim &&
+         a.group_size == b.group_size && a.bits == b.bits;
+}
+
+absl::Status CheckModel(const QuantConfig& cfg, const PagedKvView& kv) {
+  const BlockLayout& l = kv.layout;
+  if (!IsSupportedHeadDim(l.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat("unsupported head_dim ", l.head_dim));
+  }
+  KVPOOL_RETURN_IF_ERROR(cfg.Validate(l.head_dim));
+  if (l.kv_heads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_heads must be >= 1, got ", l.kv_heads));
+  }
+  if (!SameLayout(l, BlockLayout::ForModel(cfg, l.kv_heads, l.head_dim))) {
+    return absl::InvalidArgumentError("block layout does not match the model's QuantConfig");
+  }
+  if (kv.scale_dtype != cfg.scale_dtype) {
+    return absl::InvalidArgumentError("scale dtype does not match the model's QuantConfig");
+  }
+  if (l.bits != 16) {
+    if (!IsPowerOfTwo(l.group_size) || l.head_dim % l.group_size != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_size ", l.group_size, " must be a power of two dividing D"));
+    }
+    if (l.bits != 2 && l.bits != 4) {
+      return absl::InvalidArgumentError(absl::StrCat("unsupported bits ", l.bits));
+    }
+  }
+  if (kv.pool == nullptr || reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0) {
+    return absl::InvalidArgumentError("pool must be a non-null, 16-byte aligned device pointer");
+  }
+  if (kv.num_blocks < 1) return absl::InvalidArgumentError("num_blocks must be >= 1");
+  return absl::OkStatus();
+}
+
+absl::Status CheckBatch(const SequenceBatch& b) {
+  if (b.total_rows < 0 || b.num_seqs < 0) {
+    return absl::InvalidArgumentError("negative row or sequence count");
+  }
+  if (b.total_rows == 0) return absl::OkStatus();
+  if (b.num_seqs < 1 || b.row_offsets == nullptr || b.first_token == nullptr ||
+      b.block_tables == nullptr || b.block_table_stride < 1) {
+    return absl::InvalidArgumentError(
+        "a non-empty batch needs sequences, row offsets, first tokens and block tables");
+  }
+  return absl::OkStatus();
+}
+
+BlockGeometry Geometry(const PagedKvView& kv) {
+  const BlockLayout& l = kv.layout;
+  BlockGeometry g;
+  g.block_bytes = static_cast<int64_t>(l.block_bytes());
+  g.head_segment_bytes = static_cast<int64_t>(l.head_segment_bytes());
+  for (int t = 0; t < 2; ++t) {
+    const auto tensor = static_cast<KvTensor>(t);
+    g.codes_offset[t] = static_cast<int64_t>(l.CodesOffset(tensor, 0));
+    g.meta_offset[t] = static_cast<int64_t>(l.MetaOffset(tensor, 0));
+  }
+  g.code_bytes_per_row = static_cast<int32_t>(l.code_bytes_per_row());
+  g.meta_bytes_per_row = static_cast<int32_t>(l.meta_bytes_per_row());
+  g.tokens = l.tokens;
+  g.kv_heads = l.kv_heads;
+  g.head_dim = l.head_dim;
+  g.group_size = l.bits == 16 ? l.head_dim : l.group_size;
+  g.bits = l.bits;
+  g.num_blocks = kv.num_blocks;
+  return g;
+}
+
+BatchParams Batch(const SequenceBatch& b) {
+  BatchParams p;
+  p.row_offsets = b.row_offsets;
+  p.first_token = b.first_token;
+  p.block_tables = b.block_tables;
+  p.block_table_stride = b.block_table_stride;
+  p.num_seqs = b.num_seqs;
+  p.total_rows = b.total_rows;
+  return p;
+}
+
+// c of the clip order statistic (oscar-method.md section 6), -1 when clipping is off.
+int ClipRank(float ratio, int head_dim) {
+  if (!(ratio > 0.0f)) return -1;
+  const float c = std::floor(ratio * static_cast<float>(head_dim));
+  if (c < 0.0f) return 0;
+  if (c > static_cast<float>(head_dim - 1)) return head_dim - 1;
+  return static_cast<int>(c);
+}
+
+}  // namespace
+
+absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
+                               const SequenceBatch& batch, KvTensor tensor, const ArrivalRows& in,
+                               uint32_t* error_word, Stream stream) {
+  KVPOOL_RETURN_IF_ERROR(CheckModel(cfg, kv));
+  KVPOOL_RETURN_IF_ERROR(CheckBatch(batch));
+  if (error_word == nullptr) return absl::InvalidArgumentError("error_word is null");
+  if (batch.total_rows == 0) return absl::OkStatus();
+  if (in.rows == nullptr) return absl::InvalidArgumentError("input rows are null");
+  if (in.rotation != nullptr && reinterpret_cast<uintptr_t>(in.rotation) % 16 != 0) {
+    return absl::InvalidArgumentError("rotation must be 16-byte aligned");
+  }
+  ArrivalParams p;
+  p.geo = Geometry(kv);
+  p.batch = Batch(batch);
+  p.rows = in.rows;
+  p.rotation = in.rotation;
+  p.rotated_rows = in.rotated_rows;
+  p.pool = kv.pool;
+  p.error_word = error_word;
+  p.tensor = static_cast<int32_t>(tensor);
+  p.clip_rank = ClipRank(cfg.ClipRatio(tensor), kv.layout.head_dim);
+  p.scale_is_bf16 = cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
+  p.lloyd_max = cfg.method == QuantMethod::kLloydMax ? 1 : 0;
+  int err = 0;
+  switch (kv.layout.head_dim) {
+    case 64:
+      err = internal::LaunchArrival<64>(p, stream);
+      break;
+    case 128:
+      err = internal::LaunchArrival<128>(p, stream);
+      break;
+    default:
+      err = internal::LaunchArrival<0>(p, stream);
+      break;
+  }
+  return CudaStatus(err, "QuantizeOnArrival launch");
+}
+
+absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,
+                              const SequenceBatch& batch, KvTensor tensor, uint16_t* out,
+                              uint32_t* error_word, Stream stream) {
+  KVPOOL_RETURN_IF_ERROR(CheckModel(cfg, kv));
+  KVPOOL_RETURN_IF_ERROR(CheckBatch(batch));
+  if (error_word == nullptr) return absl::InvalidArgumentError("error_word is null");
+  if (batch.total_rows == 0) return absl::OkStatus();
+  if (out == nullptr) return absl::InvalidArgumentError("output is null");
+  DequantParams p;
+  p.geo = Geometry(kv);
+  p.batch = Batch(batch);
+  p.pool = kv.pool;
+  p.out = out;
+  p.error_word = error_word;
+  p.tensor = static_cast<int32_t>(tensor);
+  p.scale_is_bf16 = cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
+  int err = 0;
+  switch (kv.layout.head_dim) {
+    case 64:
+      err = internal::LaunchDequant<64>(p, stream);
+      break;
+    case 128:
+      err = internal::LaunchDequant<128>(p, stream);
+      break;
+    default:
+      err = internal::LaunchDequant<0>(p, stream);
+      break;
+  }
+  return CudaStatus(err, "DequantizeToBf16 launch");
+}
+
+absl::Status TakeCodecErrors(uint32_t* error_word, Stream stream) {
+  if (error_word == nullptr) return absl::InvalidArgumentError("error_word is null");
+  uint32_t bits = 0;
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(&bits, error_word, sizeof(bits), cudaMemcpyDeviceToHost, stream),
+                 "reading the codec error word"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(error_word, 0, sizeof(bits), stream),
+                                    "resetting the codec error word"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "codec stream"));
+  if (bits & internal::kErrorNonFinite) {
+    return absl::InvalidArgumentError("a K/V row holds NaN or Inf (after rotation)");
+  }
+  if (bits & internal::kErrorOutOfRange) {
+    return absl::OutOfRangeError("a scale or minimum overflows the 16-bit scale type");
+  }
+  if (bits & internal::kErrorBadBlock) {
+    return absl::OutOfRangeError("a block table entry is outside the pool");
+  }
+  return absl::OkStatus();
+}
+
+int CudaDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace kvpool::cuda

@@ -1,0 +1,88 @@
+// The CUDA codec: quantize K/V rows into paged blocks on arrival, and dequantize blocks to BF16,
+// with the same semantics and block format as the CPU RowCodec (kernels/row_codec.h,
+// kernels/block_layout.h). This header has no CUDA types, so code built without nvcc (the
+// server) can include it; the pointers it takes are device pointers.
+//
+//   PagedKvView kv{pool, BlockLayout::ForModel(cfg, 8, 128), cfg.scale_dtype, num_blocks};
+//   SequenceBatch batch{1, d_row_offsets, d_first_token, d_block_table, max_blocks, n};
+//   ArrivalRows in{d_rows, d_rotation_k, /*rotated_rows=*/nullptr};
+//   KVPOOL_RETURN_IF_ERROR(QuantizeOnArrival(cfg, kv, batch, KvTensor::kKey, in, d_err, stream));
+//   KVPOOL_RETURN_IF_ERROR(TakeCodecErrors(d_err, stream));   // waits for the stream
+//
+// Thread-safety: the functions keep no state; calls on one stream run in order, calls that
+// write the same blocks from different streams race.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/block_layout.h"
+#include "kernels/codec_config.h"
+
+struct CUstream_st;
+
+namespace kvpool::cuda {
+
+// A CUDA stream (cudaStream_t); nullptr is the legacy default stream.
+using Stream = CUstream_st*;
+
+// The paged KV pool of one layer (or of all layers, when block ids are global): one device
+// arena of `num_blocks` blocks of `layout.block_bytes()` bytes each; block b starts at
+// pool + b * layout.block_bytes(). The layout must be BlockLayout::ForModel(cfg, Hkv, D) of the
+// model's QuantConfig.
+struct PagedKvView {
+  uint8_t* pool = nullptr;
+  BlockLayout layout;
+  ScaleDtype scale_dtype = ScaleDtype::kFp16;
+  int64_t num_blocks = 0;
+};
+
+// Rows of several sequences, each a run of consecutive tokens. Sequence i owns the input rows
+// [row_offsets[i], row_offsets[i+1]); its r-th row is the token at position
+// p = first_token[i] + r of the sequence, stored in block block_tables[i * block_table_stride +
+// p / T] at slot p % T (T = layout.tokens). All three arrays are device int32.
+struct SequenceBatch {
+  int num_seqs = 0;
+  const int32_t* row_offsets = nullptr;   // [num_seqs + 1], row_offsets[0] = 0, non-decreasing
+  const int32_t* first_token = nullptr;   // [num_seqs]
+  const int32_t* block_tables = nullptr;  // [num_seqs][block_table_stride]
+  int block_table_stride = 0;
+  int total_rows = 0;  // row_offsets[num_seqs], known on the host
+};
+
+// Input of QuantizeOnArrival.
+struct ArrivalRows {
+  const uint16_t* rows = nullptr;    // BF16 [total_rows][Hkv][D], original (unrotated) basis
+  const float* rotation = nullptr;   // D x D fp32 row-major, x_rot = x * M; nullptr = identity
+  uint16_t* rotated_rows = nullptr;  // optional out: the rotated rows rounded to BF16
+};
+
+// Rotates each row by `rotation`, rounds it to BF16, clips it (exact order statistic),
+// quantizes and packs it into its slot of the paged blocks. Enqueued on `stream`; returns
+// InvalidArgument at once for bad shapes or settings (then nothing is enqueued). Data errors found
+// by the kernel (a non-finite rotated row, a scale or min overflowing the 16-bit type, a block id
+// outside [0, num_blocks)) are ORed into the device word `error_word` and reported by
+// TakeCodecErrors; such a row's slot is left unwritten, all other rows are written.
+[[nodiscard]] absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
+                                             const SequenceBatch& batch, KvTensor tensor,
+                                             const ArrivalRows& in, uint32_t* error_word,
+                                             Stream stream);
+
+// Dequantizes the stored rows named by `batch` (tokens first_token[i] + r, r in
+// [0, row_offsets[i+1] - row_offsets[i])) to BF16 [total_rows][Hkv][D] in the rotated basis:
+// x = min + code * scale in fp32, rounded to nearest even (BF16 bypass blocks are copied).
+// Block ids outside [0, num_blocks) are reported through `error_word` (the row is left
+// unwritten).
+[[nodiscard]] absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,
+                                            const SequenceBatch& batch, KvTensor tensor,
+                                            uint16_t* out, uint32_t* error_word, Stream stream);
+
+// Waits for `stream`, reads the device error word, resets it to 0 and turns it into a status:
+// OK, InvalidArgument (non-finite row), OutOfRange (scale/min overflow, bad block id), or the
+// CUDA error of the stream.
+[[nodiscard]] absl::Status TakeCodecErrors(uint32_t* error_word, Stream stream);
+
+// Number of CUDA devices, 0 when there is no driver or device.
+int CudaDeviceCount();
+
+}  // namespace kvpool::cuda

@@ -1,0 +1,371 @@
+// GPU codec against the CPU reference: the codes and scale/min words of every row must equal
+// RowCodec's bit for bit when both start from the same rotated BF16 rows (the GPU's own
+// rotation output), the GPU rotation must match a float64 rotation to BF16 rounding, and
+// dequantized rows must equal the CPU's decode rounded to BF16. Skips without a CUDA device.
+#include "kernels/cuda/cuda_codec.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/bf16.h"
+#include "kernels/block_layout.h"
+#include "kernels/codec_config.h"
+#include "kernels/rotation.h"
+#include "kernels/row_codec.h"
+#include "tests/support/test_data.h"
+
+namespace kvpool::cuda {
+namespace {
+
+#define CUDA_ASSERT(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// A device array freed on destruction.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t n) : n_(n) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)) == cudaSuccess) {
+      ptr_ = static_cast<T*>(p);
+    }
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  T* get() const { return ptr_; }
+  size_t size() const { return n_; }
+  cudaError_t Upload(const std::vector<T>& v) {
+    return cudaMemcpy(ptr_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  std::vector<T> Download() const {
+    std::vector<T> v(n_);
+    if (cudaMemcpy(v.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      v.clear();
+    }
+    return v;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t n_;
+};
+
+class CudaCodecTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+struct Case {
+  int head_dim;
+  int kv_heads;
+  int bits;        // 2, 4
+  int group_size;  // 0 = D
+  ScaleDtype scale;
+  QuantMethod method;
+  bool rotate;
+  bool sparse;  // rows mostly (signed) zeros: ties in clip and min/max
+};
+
+std::string Name(const Case& c) {
+  return absl::StrCat("D", c.head_dim, "_H", c.kv_heads, "_b", c.bits, "_G", c.group_size, "_",
+                      ScaleDtypeName(c.scale), "_", QuantMethodName(c.method),
+                      c.rotate ? "_rot" : "_id", c.sparse ? "_sparse" : "");
+}
+
+// Three sequences with lengths that are not multiples of the block size, first tokens inside a
+// block, and a shuffled, non-contiguous block assignment.
+struct BatchPlan {
+  std::vector<int32_t> row_offsets;
+  std::vector<int32_t> first_token;
+  std::vector<int32_t> block_tables;
+  int stride = 0;
+  int num_blocks = 0;
+};
+
+BatchPlan MakePlan(int tokens_per_block, uint64_t seed) {
+  BatchPlan p;
+  const std::vector<int> lengths = {37, 1, 70};
+  const std::vector<int> firsts = {5, 0, 19};
+  p.row_offsets = {0};
+  int max_blocks = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    p.row_offsets.push_back(p.row_offsets.back() + lengths[i]);
+    p.first_token.push_back(firsts[i]);
+    max_blocks =
+        std::max(max_blocks, (firsts[i] + lengths[i] + tokens_per_block - 1) / tokens_per_block);
+  }
+  p.stride = max_blocks + 1;
+  p.num_blocks = static_cast<int>(lengths.size()) * p.stride + 3;
+  std::vector<int32_t> ids(p.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  p.block_tables.assign(lengths.size() * p.stride, -1);
+  size_t next = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const int used = (firsts[i] + lengths[i] + tokens_per_block - 1) / tokens_per_block;
+    for (int b = 0; b < used; ++b) p.block_tables[i * p.stride + b] = ids[next++];
+  }
+  return p;
+}
+
+std::vector<float> InputRows(const Case& c, int rows, uint64_t seed) {
+  std::vector<float> v = testing::RealLikeRows(rows * c.kv_heads, c.head_dim, seed);
+  if (c.sparse) {
+    std::mt19937_64 rng(seed ^ 0x5bd1e995);
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (rng() % 10 != 0) v[i] = (rng() & 1) ? 0.0f : -0.0f;
+    }
+  }
+  return v;
+}
+
+void RunCase(const Case& c) {
+  SCOPED_TRACE(Name(c));
+  QuantConfig cfg;
+  cfg.bits = c.bits;
+  cfg.group_size = c.group_size;
+  cfg.method = c.method;
+  cfg.scale_dtype = c.scale;
+  cfg.block_tokens = 16;
+  cfg.demotion_batch = 16;
+  ASSERT_TRUE(cfg.Validate(c.head_dim).ok());
+  auto codec_or = RowCodec::Create(cfg, c.head_dim);
+  ASSERT_TRUE(codec_or.ok()) << codec_or.status();
+  const RowCodec& codec = *codec_or;
+  const BlockLayout layout = BlockLayout::ForModel(cfg, c.kv_heads, c.head_dim);
+  const int d = c.head_dim;
+
+  const BatchPlan plan = MakePlan(layout.tokens, 11 + d);
+  const int total_rows = plan.row_offsets.back();
+  const size_t row_values = static_cast<size_t>(total_rows) * c.kv_heads * d;
+
+  DeviceArray<uint8_t> pool(plan.num_blocks * layout.block_bytes());
+  DeviceArray<int32_t> d_offsets(plan.row_offsets.size());
+  DeviceArray<int32_t> d_first(plan.first_token.size());
+  DeviceArray<int32_t> d_tables(plan.block_tables.size());
+  DeviceArray<uint16_t> d_rows(row_values);
+  DeviceArray<uint16_t> d_rotated(row_values);
+  DeviceArray<uint16_t> d_dequant(row_values);
+  DeviceArray<float> d_rotation(static_cast<size_t>(d) * d);
+  DeviceArray<uint32_t> d_err(1);
+  ASSERT_NE(pool.get(), nullptr);
+  CUDA_ASSERT(d_offsets.Upload(plan.row_offsets));
+  CUDA_ASSERT(d_first.Upload(plan.first_token));
+  CUDA_ASSERT(d_tables.Upload(plan.block_tables));
+  CUDA_ASSERT(cudaMemset(d_err.get(), 0, sizeof(uint32_t)));
+
+  const PagedKvView kv{pool.get(), layout, c.scale, plan.num_blocks};
+  const SequenceBatch batch{static_cast<int>(plan.first_token.size()),
+                            d_offsets.get(),
+                            d_first.get(),
+                            d_tables.get(),
+                            plan.stride,
+                            total_rows};
+
+  for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+    SCOPED_TRACE(t == KvTensor::kKey ? "K" : "V");
+    const uint64_t seed = 1000 * d + 10 * c.bits + static_cast<int>(t);
+    const std::vector<Bf16> input = testing::ToBf16(InputRows(c, total_rows, seed));
+    std::vector<uint16_t> input_bits(input.size());
+    for (size_t i = 0; i < input.size(); ++i) input_bits[i] = input[i].bits;
+    CUDA_ASSERT(d_rows.Upload(input_bits));
+    std::vector<float> matrix;
+    if (c.rotate) {
+      auto set = RotationSet::RandomizedHadamard(/*num_layers=*/1, d, /*seed=*/seed);
+      ASSERT_TRUE(set.ok()) << set.status();
+      matrix = set->Matrix(0, t);
+      CUDA_ASSERT(d_rotation.Upload(matrix));
+    }
+    // Poison the pool so that unwritten bytes are visible.
+    CUDA_ASSERT(cudaMemset(pool.get(), 0xa5, pool.size()));
+    const ArrivalRows in{d_rows.get(), c.rotate ? d_rotation.get() : nullptr, d_rotated.get()};
+    ASSERT_TRUE(QuantizeOnArrival(cfg, kv, batch, t, in, d_err.get(), nullptr).ok());
+    const absl::Status arrival = TakeCodecErrors(d_err.get(), nullptr);
+    ASSERT_TRUE(arrival.ok()) << arrival;
+    ASSERT_TRUE(DequantizeToBf16(cfg, kv, batch, t, d_dequant.get(), d_err.get(), nullptr).ok());
+    const absl::Status dequant = TakeCodecErrors(d_err.get(), nullptr);
+    ASSERT_TRUE(dequant.ok()) << dequant;
+
+    const std::vector<uint8_t> blocks = pool.Download();
+    const std::vector<uint16_t> rotated = d_rotated.Download();
+    const std::vector<uint16_t> dequantized = d_dequant.Download();
+    ASSERT_EQ(blocks.size(), pool.size());
+
+    // 1. Rotation: within BF16 rounding of a float64 rotation.
+    for (int r = 0; r < total_rows * c.kv_heads; ++r) {
+      double max_abs = 0;
+      for (int i = 0; i < d; ++i) {
+        max_abs = std::max(max_abs, std::fabs(static_cast<double>(input[r * d + i].ToFloat())));
+      }
+      for (int j = 0; j < d; ++j) {
+        double ref = 0;
+        for (int i = 0; i < d; ++i) {
+          const double m = c.rotate ? matrix[i * d + j] : (i == j ? 1.0 : 0.0);
+          ref += static_cast<double>(input[r * d + i].ToFloat()) * m;
+        }
+        const float got = Bf16::FromBits(rotated[r * d + j]).ToFloat();
+        ASSERT_NEAR(got, ref, std::fabs(ref) * (1.0 / 128) + 1e-5 * max_abs)
+            << "row " << r << " dim " << j;
+      }
+    }
+
+    // 2. Codes and meta, bit for bit, from the same rotated rows; 3. dequantized values.
+    std::vector<uint8_t> want_codes(layout.code_bytes_per_row());
+    std::vector<GroupMeta> want_meta(std::max<size_t>(layout.groups_per_row(), 1));
+    std::vector<float> decoded(d);
+    std::vector<Bf16> row(d);
+    std::vector<bool> written(blocks.size(), false);
+    for (size_t s = 0; s + 1 < plan.row_offsets.size(); ++s) {
+      for (int r = plan.row_offsets[s]; r < plan.row_offsets[s + 1]; ++r) {
+        const int pos = plan.first_token[s] + (r - plan.row_offsets[s]);
+        const int block = plan.block_tables[s * plan.stride + pos / layout.tokens];
+        const int slot = pos % layout.tokens;
+        for (int h = 0; h < c.kv_heads; ++h) {
+          const size_t base = (static_cast<size_t>(r) * c.kv_heads + h) * d;
+          for (int i = 0; i < d; ++i) row[i] = Bf16::FromBits(rotated[base + i]);
+          ASSERT_TRUE(codec.Encode(t, row, want_codes.data(), want_meta.data()).ok());
+          const size_t block_base = static_cast<size_t>(block) * layout.block_bytes();
+          const size_t codes_at =
+              block_base + layout.CodesOffset(t, h) + slot * layout.code_bytes_per_row();
+          const size_t meta_at =
+              block_base + layout.MetaOffset(t, h) + slot * layout.meta_bytes_per_row();
+          for (size_t i = 0; i < want_codes.size(); ++i) {
+            ASSERT_EQ(blocks[codes_at + i], want_codes[i])
+                << "seq " << s << " row " << r << " head " << h << " code byte " << i;
+            written[codes_at + i] = true;
+          }
+          for (size_t g = 0; g < layout.groups_per_row(); ++g) {
+            GroupMeta got;
+            std::memcpy(&got, &blocks[meta_at + 4 * g], sizeof(got));
+            ASSERT_EQ(got.scale, want_meta[g].scale) << "row " << r << " head " << h << " g " << g;
+            ASSERT_EQ(got.min, want_meta[g].min) << "row " << r << " head " << h << " g " << g;
+            for (int k = 0; k < 4; ++k) written[meta_at + 4 * g + k] = true;
+          }
+          codec.Decode(want_codes.data(), want_meta.data(), absl::MakeSpan(decoded));
+          for (int i = 0; i < d; ++i) {
+            ASSERT_EQ(dequantized[base + i], Bf16::FromFloat(decoded[i]).bits)
+                << "row " << r << " head " << h << " dim " << i;
+          }
+        }
+      }
+    }
+    // Nothing else in the pool was touched.
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (!written[i]) {
+        ASSERT_EQ(blocks[i], 0xa5) << "stray write at byte " << i;
+      }
+    }
+  }
+}
+
+TEST_F(CudaCodecTest, Int2Head128MatchesCpuBitForBit) {
+  RunCase({128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
+  RunCase({128, 2, 2, 0, ScaleDtype::kBf16, QuantMethod::kUniform, false, false});
+}
+
+TEST_F(CudaCodecTest, Int2Head64MatchesCpuBitForBit) {
+  RunCase({64, 3, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
+  RunCase({64, 3, 2, 32, ScaleDtype::kBf16, QuantMethod::kUniform, true, false});
+}
+
+TEST_F(CudaCodecTest, Int4AndSmallGroupsMatchCpuBitForBit) {
+  RunCase({128, 4, 4, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
+  RunCase({128, 4, 4, 32, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
+  RunCase({64, 2, 4, 0, ScaleDtype::kBf16, QuantMethod::kUniform, true, false});
+}
+
+TEST_F(CudaCodecTest, GenericPathMatchesCpuBitForBit) {
+  RunCase({32, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
+  RunCase({256, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
+  RunCase({256, 2, 4, 64, ScaleDtype::kBf16, QuantMethod::kUniform, true, false});
+}
+
+TEST_F(CudaCodecTest, LloydMaxMatchesCpuBitForBit) {
+  RunCase({128, 4, 2, 0, ScaleDtype::kFp16, QuantMethod::kLloydMax, true, false});
+  RunCase({64, 3, 2, 0, ScaleDtype::kBf16, QuantMethod::kLloydMax, true, false});
+  RunCase({32, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kLloydMax, true, false});
+  RunCase({256, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kLloydMax, true, false});
+}
+
+TEST_F(CudaCodecTest, BypassStoresRotatedRows) {
+  RunCase({128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, true, false});
+  RunCase({64, 1, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, false, false});
+}
+
+TEST_F(CudaCodecTest, SignedZeroTiesMatchCpu) {
+  RunCase({128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, false, true});
+  RunCase({64, 2, 2, 16, ScaleDtype::kBf16, QuantMethod::kUniform, false, true});
+}
+
+// One sequence, one block, for the error paths.
+class CudaCodecErrorTest : public CudaCodecTest {
+ protected:
+  absl::Status Quantize(const QuantConfig& cfg, const std::vector<float>& values, int block_id) {
+    const int d = 64;
+    const BlockLayout layout = BlockLayout::ForModel(cfg, 1, d);
+    const int rows = static_cast<int>(values.size()) / d;
+    DeviceArray<uint8_t> pool(2 * layout.block_bytes());
+    DeviceArray<int32_t> offsets(2), first(1), table(1);
+    DeviceArray<uint16_t> in(values.size());
+    DeviceArray<uint32_t> err(1);
+    std::vector<uint16_t> bits(values.size());
+    for (size_t i = 0; i < values.size(); ++i) bits[i] = Bf16::FromFloat(values[i]).bits;
+    if (in.Upload(bits) != cudaSuccess || offsets.Upload({0, rows}) != cudaSuccess ||
+        first.Upload({0}) != cudaSuccess || table.Upload({block_id}) != cudaSuccess ||
+        cudaMemset(err.get(), 0, 4) != cudaSuccess) {
+      return absl::InternalError("setup");
+    }
+    const PagedKvView kv{pool.get(), layout, cfg.scale_dtype, 2};
+    const SequenceBatch batch{1, offsets.get(), first.get(), table.get(), 1, rows};
+    const absl::Status launch =
+        QuantizeOnArrival(cfg, kv, batch, KvTensor::kKey, ArrivalRows{in.get(), nullptr, nullptr},
+                          err.get(), nullptr);
+    if (!launch.ok()) return launch;
+    return TakeCodecErrors(err.get(), nullptr);
+  }
+};
+
+TEST_F(CudaCodecErrorTest, NonFiniteRowIsInvalidArgument) {
+  QuantConfig cfg;
+  std::vector<float> v = testing::GaussianValues(2 * 64, 3);
+  EXPECT_TRUE(Quantize(cfg, v, 0).ok());
+  v[70] = std::nanf("");
+  EXPECT_EQ(Quantize(cfg, v, 0).code(), absl::StatusCode::kInvalidArgument);
+  v[70] = INFINITY;
+  EXPECT_EQ(Quantize(cfg, v, 0).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CudaCodecErrorTest, ScaleOverflowIsOutOfRange) {
+  QuantConfig cfg;
+  cfg.clip_ratio_k = 0;
+  std::vector<float> v = testing::GaussianValues(64, 4);
+  v[3] = -1e6f;  // the minimum does not fit fp16
+  EXPECT_EQ(Quantize(cfg, v, 0).code(), absl::StatusCode::kOutOfRange);
+  cfg.scale_dtype = ScaleDtype::kBf16;
+  EXPECT_TRUE(Quantize(cfg, v, 0).ok());
+}
+
+TEST_F(CudaCodecErrorTest, BadBlockIdIsOutOfRange) {
+  QuantConfig cfg;
+  const std::vector<float> v = testing::GaussianValues(64, 5);
+  EXPECT_EQ(Quantize(cfg, v, 2).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(Quantize(cfg, v, -1).code(), absl::StatusCode::kOutOfRange);
+}
+
+}  // namespace
+}  // namespace kvpool::cuda
