@@ -53,20 +53,84 @@ bool AllFinite(const float* x, size_t n) {
   return bad == 0;
 }
 
-// In-place unnormalized Walsh-Hadamard transform of one row (Sylvester order), then scaled by
-// 1/sqrt(D): x <- x * H. H is symmetric, so this is also H * x.
-void FwhtRow(float* x, int d, float scale) {
-  for (int h = 1; h < d; h *= 2) {
-    for (int i = 0; i < d; i += 2 * h) {
-      for (int j = i; j < i + h; ++j) {
-        const float a = x[j];
-        const float b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
+// BF16 is the top half of fp32, so a 16-bit mask finds non-finite values without converting.
+bool AllFiniteBf16(const Bf16* x, size_t n) {
+  uint16_t bad = 0;
+  for (size_t i = 0; i < n; ++i) bad |= static_cast<uint16_t>((x[i].bits & 0x7f80u) == 0x7f80u);
+  return bad == 0;
+}
+
+// Eight floats in one SIMD register (AVX2, or the lower half of AVX-512), via the GCC/Clang
+// vector extension so that the same code builds for every -march we ship.
+typedef float Float8 __attribute__((vector_size(32)));
+typedef uint32_t Uint32x8 __attribute__((vector_size(32)));
+typedef uint16_t Uint16x8 __attribute__((vector_size(16)));
+
+inline Float8 Load8(const float* p) {
+  Float8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline Float8 Load8(const Bf16* p) {
+  // BF16 is the upper half of an fp32: widen and shift.
+  Uint16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const Uint32x8 u = __builtin_convertvector(h, Uint32x8) << 16;
+  Float8 f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline void Store8(Float8 v, float* p) { std::memcpy(p, &v, sizeof(v)); }
+inline void Store8(Float8 v, Bf16* p) {
+  // Bf16::FromFloat, eight lanes at once: round to nearest even, NaN kept quiet.
+  Uint32x8 u;
+  std::memcpy(&u, &v, sizeof(u));
+  const Uint32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const Uint32x8 quiet_nan = (u >> 16) | 0x40u;
+  const Uint32x8 is_nan = (Uint32x8)((u & 0x7fffffffu) > 0x7f800000u);  // all-ones lanes
+  const Uint32x8 bits = (quiet_nan & is_nan) | (rounded & ~is_nan);
+  const Uint16x8 h = __builtin_convertvector(bits, Uint16x8);
+  std::memcpy(static_cast<void*>(p), &h, sizeof(h));
+}
+
+// Fast Walsh-Hadamard transform (Sylvester order) of `rows` rows of `d` values:
+//   out[r] = (FWHT(in[r] .* pre) / sqrt(d)) .* post
+// where pre / post are optional +-1 sign vectors (nullptr = all ones). O(d log d) per row.
+// The strides 1, 2, 4 run inside one 8-float register: with p the lane-swapped copy of v,
+// the butterfly (a + b, a - b) is p + v * (+-1), exactly the same sums as the scalar form.
+// Strides >= 8 are whole-register butterflies. BF16 is converted in the same pass.
+template <typename In, typename Out>
+void HadamardRows(const In* in, Out* out, size_t rows, int d, const float* pre, const float* post) {
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  alignas(32) float post_scale[256];  // d <= 256, checked at construction
+  for (int j = 0; j < d; ++j) post_scale[j] = post != nullptr ? post[j] * scale : scale;
+  const Float8 s1 = {1, -1, 1, -1, 1, -1, 1, -1};
+  const Float8 s2 = {1, 1, -1, -1, 1, 1, -1, -1};
+  const Float8 s4 = {1, 1, 1, 1, -1, -1, -1, -1};
+  alignas(32) float y[256];
+  for (size_t r = 0; r < rows; ++r) {
+    const In* x = in + r * d;
+    for (int i = 0; i < d; i += 8) {
+      Float8 v = Load8(x + i);
+      if (pre != nullptr) v *= Load8(pre + i);
+      v = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6) + v * s1;
+      v = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5) + v * s2;
+      v = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3) + v * s4;
+      Store8(v, y + i);
+    }
+    for (int h = 8; h < d; h *= 2) {
+      for (int i = 0; i < d; i += 2 * h) {
+        for (int j = i; j < i + h; j += 8) {
+          const Float8 a = Load8(y + j);
+          const Float8 b = Load8(y + j + h);
+          Store8(a + b, y + j);
+          Store8(a - b, y + j + h);
+        }
       }
     }
+    Out* o = out + r * d;
+    for (int j = 0; j < d; j += 8) Store8(Load8(y + j) * Load8(post_scale + j), o + j);
   }
-  for (int j = 0; j < d; ++j) x[j] *= scale;
 }
 
 // Rows per chunk on the BF16 path: large enough for an efficient GEMM, small enough that the
@@ -262,30 +326,14 @@ void ApplyRotation(RotationKind kind, int d, const std::vector<float>* data, boo
     case RotationKind::kIdentity:
       if (n > 0) std::memcpy(out, in, n * sizeof(float));
       return;
-    case RotationKind::kHadamard: {
-      const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-      if (n > 0) std::memcpy(out, in, n * sizeof(float));
-      for (size_t r = 0; r < rows; ++r) FwhtRow(out + r * d, d, scale);
+    case RotationKind::kHadamard:
+      HadamardRows(in, out, rows, d, nullptr, nullptr);
       return;
-    }
-    case RotationKind::kRandomizedHadamard: {
+    case RotationKind::kRandomizedHadamard:
       // x M = FWHT(x .* s);  x M^T = x H diag(s) = FWHT(x) .* s.
-      const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-      const float* s = data->data();
-      for (size_t r = 0; r < rows; ++r) {
-        const float* x = in + r * d;
-        float* y = out + r * d;
-        if (!inverse) {
-          for (int j = 0; j < d; ++j) y[j] = x[j] * s[j];
-          FwhtRow(y, d, scale);
-        } else {
-          std::memcpy(y, x, d * sizeof(float));
-          FwhtRow(y, d, scale);
-          for (int j = 0; j < d; ++j) y[j] *= s[j];
-        }
-      }
+      HadamardRows(in, out, rows, d, inverse ? nullptr : data->data(),
+                   inverse ? data->data() : nullptr);
       return;
-    }
     case RotationKind::kDense: {
       const Eigen::Index m_rows = static_cast<Eigen::Index>(rows);
       Eigen::Map<const RowMajorMatrixF> x(in, m_rows, d);
@@ -351,10 +399,9 @@ absl::Status RotationSet::RotateBf16(int layer, KvTensor t, absl::Span<const Bf1
       !s.ok()) {
     return s;
   }
-  // BF16 is the top half of fp32, so a 16-bit mask finds non-finite values without converting.
-  uint16_t bad = 0;
-  for (const Bf16& b : in) bad |= static_cast<uint16_t>((b.bits & 0x7f80u) == 0x7f80u);
-  if (bad != 0) return absl::InvalidArgumentError("rotation: input has a non-finite value");
+  if (!AllFiniteBf16(in.data(), in.size())) {
+    return absl::InvalidArgumentError("rotation: input has a non-finite value");
+  }
 
   if (kind_ == RotationKind::kIdentity) {
     // x * I rounds back to the same BF16 value: copy the bits.
@@ -367,20 +414,24 @@ absl::Status RotationSet::RotateBf16(int layer, KvTensor t, absl::Span<const Bf1
   }
   const size_t d = static_cast<size_t>(head_dim_);
   const size_t rows = in.size() / d;
+  if (kind_ == RotationKind::kHadamard || kind_ == RotationKind::kRandomizedHadamard) {
+    // The transform reads BF16 and rounds to BF16 itself: no fp32 staging.
+    HadamardRows(in.data(), out.data(), rows, head_dim_, data != nullptr ? data->data() : nullptr,
+                 nullptr);
+    return AllFiniteBf16(out.data(), out.size()) ? absl::OkStatus() : OverflowError();
+  }
+  // Dense: stage chunks in fp32 for the GEMM.
   const size_t chunk = std::min(rows, kBf16ChunkRows);
   std::vector<float> x(chunk * d), y(chunk * d);
   for (size_t r0 = 0; r0 < rows; r0 += chunk) {
     const size_t nr = std::min(chunk, rows - r0);
     const Bf16* src = in.data() + r0 * d;
     Bf16* dst = out.data() + r0 * d;
-    for (size_t i = 0; i < nr * d; ++i) x[i] = src[i].ToFloat();
+    // d is a multiple of 8, so whole registers cover every chunk.
+    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(src + i), x.data() + i);
     ApplyRotation(kind_, head_dim_, data, /*inverse=*/false, x.data(), y.data(), nr);
-    uint16_t overflow = 0;
-    for (size_t i = 0; i < nr * d; ++i) {
-      dst[i] = Bf16::FromFloat(y[i]);
-      overflow |= static_cast<uint16_t>((dst[i].bits & 0x7f80u) == 0x7f80u);
-    }
-    if (overflow != 0) return OverflowError();
+    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(y.data() + i), dst + i);
+    if (!AllFiniteBf16(dst, nr * d)) return OverflowError();
   }
   return absl::OkStatus();
 }
