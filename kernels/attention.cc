@@ -1,7 +1,6 @@
 #include "kernels/attention.h"
 
 #include <algorithm>
-#include <array>
 #include <cassert>
 #include <cmath>
 #include <cstring>
@@ -15,52 +14,99 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Tokens per tile for BF16 rows: the K/V tile (2 x 64 x D floats, 64 KiB at D = 256) stays in
 // L2 while all query heads of the KV head use it.
 constexpr int kRowTile = 64;
-// Independent partial sums in a dot product. Without -ffast-math the compiler must keep a single
-// float sum in order, so it cannot vectorize it; fixed lanes give it a vector to work with.
-constexpr int kLanes = 16;
+// Dot products keep kLanes independent partial sums per token: without -ffast-math the compiler
+// must keep a single float sum in order and could not vectorize it. Four tokens share each load
+// of q, and their four sums hide the add latency.
+constexpr int kTokensPerPass = 4;
 
-float Dot(const float* __restrict a, const float* __restrict b, int n) {
-  float part[kLanes] = {};
-  int d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int i = 0; i < kLanes; ++i) part[i] += a[d + i] * b[d + i];
-  }
-  float tail = 0.0f;
-  for (; d < n; ++d) tail += a[d] * b[d];
+template <int kLanes>
+[[gnu::always_inline]] inline float ReduceLanes(float* part) {
   for (int w = kLanes / 2; w > 0; w /= 2) {
     for (int i = 0; i < w; ++i) part[i] += part[i + w];
   }
-  return part[0] + tail;
+  return part[0];
 }
 
-// Code byte -> the fp32 codes it holds, in dim order (block_layout.h): a table turns unpacking
-// into one 16-byte (2-bit) or 8-byte (4-bit) copy per byte, with no shifts or branches.
-using Lut2 = std::array<std::array<float, 4>, 256>;
-using Lut4 = std::array<std::array<float, 2>, 256>;
-
-constexpr Lut2 MakeLut2() {
-  Lut2 lut{};
-  for (int b = 0; b < 256; ++b) {
-    for (int i = 0; i < 4; ++i) lut[b][i] = static_cast<float>((b >> (2 * i)) & 3);
+// out[r] = q . k[r * stride ...] over n dims, for r < 4. n is a multiple of kLanes.
+template <int kLanes>
+[[gnu::always_inline]] inline void Dot4Lanes(const float* __restrict q, const float* __restrict k,
+                                             size_t stride, int n, float* out) {
+  float p0[kLanes] = {}, p1[kLanes] = {}, p2[kLanes] = {}, p3[kLanes] = {};
+  const float* __restrict k0 = k;
+  const float* __restrict k1 = k + stride;
+  const float* __restrict k2 = k + 2 * stride;
+  const float* __restrict k3 = k + 3 * stride;
+  for (int d = 0; d < n; d += kLanes) {
+    for (int i = 0; i < kLanes; ++i) {
+      const float x = q[d + i];
+      p0[i] += x * k0[d + i];
+      p1[i] += x * k1[d + i];
+      p2[i] += x * k2[d + i];
+      p3[i] += x * k3[d + i];
+    }
   }
-  return lut;
+  out[0] = ReduceLanes<kLanes>(p0);
+  out[1] = ReduceLanes<kLanes>(p1);
+  out[2] = ReduceLanes<kLanes>(p2);
+  out[3] = ReduceLanes<kLanes>(p3);
 }
-constexpr Lut4 MakeLut4() {
-  Lut4 lut{};
-  for (int b = 0; b < 256; ++b) {
-    lut[b][0] = static_cast<float>(b & 15);
-    lut[b][1] = static_cast<float>(b >> 4);
-  }
-  return lut;
-}
-constexpr Lut2 kLut2 = MakeLut2();
-constexpr Lut4 kLut4 = MakeLut4();
 
+template <int kLanes>
+[[gnu::always_inline]] inline float DotLanes(const float* __restrict q, const float* __restrict k,
+                                             int n) {
+  float part[kLanes] = {};
+  for (int d = 0; d < n; d += kLanes) {
+    for (int i = 0; i < kLanes; ++i) part[i] += q[d + i] * k[d + i];
+  }
+  return ReduceLanes<kLanes>(part);
+}
+
+// n is a power of two >= 8 (head dims and group sizes are); the width test is predictable.
+[[gnu::always_inline]] inline void Dot4(const float* q, const float* k, size_t stride, int n,
+                                        float* out) {
+  if (n % 16 == 0) {
+    Dot4Lanes<16>(q, k, stride, n, out);
+  } else {
+    Dot4Lanes<8>(q, k, stride, n, out);
+  }
+}
+[[gnu::always_inline]] inline float Dot(const float* q, const float* k, int n) {
+  return n % 16 == 0 ? DotLanes<16>(q, k, n) : DotLanes<8>(q, k, n);
+}
+
+// max(init, x[0..n)), with 8 independent lanes so the compiler can vectorize it (a single
+// running max is a chain of dependent compares).
+float MaxWithLogits(float init, const float* x, int n) {
+  constexpr int kMaxLanes = 8;
+  float lanes[kMaxLanes];
+  for (int i = 0; i < kMaxLanes; ++i) lanes[i] = init;
+  int t = 0;
+  for (; t + kMaxLanes <= n; t += kMaxLanes) {
+    for (int i = 0; i < kMaxLanes; ++i) lanes[i] = lanes[i] > x[t + i] ? lanes[i] : x[t + i];
+  }
+  float m = init;
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  for (int i = 0; i < kMaxLanes; ++i) m = std::max(m, lanes[i]);
+  return m;
+}
+
+// Codes to fp32 in dim order (block_layout.h). Written as shifts and masks per byte: the
+// compiler vectorizes these; a lookup table measured no faster for 2-bit and slower for 4-bit.
 void Unpack2(const uint8_t* src, size_t bytes, float* dst) {
-  for (size_t j = 0; j < bytes; ++j) std::memcpy(dst + 4 * j, kLut2[src[j]].data(), 16);
+  for (size_t j = 0; j < bytes; ++j) {
+    const unsigned b = src[j];
+    dst[4 * j] = static_cast<float>(b & 3u);
+    dst[4 * j + 1] = static_cast<float>((b >> 2) & 3u);
+    dst[4 * j + 2] = static_cast<float>((b >> 4) & 3u);
+    dst[4 * j + 3] = static_cast<float>(b >> 6);
+  }
 }
 void Unpack4(const uint8_t* src, size_t bytes, float* dst) {
-  for (size_t j = 0; j < bytes; ++j) std::memcpy(dst + 2 * j, kLut4[src[j]].data(), 8);
+  for (size_t j = 0; j < bytes; ++j) {
+    const unsigned b = src[j];
+    dst[2 * j] = static_cast<float>(b & 15u);
+    dst[2 * j + 1] = static_cast<float>(b >> 4);
+  }
 }
 // BF16 words (possibly unaligned bytes) to fp32: exact, a 16-bit shift.
 void WidenBf16(const void* src, size_t n, float* dst) {
@@ -81,25 +127,23 @@ void WidenMeta(const uint8_t* src, size_t pairs, ScaleDtype dtype, float* scale,
   }
 }
 
-// Up to `count` tokens of one KV head in fp32. For quantized tiles k/v hold the codes as floats
-// and the per-(token, group) scale/min are given, so x = min + scale * code; BF16 tiles hold the
-// values and no scale/min.
+// Up to `count` tokens of one KV head in fp32, as x = min + scale * c per (token, group): for
+// quantized tiles c are the codes, for BF16 tiles the values with scale 1 and min 0 (exact).
 struct Tile {
   int count = 0;
-  const float* k = nullptr;  // [count][D]
-  const float* v = nullptr;  // [count][D]
-  bool quantized = false;
-  const float* k_scale = nullptr;  // [count][groups], only when quantized
+  const float* k = nullptr;        // [count][D]
+  const float* v = nullptr;        // [count][D]
+  const float* k_scale = nullptr;  // [count][groups]
   const float* k_min = nullptr;
   const float* v_scale = nullptr;
   const float* v_min = nullptr;
 };
 
-// Online softmax over tiles for all query heads, in fp32. For a quantized tile the scale and
-// min are folded out of the inner loops:
+// Online softmax over tiles for all query heads, in fp32. Scale and min are folded out of the
+// inner loops:
 //   q.k = sum_g (m_g * sum(q_g) + s_g * (q_g . c_g))
 //   sum_t p_t v_t = sum_t (p_t s_t) c_t + (sum_t p_t m_t)   per group
-// so the inner loops are plain dot products and axpys over the code floats.
+// so the inner loops are plain dot products and axpys over contiguous floats.
 class OnlineAttention {
  public:
   OnlineAttention(const AttentionShape& shape, int group_size, int max_tile,
@@ -136,33 +180,37 @@ class OnlineAttention {
     if (n <= 0) return;
     assert(n <= max_tile_);
     const int first = kv_head * g_;
-    // Logits of all g heads first: each K row is read from L1 by every head.
+    const size_t row = static_cast<size_t>(d_);
+    const size_t groups = static_cast<size_t>(groups_);
+    // Logits of all g heads first: the K tile stays in L1 for every head.
     for (int j = 0; j < g_; ++j) {
       const int h = first + j;
-      const float* q = &q_[static_cast<size_t>(h) * d_];
-      float* p = &p_[static_cast<size_t>(j) * max_tile_];
-      if (tile.quantized) {
-        const float* q_sum = &q_sum_[static_cast<size_t>(h) * groups_];
-        for (int t = 0; t < n; ++t) {
-          const float* k = tile.k + static_cast<size_t>(t) * d_;
-          const size_t meta = static_cast<size_t>(t) * groups_;
-          float logit = 0.0f;
-          for (int gi = 0; gi < groups_; ++gi) {
-            const size_t off = static_cast<size_t>(gi) * gs_;
-            logit += tile.k_min[meta + gi] * q_sum[gi] +
-                     tile.k_scale[meta + gi] * Dot(q + off, k + off, gs_);
+      const float* q = &q_[h * row];
+      const float* q_sum = &q_sum_[h * groups];
+      float* p = &p_[j * static_cast<size_t>(max_tile_)];
+      for (int t = 0; t < n; ++t) p[t] = 0.0f;
+      for (int gi = 0; gi < groups_; ++gi) {
+        const size_t off = static_cast<size_t>(gi) * gs_;
+        int t = 0;
+        for (; t + kTokensPerPass <= n; t += kTokensPerPass) {
+          float dots[kTokensPerPass];
+          Dot4(q + off, tile.k + t * row + off, row, gs_, dots);
+          for (int r = 0; r < kTokensPerPass; ++r) {
+            const size_t m = (t + r) * groups + gi;
+            p[t + r] += tile.k_min[m] * q_sum[gi] + tile.k_scale[m] * dots[r];
           }
-          p[t] = logit;
         }
-      } else {
-        for (int t = 0; t < n; ++t) p[t] = Dot(q, tile.k + static_cast<size_t>(t) * d_, d_);
+        for (; t < n; ++t) {
+          const size_t m = t * groups + gi;
+          p[t] += tile.k_min[m] * q_sum[gi] +
+                  tile.k_scale[m] * Dot(q + off, tile.k + t * row + off, gs_);
+        }
       }
     }
     for (int j = 0; j < g_; ++j) {
       const int h = first + j;
-      float* p = &p_[static_cast<size_t>(j) * max_tile_];
-      float mx = m_[h];
-      for (int t = 0; t < n; ++t) mx = std::max(mx, p[t]);
+      float* p = &p_[j * static_cast<size_t>(max_tile_)];
+      const float mx = MaxWithLogits(m_[h], p, n);
       // Only -inf logits (inf inputs): nothing attended, and exp(-inf - -inf) would be NaN.
       if (mx == kNegInf) continue;
       const float alpha = std::exp(m_[h] - mx);  // 0 on the first tile (m = -inf)
@@ -173,26 +221,36 @@ class OnlineAttention {
       }
       m_[h] = mx;
       l_[h] = l_[h] * alpha + sum;
-      float* __restrict acc = &acc_[static_cast<size_t>(h) * d_];
+      float* __restrict acc = &acc_[h * row];
+      float* __restrict acc_min = &acc_min_[h * groups];
       for (int d = 0; d < d_; ++d) acc[d] *= alpha;
-      if (tile.quantized) {
-        float* acc_min = &acc_min_[static_cast<size_t>(h) * groups_];
-        for (int gi = 0; gi < groups_; ++gi) acc_min[gi] *= alpha;
-        for (int t = 0; t < n; ++t) {
-          const float* __restrict v = tile.v + static_cast<size_t>(t) * d_;
-          const size_t meta = static_cast<size_t>(t) * groups_;
-          for (int gi = 0; gi < groups_; ++gi) {
-            const float w = p[t] * tile.v_scale[meta + gi];
-            acc_min[gi] += p[t] * tile.v_min[meta + gi];
-            const size_t off = static_cast<size_t>(gi) * gs_;
-            for (int d = 0; d < gs_; ++d) acc[off + d] += w * v[off + d];
+      for (int gi = 0; gi < groups_; ++gi) acc_min[gi] *= alpha;
+      for (int gi = 0; gi < groups_; ++gi) {
+        const size_t off = static_cast<size_t>(gi) * gs_;
+        int t = 0;
+        // Four tokens per pass over the accumulator: a quarter of the loads and stores.
+        for (; t + kTokensPerPass <= n; t += kTokensPerPass) {
+          const size_t m0 = t * groups + gi, m1 = m0 + groups, m2 = m1 + groups, m3 = m2 + groups;
+          const float w0 = p[t] * tile.v_scale[m0], w1 = p[t + 1] * tile.v_scale[m1];
+          const float w2 = p[t + 2] * tile.v_scale[m2], w3 = p[t + 3] * tile.v_scale[m3];
+          acc_min[gi] += (p[t] * tile.v_min[m0] + p[t + 1] * tile.v_min[m1]) +
+                         (p[t + 2] * tile.v_min[m2] + p[t + 3] * tile.v_min[m3]);
+          const float* __restrict v0 = tile.v + t * row + off;
+          const float* __restrict v1 = v0 + row;
+          const float* __restrict v2 = v1 + row;
+          const float* __restrict v3 = v2 + row;
+          float* __restrict a = acc + off;
+          for (int d = 0; d < gs_; ++d) {
+            a[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
           }
         }
-      } else {
-        for (int t = 0; t < n; ++t) {
-          const float w = p[t];
-          const float* __restrict v = tile.v + static_cast<size_t>(t) * d_;
-          for (int d = 0; d < d_; ++d) acc[d] += w * v[d];
+        for (; t < n; ++t) {
+          const size_t m = t * groups + gi;
+          const float w = p[t] * tile.v_scale[m];
+          acc_min[gi] += p[t] * tile.v_min[m];
+          const float* __restrict v = tile.v + t * row + off;
+          float* __restrict a = acc + off;
+          for (int d = 0; d < gs_; ++d) a[d] += w * v[d];
         }
       }
     }
@@ -267,6 +325,8 @@ AttentionOutput AttendBf16Rows(const AttentionShape& shape, absl::Span<const flo
   OnlineAttention att(shape, /*group_size=*/d, kRowTile, q);
   std::vector<float> k_tile(static_cast<size_t>(kRowTile) * d);
   std::vector<float> v_tile(static_cast<size_t>(kRowTile) * d);
+  const std::vector<float> ones(kRowTile, 1.0f);
+  const std::vector<float> zeros(kRowTile, 0.0f);
   for (int start = 0; start < n; start += kRowTile) {
     const int count = std::min(kRowTile, n - start);
     for (int h = 0; h < shape.kv_heads; ++h) {
@@ -279,6 +339,8 @@ AttentionOutput AttendBf16Rows(const AttentionShape& shape, absl::Span<const flo
       tile.count = count;
       tile.k = k_tile.data();
       tile.v = v_tile.data();
+      tile.k_scale = tile.v_scale = ones.data();
+      tile.k_min = tile.v_min = zeros.data();
       att.Consume(h, tile);
     }
   }
@@ -309,16 +371,14 @@ AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
 
   const int bt = layout.tokens;
   const int gs = quantized ? layout.group_size : d;
-  const size_t groups = quantized ? static_cast<size_t>(d / gs) : 0;
+  const size_t groups = static_cast<size_t>(d / gs);
   const ScaleDtype dtype = codec.config().scale_dtype;
   OnlineAttention att(shape, gs, bt, q);
   std::vector<float> k_tile(static_cast<size_t>(bt) * d);
   std::vector<float> v_tile(static_cast<size_t>(bt) * d);
-  std::vector<float> meta(4 * static_cast<size_t>(bt) * std::max<size_t>(groups, 1));
-  float* k_scale = meta.data();
-  float* k_min = k_scale + bt * groups;
-  float* v_scale = k_min + bt * groups;
-  float* v_min = v_scale + bt * groups;
+  // Per-(token, group) scale and min; the BF16 bypass keeps scale 1 and min 0.
+  std::vector<float> k_scale(bt * groups, 1.0f), k_min(bt * groups, 0.0f);
+  std::vector<float> v_scale(bt * groups, 1.0f), v_min(bt * groups, 0.0f);
 
   // One block at a time, each KV head's codes read once for all its query heads.
   for (int b = 0; b < needed; ++b) {
@@ -328,10 +388,6 @@ AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
       const uint8_t* kc = block + layout.CodesOffset(KvTensor::kKey, h);
       const uint8_t* vc = block + layout.CodesOffset(KvTensor::kValue, h);
       const size_t code_bytes = count * layout.code_bytes_per_row();
-      Tile tile;
-      tile.count = count;
-      tile.k = k_tile.data();
-      tile.v = v_tile.data();
       if (bits == 16) {
         WidenBf16(kc, static_cast<size_t>(count) * d, k_tile.data());
         WidenBf16(vc, static_cast<size_t>(count) * d, v_tile.data());
@@ -343,16 +399,19 @@ AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
           Unpack4(kc, code_bytes, k_tile.data());
           Unpack4(vc, code_bytes, v_tile.data());
         }
-        WidenMeta(block + layout.MetaOffset(KvTensor::kKey, h), count * groups, dtype, k_scale,
-                  k_min);
-        WidenMeta(block + layout.MetaOffset(KvTensor::kValue, h), count * groups, dtype, v_scale,
-                  v_min);
-        tile.quantized = true;
-        tile.k_scale = k_scale;
-        tile.k_min = k_min;
-        tile.v_scale = v_scale;
-        tile.v_min = v_min;
+        WidenMeta(block + layout.MetaOffset(KvTensor::kKey, h), count * groups, dtype,
+                  k_scale.data(), k_min.data());
+        WidenMeta(block + layout.MetaOffset(KvTensor::kValue, h), count * groups, dtype,
+                  v_scale.data(), v_min.data());
       }
+      Tile tile;
+      tile.count = count;
+      tile.k = k_tile.data();
+      tile.v = v_tile.data();
+      tile.k_scale = k_scale.data();
+      tile.k_min = k_min.data();
+      tile.v_scale = v_scale.data();
+      tile.v_min = v_min.data();
       att.Consume(h, tile);
     }
   }
