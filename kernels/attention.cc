@@ -422,12 +422,18 @@ void MergeAttention(const AttentionShape& shape, const AttentionOutput& part,
                     AttentionOutput* acc) {
   const size_t hq = static_cast<size_t>(std::max(shape.q_heads, 0));
   const size_t d = static_cast<size_t>(std::max(shape.head_dim, 0));
-  // A default-constructed accumulator is the empty set.
-  if (acc->out.size() != hq * d || acc->lse.size() != hq) *acc = EmptyOutput(shape);
-  if (part.out.size() != hq * d || part.lse.size() != hq) {
-    assert(part.out.empty() && part.lse.empty() && "MergeAttention: part has the wrong shape");
+  const auto shaped = [&](const AttentionOutput& r) {
+    return r.out.size() == hq * d && r.lse.size() == hq;
+  };
+  const auto unset = [](const AttentionOutput& r) { return r.out.empty() && r.lse.empty(); };
+  if (!ValidShape(shape) || !(shaped(*acc) || unset(*acc)) || !(shaped(part) || unset(part))) {
+    assert(false && "MergeAttention: outputs do not match the shape");
+    *acc = InvalidOutput(shape);
     return;
   }
+  // A default-constructed AttentionOutput is the empty token set.
+  if (unset(*acc)) *acc = EmptyOutput(shape);
+  if (unset(part)) return;
   for (size_t h = 0; h < hq; ++h) {
     const float a = acc->lse[h];
     const float b = part.lse[h];

@@ -8,6 +8,9 @@
 // Partial results over disjoint token sets merge exactly through their lse (MergeAttention).
 // An empty token set gives lse = -inf and a zero output. Accumulation is in fp32 (float64 in
 // tests); the INT2 tier folds scale and min out of the dot products.
+// Arguments whose shapes do not agree (q, k, v sizes; layout vs shape vs codec; too few or null
+// blocks) are a programming error: debug builds assert, release builds return NaN in every out
+// and lse entry. All functions are reentrant (no shared state).
 //
 //   AttentionShape shape{/*q_heads=*/64, /*kv_heads=*/8, /*head_dim=*/128};
 //   AttentionOutput part_a = AttendBf16Rows(shape, q, k_rows, v_rows, n);

@@ -381,6 +381,51 @@ TEST(AttentionTest, BlocksIgnoreTokensPastTheEnd) {
   ExpectClose(s, got, want, 1e-4, 1e-5, "21 of 32 tokens");
 }
 
+bool AllNaN(const AttentionOutput& r) {
+  return !r.out.empty() && !r.lse.empty() &&
+         std::all_of(r.out.begin(), r.out.end(), [](float x) { return std::isnan(x); }) &&
+         std::all_of(r.lse.begin(), r.lse.end(), [](float x) { return std::isnan(x); });
+}
+
+// Mismatched shapes are programming errors: debug builds assert, release builds return NaN.
+TEST(AttentionDeathTest, MismatchedShapesAssertOrReturnNaN) {
+  const AttentionShape s{4, 2, 64};
+  const Rows rows = MakeRows(8, s, 1);
+  const std::vector<float> q = GaussianValues(4 * 64, 2);
+  const std::vector<float> short_q(4 * 64 - 1, 0.0f);
+  const RowCodec codec = MakeCodec(Config(QuantMethod::kUniform, 2, 0, ScaleDtype::kFp16), 64);
+  const PagedRows paged = Page(codec, s, rows, 8);
+  BlockLayout wrong_heads = paged.layout;
+  wrong_heads.kv_heads = 1;
+
+  AttentionOutput r;
+  EXPECT_DEBUG_DEATH(r = AttendBf16Rows(s, short_q, rows.k, rows.v, 8), "shapes do not agree");
+#ifdef NDEBUG
+  EXPECT_TRUE(AllNaN(r));
+#endif
+  EXPECT_DEBUG_DEATH(r = AttendBf16Rows(s, q, rows.k, rows.v, 9), "shapes do not agree");
+#ifdef NDEBUG
+  EXPECT_TRUE(AllNaN(r));
+#endif
+  EXPECT_DEBUG_DEATH(r = AttendBf16Rows(AttentionShape{3, 2, 64}, q, rows.k, rows.v, 8),
+                     "shapes do not agree");
+  EXPECT_DEBUG_DEATH(r = AttendBlocks(s, codec, wrong_heads, paged.blocks, 8, q), "do not agree");
+#ifdef NDEBUG
+  EXPECT_TRUE(AllNaN(r));
+#endif
+  EXPECT_DEBUG_DEATH(r = AttendBlocks(s, codec, paged.layout, paged.blocks, 17, q),
+                     "do not agree");  // needs 2 blocks, has 1
+#ifdef NDEBUG
+  EXPECT_TRUE(AllNaN(r));
+#endif
+  AttentionOutput acc;
+  const AttentionOutput bad{{1.0f}, {0.0f}};
+  EXPECT_DEBUG_DEATH(MergeAttention(s, bad, &acc), "do not match");
+#ifdef NDEBUG
+  EXPECT_TRUE(AllNaN(acc));
+#endif
+}
+
 // Conformance with the OSCAR reference kernel's mixed-precision decode attention.
 class OscarFixtureTest : public ::testing::Test {
  protected:
