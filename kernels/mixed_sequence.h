@@ -18,7 +18,7 @@
 //   MixedSequenceLayout seq(TierConfig{64, 256, 16});
 //   AppendPlan plan = *seq.PlanAppend(5000, AppendKind::kFinalPrefill);
 //   ... move plan.to_sink / to_history / to_recent input tokens, demote plan.demote ...
-//   seq.Commit(plan);
+//   seq.Commit(plan, AppendKind::kFinalPrefill);
 #pragma once
 
 #include "absl/status/statusor.h"
@@ -42,7 +42,10 @@ enum class AppendKind { kPrefill, kFinalPrefill, kDecode };
 // input tokens are taken in order: the first `to_sink` go to the sink, the next `to_history`
 // are quantized into the history, the last `to_recent` join the recent window. Before those
 // join, the `demote` OLDEST recent tokens (already stored) move to the history, in order,
-// appended after the existing history and BEFORE the input's history tokens... (see Commit).
+// appended after the existing history and BEFORE the input's history tokens. So after Commit:
+// history = old history + demoted recent tokens + input history tokens, in token order. Only
+// decode demotes; with W = 0 the decode token completing a batch is itself a history token
+// (demote = B - 1, to_history = 1, to_recent = 0).
 struct AppendPlan {
   int to_sink = 0;
   int to_history = 0;
@@ -63,9 +66,11 @@ class MixedSequenceLayout {
 
   // What appending `tokens` tokens of `kind` would do; changes nothing.
   // InvalidArgument for tokens < 1 (or != 1 for decode); FailedPrecondition for a prefill after
-  // the final prefill chunk, or a decode token before it.
+  // the final prefill chunk, or a decode token before it. Also InvalidArgument for a TierConfig
+  // with negative sizes or demotion_batch < 1, OutOfRange when the total would overflow int.
   absl::StatusOr<AppendPlan> PlanAppend(int tokens, AppendKind kind) const;
-  // Applies a plan returned by PlanAppend on this same state.
+  // Applies a plan returned by PlanAppend on this same state with the same kind (debug builds
+  // assert that it fits). kFinalPrefill marks the prefill done.
   void Commit(const AppendPlan& plan, AppendKind kind);
 
  private:
