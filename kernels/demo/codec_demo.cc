@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@ namespace kvpool {
 namespace {
 
 constexpr int kQHeads = 64, kKvHeads = 8, kHeadDim = 128;
+constexpr double kQueryFocus = 0.3;  // query norm relative to sqrt(D) / |aimed keys|
 
 struct DemoCase {
   std::string name;
@@ -117,7 +119,22 @@ int Main(int tokens) {
   // BF16 is what the prefill worker sends: round the inputs once so BF16 is the baseline.
   for (float& x : k) x = Bf16::FromFloat(x).ToFloat();
   for (float& x : v) x = Bf16::FromFloat(x).ToFloat();
-  const std::vector<float> q = testing::GaussianValues(size_t{kQHeads} * kHeadDim, 3, 0.3f);
+  // Queries that, like real ones, put much of their mass on a few tokens: each head aims at the
+  // sum of a few keys of its KV head, plus noise.
+  std::vector<float> q = testing::GaussianValues(size_t{kQHeads} * kHeadDim, 3, 0.1f);
+  std::mt19937_64 rng(5);
+  for (int j = 0; j < kQHeads; ++j) {
+    const int kv = j / (kQHeads / kKvHeads);
+    std::vector<float> aim(kHeadDim, 0.0f);
+    for (int i = 0; i < 3; ++i) {
+      const size_t t = rng() % tokens;
+      for (int d = 0; d < kHeadDim; ++d) aim[d] += k[(t * kKvHeads + kv) * kHeadDim + d];
+    }
+    double norm = 0;
+    for (float x : aim) norm += double(x) * x;
+    const float scale = static_cast<float>(kQueryFocus * std::sqrt(double(kHeadDim)) / std::sqrt(norm));
+    for (int d = 0; d < kHeadDim; ++d) q[j * kHeadDim + d] += scale * aim[d];
+  }
   const AttentionShape shape{kQHeads, kKvHeads, kHeadDim};
   const AttentionOutput reference = DenseAttentionReference(shape, q, k, v, tokens);
 

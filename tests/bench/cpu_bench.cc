@@ -81,7 +81,7 @@ void BM_RotateClipQuantize(benchmark::State& state) {
       testing::ToBf16(testing::RealLikeRows(static_cast<int>(rows), kHeadDim, 2));
   std::vector<Bf16> rotated(rows * kHeadDim);
   std::vector<uint8_t> blocks(layout.block_bytes() * (kIngestTokens / layout.tokens));
-  const size_t block_rows = size_t{layout.tokens} * kKvHeads * kHeadDim;
+  const size_t block_rows = static_cast<size_t>(layout.tokens) * kKvHeads * kHeadDim;
   for (auto _ : state) {
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       const std::vector<Bf16>& in = t == KvTensor::kKey ? k_in : v_in;
