@@ -155,11 +155,11 @@ void BM_AttentionBf16(benchmark::State& state) {
                                   benchmark::Counter::kInvert);
 }
 
-BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->MinTime(0.5);
-BENCHMARK(BM_Sgemm1024)->Unit(benchmark::kMillisecond)->MinTime(0.5);
-BENCHMARK(BM_RotateClipQuantize)->Unit(benchmark::kMillisecond)->MinTime(0.5);
-BENCHMARK(BM_AttentionInt2)->Unit(benchmark::kMillisecond)->MinTime(0.5);
-BENCHMARK(BM_AttentionBf16)->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+BENCHMARK(BM_Sgemm1024)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+BENCHMARK(BM_RotateClipQuantize)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+BENCHMARK(BM_AttentionInt2)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+BENCHMARK(BM_AttentionBf16)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
 
 // Keeps every run's counters so the report can pair each result with its baseline.
 class CollectingReporter : public benchmark::ConsoleReporter {
