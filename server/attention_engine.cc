@@ -1,0 +1,172 @@
+#include "server/attention_engine.h"
+
+#include <atomic>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+
+namespace kvpool::server {
+
+struct AttentionEngine::Batch {
+  TenantId tenant;
+  std::shared_ptr<const Model> model;
+  int layer = 0;
+  std::vector<AttentionQuery> queries;
+  std::vector<std::unique_ptr<SequenceSnapshot>> snapshots;
+  std::vector<size_t> row_offset;  // first query row of each sequence in `rotated_q`
+  std::vector<float> rotated_q;    // all queries, rotated, [rows][head_dim]
+  std::vector<float> out;          // all outputs, rotated basis, same shape
+  std::vector<AttentionResult> results;
+  std::atomic<size_t> pending{0};
+  AttentionDone done;
+};
+
+absl::Status AttentionEngine::Validate(const Model& model, int layer,
+                                       const std::vector<AttentionQuery>& queries) {
+  if (layer < 0 || layer >= model.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", model.num_layers, ")"));
+  }
+  if (queries.empty()) return absl::InvalidArgumentError("attention batch is empty");
+  const size_t per_query = static_cast<size_t>(model.q_heads) * model.head_dim;
+  for (const AttentionQuery& q : queries) {
+    if (q.num_queries < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence '", q.sequence_id, "': num_queries must be >= 1"));
+    }
+    if (q.q.size() != per_query * q.num_queries) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence '", q.sequence_id, "': q must hold num_queries x q_heads x head_dim = ",
+          q.num_queries, " x ", model.q_heads, " x ", model.head_dim, " values, got ", q.q.size()));
+    }
+    for (float x : q.q) {
+      if (!std::isfinite(x)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence '", q.sequence_id, "': q contains NaN or Inf"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionEngine::Prepare(Batch* b) {
+  const Model& m = *b->model;
+  const int layer_list[1] = {b->layer};
+  size_t rows = 0;
+  for (const AttentionQuery& q : b->queries) {
+    KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
+                            store_->Snapshot(b->tenant, q.sequence_id, layer_list));
+    if (snap->model().id != m.id || snap->model().version != m.version) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence '", q.sequence_id,
+                                                     "' belongs to model '", snap->model().id,
+                                                     "', not '", m.id, "'"));
+    }
+    b->snapshots.push_back(std::move(snap));
+    b->row_offset.push_back(rows);
+    rows += static_cast<size_t>(q.num_queries) * m.q_heads;
+  }
+  // One batched rotation for every query row of the request.
+  std::vector<float> q_all;
+  q_all.reserve(rows * m.head_dim);
+  for (const AttentionQuery& q : b->queries) q_all.insert(q_all.end(), q.q.begin(), q.q.end());
+  b->rotated_q.resize(q_all.size());
+  KVPOOL_RETURN_IF_ERROR(backend_->RotateFloat(m.codec.rotations, b->layer, KvTensor::kKey, q_all,
+                                               absl::MakeSpan(b->rotated_q)));
+  b->out.assign(q_all.size(), 0.0f);
+  b->results.resize(b->queries.size());
+  return absl::OkStatus();
+}
+
+void AttentionEngine::AttendOne(Batch* b, size_t i) {
+  const Model& m = *b->model;
+  const SequenceSnapshot& snap = *b->snapshots[i];
+  const AttentionShape shape{m.q_heads, m.kv_heads, m.head_dim};
+  const SequenceTiers tiers = snap.Tiers(0);
+  const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
+  AttentionResult& r = b->results[i];
+  r.sequence_id = b->queries[i].sequence_id;
+  r.attended_tokens = snap.total();
+  r.lse.resize(static_cast<size_t>(b->queries[i].num_queries) * m.q_heads);
+  for (int j = 0; j < b->queries[i].num_queries; ++j) {
+    const size_t at = (b->row_offset[i] + static_cast<size_t>(j) * m.q_heads) * m.head_dim;
+    AttentionOutput o = backend_->Attend(shape, m.row_codec, m.block_layout, tiers,
+                                         absl::MakeConstSpan(b->rotated_q).subspan(at, per_query));
+    std::copy(o.out.begin(), o.out.end(), b->out.begin() + at);
+    std::copy(o.lse.begin(), o.lse.end(), r.lse.begin() + static_cast<size_t>(j) * m.q_heads);
+  }
+}
+
+absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Finish(Batch* b) {
+  const Model& m = *b->model;
+  std::vector<float> unrotated(b->out.size());
+  KVPOOL_RETURN_IF_ERROR(backend_->UnrotateFloat(m.codec.rotations, b->layer, KvTensor::kValue,
+                                                 b->out, absl::MakeSpan(unrotated)));
+  const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
+  for (size_t i = 0; i < b->results.size(); ++i) {
+    const size_t at = b->row_offset[i] * m.head_dim;
+    const size_t n = per_query * b->queries[i].num_queries;
+    b->results[i].out.assign(unrotated.begin() + at, unrotated.begin() + at + n);
+  }
+  b->snapshots.clear();  // drop page references before answering
+  return std::move(b->results);
+}
+
+absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Run(
+    const TenantId& tenant, std::shared_ptr<const Model> model, int layer,
+    std::vector<AttentionQuery> queries) {
+  KVPOOL_RETURN_IF_ERROR(Validate(*model, layer, queries));
+  Batch b;
+  b.tenant = tenant;
+  b.model = std::move(model);
+  b.layer = layer;
+  b.queries = std::move(queries);
+  KVPOOL_RETURN_IF_ERROR(Prepare(&b));
+  for (size_t i = 0; i < b.queries.size(); ++i) AttendOne(&b, i);
+  return Finish(&b);
+}
+
+absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<const Model> model,
+                                    int layer, std::vector<AttentionQuery> queries,
+                                    AttentionDone done) {
+  KVPOOL_RETURN_IF_ERROR(Validate(*model, layer, queries));
+  auto b = std::make_shared<Batch>();
+  b->tenant = tenant;
+  b->model = std::move(model);
+  b->layer = layer;
+  b->queries = std::move(queries);
+  b->done = std::move(done);
+  if (workers_ == nullptr) {
+    b->done(Run(b->tenant, b->model, b->layer, std::move(b->queries)));
+    return absl::OkStatus();
+  }
+  auto finish_one = [this, b]() {
+    // The last sequence to finish un-rotates everything and answers.
+    if (b->pending.fetch_sub(1) == 1) b->done(Finish(b.get()));
+  };
+  const bool queued = workers_->TrySubmit([this, b, finish_one]() {
+    if (absl::Status s = Prepare(b.get()); !s.ok()) {
+      b->snapshots.clear();
+      b->done(s);
+      return;
+    }
+    const size_t n = b->queries.size();
+    b->pending.store(n);
+    // Sequences 1..n-1 go to other workers (never refused: the request was admitted);
+    // this worker takes sequence 0.
+    for (size_t i = 1; i < n; ++i) {
+      workers_->Submit([this, b, i, finish_one]() {
+        AttendOne(b.get(), i);
+        finish_one();
+      });
+    }
+    AttendOne(b.get(), 0);
+    finish_one();
+  });
+  if (!queued) {
+    return absl::ResourceExhaustedError("server busy: worker queue full, retry later");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool::server

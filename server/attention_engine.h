@@ -1,0 +1,80 @@
+// AttentionEngine: remote decode attention for a batch of sequences of one model and one layer.
+//
+// Per request: snapshot every sequence's layer (references keep its pages alive), rotate all
+// queries with M_K in one batched call, attend each sequence over its BF16 sink + recent rows and
+// its INT2 history (backend Attend: per-tier passes merged exactly through the log-sum-exp) in
+// parallel on the worker pool, then un-rotate all outputs with M_V^T in one batched call. The
+// output is in the engine's original basis with the natural-log LSE per query head.
+//
+//   AttentionEngine engine(&store, backend.get(), &workers);
+//   KVPOOL_RETURN_IF_ERROR(engine.Start(tenant, model, /*layer=*/3, std::move(queries),
+//       [](absl::StatusOr<std::vector<AttentionResult>> r) { ... }));   // runs on a worker
+//   auto results = engine.Run(tenant, model, 3, queries);                 // same, on this thread
+//
+// Thread-safe.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/backend.h"
+#include "server/model_registry.h"
+#include "server/sequence_store.h"
+#include "server/worker_pool.h"
+
+namespace kvpool::server {
+
+struct AttentionQuery {
+  std::string sequence_id;
+  int num_queries = 1;
+  std::vector<float> q;  // [num_queries][q_heads][head_dim], unrotated
+};
+
+struct AttentionResult {
+  std::string sequence_id;
+  std::vector<float> out;  // [num_queries][q_heads][head_dim], original basis
+  std::vector<float> lse;  // [num_queries][q_heads], natural log; -inf for no tokens
+  int attended_tokens = 0;
+};
+
+using AttentionDone = std::function<void(absl::StatusOr<std::vector<AttentionResult>>)>;
+
+class AttentionEngine {
+ public:
+  // `workers` may be null: everything then runs on the calling thread.
+  AttentionEngine(SequenceStore* store, ComputeBackend* backend, WorkerPool* workers)
+      : store_(store), backend_(backend), workers_(workers) {}
+
+  // Checks shapes and values of the request (InvalidArgument), then queues the work; `done`
+  // is called exactly once, on a worker thread, with the results in request order or the first
+  // error (NotFound for an unknown sequence, InvalidArgument for one of another model).
+  // ResourceExhausted when the worker queue is full (`done` is then not called).
+  [[nodiscard]] absl::Status Start(const TenantId& tenant, std::shared_ptr<const Model> model,
+                                   int layer, std::vector<AttentionQuery> queries,
+                                   AttentionDone done);
+
+  // The same computation on the calling thread.
+  [[nodiscard]] absl::StatusOr<std::vector<AttentionResult>> Run(
+      const TenantId& tenant, std::shared_ptr<const Model> model, int layer,
+      std::vector<AttentionQuery> queries);
+
+  // Validation alone (shapes, finiteness, layer range).
+  [[nodiscard]] static absl::Status Validate(const Model& model, int layer,
+                                             const std::vector<AttentionQuery>& queries);
+
+ private:
+  struct Batch;
+  absl::Status Prepare(Batch* batch);
+  void AttendOne(Batch* batch, size_t i);
+  absl::StatusOr<std::vector<AttentionResult>> Finish(Batch* batch);
+
+  SequenceStore* const store_;
+  ComputeBackend* const backend_;
+  WorkerPool* const workers_;
+};
+
+}  // namespace kvpool::server

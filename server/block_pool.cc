@@ -1,0 +1,201 @@
+#include "server/block_pool.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvpool::server {
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(std::unique_ptr<Arena> arena,
+                                                             size_t slab_bytes) {
+  if (arena == nullptr) return absl::InvalidArgumentError("BlockPool needs an arena");
+  if (slab_bytes == 0 || slab_bytes % 64 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slab size must be a positive multiple of 64, got ", slab_bytes));
+  }
+  const size_t num_slabs = arena->size() / slab_bytes;
+  if (num_slabs == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pool of ", arena->size(), " bytes is smaller than one slab of ", slab_bytes, " bytes"));
+  }
+  // Slab index lives in 16 bits of a PageId (0xffff is reserved for kInvalidPage).
+  if (num_slabs >= 0xffff) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pool has ", num_slabs, " slabs; at most 65534 are addressable: raise --slab_bytes"));
+  }
+  return std::unique_ptr<BlockPool>(new BlockPool(std::move(arena), slab_bytes, num_slabs));
+}
+
+BlockPool::BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num_slabs)
+    : arena_(std::move(arena)),
+      base_(arena_->data()),
+      slab_bytes_(slab_bytes),
+      num_slabs_(num_slabs),
+      slab_page_bytes_(num_slabs, 0),
+      slabs_(num_slabs) {
+  for (size_t i = 0; i < num_slabs; ++i) free_slabs_.insert(static_cast<int>(i));
+}
+
+absl::StatusOr<PageClassId> BlockPool::RegisterClass(size_t page_bytes) {
+  if (page_bytes == 0 || page_bytes % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page size must be a positive multiple of 16, got ", page_bytes));
+  }
+  if (page_bytes > slab_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("page of ", page_bytes,
+                                                   " bytes does not fit a slab of ", slab_bytes_,
+                                                   " bytes (raise --slab_bytes)"));
+  }
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < classes_.size(); ++i) {
+    if (classes_[i].page_bytes == page_bytes) return static_cast<PageClassId>(i);
+  }
+  PageClass c;
+  c.page_bytes = page_bytes;
+  c.pages_per_slab = std::min<size_t>(slab_bytes_ / page_bytes, 0x10000);
+  classes_.push_back(std::move(c));
+  return static_cast<PageClassId>(classes_.size() - 1);
+}
+
+size_t BlockPool::ClassPageBytes(PageClassId cls) const {
+  absl::MutexLock lock(&mu_);
+  return classes_.at(cls).page_bytes;
+}
+
+absl::Status BlockPool::Allocate(PageClassId cls, size_t count, std::vector<PageId>* out) {
+  absl::MutexLock lock(&mu_);
+  if (cls < 0 || static_cast<size_t>(cls) >= classes_.size()) {
+    return absl::InternalError(absl::StrCat("unknown page class ", cls));
+  }
+  if (count == 0) return absl::OkStatus();
+  PageClass& c = classes_[cls];
+  // Check capacity first so that a failure changes nothing.
+  size_t available = free_slabs_.size() * c.pages_per_slab;
+  for (int s : c.slabs_with_free) available += slabs_[s].free_slots.size();
+  if (available < count) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "block pool exhausted: need ", count, " pages of ", c.page_bytes, " bytes, ", available,
+        " available (", used_bytes_, " of ", capacity_bytes(), " bytes in use)"));
+  }
+  out->reserve(out->size() + count);
+  for (size_t i = 0; i < count; ++i) {
+    if (c.slabs_with_free.empty()) {
+      const int s = *free_slabs_.begin();
+      free_slabs_.erase(free_slabs_.begin());
+      Slab& slab = slabs_[s];
+      slab.cls = cls;
+      slab.page_bytes = c.page_bytes;
+      slab.refcounts.assign(c.pages_per_slab, 0);
+      slab.free_slots.resize(c.pages_per_slab);
+      // Pop from the back: hand out low slots first.
+      for (size_t k = 0; k < c.pages_per_slab; ++k) {
+        slab.free_slots[k] = static_cast<uint16_t>(c.pages_per_slab - 1 - k);
+      }
+      slab.in_use = 0;
+      slab_page_bytes_[s] = c.page_bytes;
+      ++c.slabs;
+      c.slabs_with_free.insert(s);
+    }
+    const int s = *c.slabs_with_free.begin();
+    Slab& slab = slabs_[s];
+    const uint16_t slot = slab.free_slots.back();
+    slab.free_slots.pop_back();
+    slab.refcounts[slot] = 1;
+    ++slab.in_use;
+    if (slab.free_slots.empty()) c.slabs_with_free.erase(s);
+    out->push_back((static_cast<PageId>(s) << 16) | slot);
+  }
+  c.pages_in_use += count;
+  used_bytes_ += count * c.page_bytes;
+  return absl::OkStatus();
+}
+
+BlockPool::Slab& BlockPool::SlabOf(PageId page) { return slabs_[page >> 16]; }
+
+void BlockPool::Ref(PageId page) {
+  absl::MutexLock lock(&mu_);
+  ++SlabOf(page).refcounts[page & 0xffffu];
+}
+
+void BlockPool::RefAll(absl::Span<const PageId> pages) {
+  absl::MutexLock lock(&mu_);
+  for (PageId p : pages) ++SlabOf(p).refcounts[p & 0xffffu];
+}
+
+size_t BlockPool::UnrefLocked(PageId page) {
+  const int s = static_cast<int>(page >> 16);
+  Slab& slab = slabs_[s];
+  const uint16_t slot = static_cast<uint16_t>(page & 0xffffu);
+  uint32_t& rc = slab.refcounts[slot];
+  if (rc == 0) return 0;  // a double free is a bug; never corrupt the free lists for it
+  if (--rc > 0) return 0;
+  PageClass& c = classes_[slab.cls];
+  const bool was_full = slab.free_slots.empty();
+  slab.free_slots.push_back(slot);
+  --slab.in_use;
+  --c.pages_in_use;
+  used_bytes_ -= c.page_bytes;
+  if (slab.in_use == 0) {
+    // Whole slab free: give it back so that any class can use it.
+    c.slabs_with_free.erase(s);
+    --c.slabs;
+    slab.cls = -1;
+    slab.free_slots.clear();
+    slab.free_slots.shrink_to_fit();
+    slab.refcounts.clear();
+    slab.refcounts.shrink_to_fit();
+    free_slabs_.insert(s);
+  } else if (was_full) {
+    c.slabs_with_free.insert(s);
+  }
+  return c.page_bytes;
+}
+
+size_t BlockPool::Unref(PageId page) {
+  absl::MutexLock lock(&mu_);
+  return UnrefLocked(page);
+}
+
+size_t BlockPool::UnrefAll(absl::Span<const PageId> pages) {
+  absl::MutexLock lock(&mu_);
+  size_t freed = 0;
+  for (PageId p : pages) freed += UnrefLocked(p);
+  return freed;
+}
+
+int BlockPool::RefCount(PageId page) const {
+  absl::MutexLock lock(&mu_);
+  const Slab& slab = slabs_[page >> 16];
+  const size_t slot = page & 0xffffu;
+  return slot < slab.refcounts.size() ? static_cast<int>(slab.refcounts[slot]) : 0;
+}
+
+size_t BlockPool::PageBytes(PageId page) const { return slab_page_bytes_[page >> 16]; }
+
+size_t BlockPool::used_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return used_bytes_;
+}
+
+BlockPoolStats BlockPool::Stats() const {
+  absl::MutexLock lock(&mu_);
+  BlockPoolStats st;
+  st.capacity_bytes = capacity_bytes();
+  st.slab_bytes = slab_bytes_;
+  st.slabs_total = num_slabs_;
+  st.slabs_in_use = num_slabs_ - free_slabs_.size();
+  st.used_bytes = used_bytes_;
+  for (const PageClass& c : classes_) {
+    st.classes.push_back({c.page_bytes, c.pages_in_use, c.slabs});
+    st.pages_in_use += c.pages_in_use;
+  }
+  for (const Slab& slab : slabs_) {
+    if (slab.cls < 0) continue;
+    for (uint32_t rc : slab.refcounts) {
+      if (rc > 1) st.shared_bytes += slab.page_bytes;
+    }
+  }
+  return st;
+}
+
+}  // namespace kvpool::server

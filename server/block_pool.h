@@ -1,0 +1,135 @@
+// BlockPool: kvpoold's memory, one arena carved into fixed-size pages with reference counts.
+//
+// The arena (host memory from the backend) is split into equal slabs. A slab is assigned to one
+// page class (a page size: a model's INT2 block, or its BF16 page) on demand and handed back when
+// all its pages are free, so models with different block sizes share one arena without
+// fragmenting it below slab granularity. Pages are reference counted: Allocate returns pages
+// with count 1, Ref/Unref adjust it and a page returns to its slab's free list at 0. Accounting
+// is exact: used bytes are always the sum of live pages' sizes.
+//
+//   auto pool = BlockPool::Create(std::move(arena), /*slab_bytes=*/4 << 20);
+//   PageClassId cls = *(*pool)->RegisterClass(layout.block_bytes());
+//   std::vector<PageId> pages;
+//   KVPOOL_RETURN_IF_ERROR((*pool)->Allocate(cls, 10, &pages));  // all or nothing
+//   uint8_t* data = (*pool)->Data(pages[0]);
+//   (*pool)->UnrefAll(pages);                                     // frees them
+//
+// Thread-safe: every method may be called concurrently. Data() is lock-free (pure arithmetic).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "server/backend.h"
+
+namespace kvpool::server {
+
+// A page: slab index in the high bits, slot in the slab in the low 16 bits.
+using PageId = uint32_t;
+using PageClassId = int;
+
+inline constexpr PageId kInvalidPage = 0xffffffffu;
+
+struct PageClassStats {
+  size_t page_bytes = 0;
+  size_t pages_in_use = 0;
+  size_t slabs = 0;
+};
+
+struct BlockPoolStats {
+  size_t capacity_bytes = 0;
+  size_t slab_bytes = 0;
+  size_t slabs_total = 0;
+  size_t slabs_in_use = 0;
+  size_t used_bytes = 0;    // sum of live pages' sizes
+  size_t shared_bytes = 0;  // of those, pages with a reference count > 1
+  size_t pages_in_use = 0;
+  std::vector<PageClassStats> classes;
+};
+
+class BlockPool {
+ public:
+  // Takes the arena; slab_bytes must be a multiple of 64 and at most the arena size.
+  // InvalidArgument otherwise.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(std::unique_ptr<Arena> arena,
+                                                           size_t slab_bytes);
+
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // The class for pages of `page_bytes` (a multiple of 16, at most slab_bytes); classes of equal
+  // size are one class. InvalidArgument when the size does not fit.
+  [[nodiscard]] absl::StatusOr<PageClassId> RegisterClass(size_t page_bytes);
+  size_t ClassPageBytes(PageClassId cls) const;
+
+  // Appends `count` fresh pages of `cls` (reference count 1, contents unspecified) to `out`.
+  // All or nothing: ResourceExhausted leaves the pool and `out` unchanged.
+  [[nodiscard]] absl::Status Allocate(PageClassId cls, size_t count, std::vector<PageId>* out);
+
+  void Ref(PageId page);
+  void RefAll(absl::Span<const PageId> pages);
+  // Drops one reference; the page is free at zero. Returns the bytes freed (0 or page size).
+  size_t Unref(PageId page);
+  size_t UnrefAll(absl::Span<const PageId> pages);
+  int RefCount(PageId page) const;
+  size_t PageBytes(PageId page) const;
+
+  // Start of the page's bytes in the arena.
+  uint8_t* Data(PageId page) const {
+    return base_ + static_cast<size_t>(page >> 16) * slab_bytes_ + slot_offsets_(page);
+  }
+
+  BlockPoolStats Stats() const;
+  size_t capacity_bytes() const { return num_slabs_ * slab_bytes_; }
+  size_t slab_bytes() const { return slab_bytes_; }
+  size_t used_bytes() const;
+  const Arena& arena() const { return *arena_; }
+
+ private:
+  struct Slab {
+    PageClassId cls = -1;
+    size_t page_bytes = 0;  // cached for Data()
+    std::vector<uint16_t> free_slots;
+    std::vector<uint32_t> refcounts;  // per slot; 0 = free
+    size_t in_use = 0;
+  };
+  struct PageClass {
+    size_t page_bytes = 0;
+    size_t pages_per_slab = 0;
+    size_t pages_in_use = 0;
+    size_t slabs = 0;
+    std::set<int> slabs_with_free;  // lowest index first: keeps usage compact
+  };
+
+  BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num_slabs);
+  size_t slot_offsets_(PageId page) const {
+    return static_cast<size_t>(page & 0xffffu) * slab_page_bytes_[page >> 16];
+  }
+  Slab& SlabOf(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t UnrefLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::unique_ptr<Arena> arena_;
+  uint8_t* base_;
+  const size_t slab_bytes_;
+  const size_t num_slabs_;
+  // Page size of each slab, read without the lock by Data(): an entry is written only while its
+  // slab is assigned, before any page of it is handed out (under mu_, which the caller that got
+  // the page id also went through).
+  std::vector<size_t> slab_page_bytes_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Slab> slabs_ ABSL_GUARDED_BY(mu_);
+  std::vector<PageClass> classes_ ABSL_GUARDED_BY(mu_);
+  std::set<int> free_slabs_ ABSL_GUARDED_BY(mu_);
+  size_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvpool::server

@@ -1,0 +1,134 @@
+#include "server/block_pool.h"
+
+#include <algorithm>
+#include <set>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "server/cpu_backend.h"
+
+namespace kvpool::server {
+namespace {
+
+constexpr size_t kSlab = 64 * 1024;
+
+std::unique_ptr<BlockPool> MakePool(size_t slabs) {
+  auto arena = NewHostArena(slabs * kSlab);
+  EXPECT_TRUE(arena.ok());
+  auto pool = BlockPool::Create(*std::move(arena), kSlab);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return *std::move(pool);
+}
+
+TEST(BlockPoolTest, RejectsBadGeometry) {
+  EXPECT_FALSE(BlockPool::Create(*NewHostArena(1024), kSlab).ok());  // smaller than a slab
+  EXPECT_FALSE(BlockPool::Create(*NewHostArena(kSlab), 100).ok());   // not a multiple of 64
+  auto pool = MakePool(2);
+  EXPECT_FALSE(pool->RegisterClass(0).ok());
+  EXPECT_FALSE(pool->RegisterClass(24).ok());          // not 16-aligned
+  EXPECT_FALSE(pool->RegisterClass(kSlab + 16).ok());  // larger than a slab
+}
+
+TEST(BlockPoolTest, ClassesOfEqualSizeAreOne) {
+  auto pool = MakePool(2);
+  EXPECT_EQ(*pool->RegisterClass(1024), *pool->RegisterClass(1024));
+  EXPECT_NE(*pool->RegisterClass(1024), *pool->RegisterClass(2048));
+}
+
+TEST(BlockPoolTest, AccountsExactlyAndFreesOnLastUnref) {
+  auto pool = MakePool(4);
+  const PageClassId cls = *pool->RegisterClass(4096);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(cls, 20, &pages).ok());
+  ASSERT_EQ(pages.size(), 20u);
+  EXPECT_EQ(pool->used_bytes(), 20u * 4096);
+  EXPECT_EQ(std::set<PageId>(pages.begin(), pages.end()).size(), 20u);
+  // Pages do not overlap and stay inside the arena.
+  std::vector<uint8_t*> starts;
+  for (PageId p : pages) starts.push_back(pool->Data(p));
+  std::sort(starts.begin(), starts.end());
+  for (size_t i = 1; i < starts.size(); ++i) EXPECT_GE(starts[i] - starts[i - 1], 4096);
+  EXPECT_GE(starts.front(), pool->arena().data());
+  EXPECT_LE(starts.back() + 4096, pool->arena().data() + pool->arena().size());
+
+  pool->Ref(pages[0]);
+  EXPECT_EQ(pool->RefCount(pages[0]), 2);
+  EXPECT_EQ(pool->Unref(pages[0]), 0u);  // still referenced
+  EXPECT_EQ(pool->used_bytes(), 20u * 4096);
+  EXPECT_EQ(pool->Unref(pages[0]), 4096u);
+  EXPECT_EQ(pool->RefCount(pages[0]), 0);
+  EXPECT_EQ(pool->used_bytes(), 19u * 4096);
+  EXPECT_EQ(pool->UnrefAll(absl::MakeConstSpan(pages).subspan(1)), 19u * 4096);
+  const BlockPoolStats st = pool->Stats();
+  EXPECT_EQ(st.used_bytes, 0u);
+  EXPECT_EQ(st.slabs_in_use, 0u);  // empty slabs go back to the arena
+}
+
+TEST(BlockPoolTest, AllocationIsAllOrNothing) {
+  auto pool = MakePool(2);  // 2 slabs x 16 pages of 4 KiB
+  const PageClassId cls = *pool->RegisterClass(4096);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(cls, 30, &pages).ok());
+  const absl::Status s = pool->Allocate(cls, 3, &pages);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_EQ(pages.size(), 30u);
+  EXPECT_EQ(pool->used_bytes(), 30u * 4096);
+  ASSERT_TRUE(pool->Allocate(cls, 2, &pages).ok());
+  pool->UnrefAll(pages);
+  EXPECT_EQ(pool->used_bytes(), 0u);
+}
+
+TEST(BlockPoolTest, SlabsMoveBetweenClasses) {
+  auto pool = MakePool(2);
+  const PageClassId small = *pool->RegisterClass(1024);
+  const PageClassId large = *pool->RegisterClass(kSlab);
+  std::vector<PageId> a, b;
+  ASSERT_TRUE(pool->Allocate(small, 64, &a).ok());  // one whole slab
+  ASSERT_TRUE(pool->Allocate(large, 1, &b).ok());   // the other
+  EXPECT_TRUE(absl::IsResourceExhausted(pool->Allocate(large, 1, &b)));
+  pool->UnrefAll(a);                               // the small class's slab is free again ...
+  ASSERT_TRUE(pool->Allocate(large, 1, &b).ok());  // ... and serves the large class
+  EXPECT_EQ(pool->used_bytes(), 2 * kSlab);
+  pool->UnrefAll(b);
+  EXPECT_EQ(pool->used_bytes(), 0u);
+}
+
+TEST(BlockPoolTest, SharedBytesCountPagesWithSeveralOwners) {
+  auto pool = MakePool(1);
+  const PageClassId cls = *pool->RegisterClass(2048);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(cls, 3, &pages).ok());
+  pool->Ref(pages[1]);
+  EXPECT_EQ(pool->Stats().shared_bytes, 2048u);
+  pool->Unref(pages[1]);
+  EXPECT_EQ(pool->Stats().shared_bytes, 0u);
+  pool->UnrefAll(pages);
+}
+
+TEST(BlockPoolTest, ConcurrentAllocateAndFreeKeepExactAccounting) {
+  auto pool = MakePool(16);
+  const PageClassId a = *pool->RegisterClass(1024);
+  const PageClassId b = *pool->RegisterClass(4096);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      const PageClassId cls = t % 2 == 0 ? a : b;
+      for (int i = 0; i < 300; ++i) {
+        std::vector<PageId> pages;
+        if (!pool->Allocate(cls, 1 + (i % 7), &pages).ok()) continue;
+        for (PageId p : pages) pool->Data(p)[0] = static_cast<uint8_t>(t);
+        pool->RefAll(pages);
+        pool->UnrefAll(pages);
+        pool->UnrefAll(pages);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const BlockPoolStats st = pool->Stats();
+  EXPECT_EQ(st.used_bytes, 0u);
+  EXPECT_EQ(st.pages_in_use, 0u);
+  EXPECT_EQ(st.slabs_in_use, 0u);
+}
+
+}  // namespace
+}  // namespace kvpool::server

@@ -1,0 +1,196 @@
+#include "server/prefix_index.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_set.h"
+
+namespace kvpool::server {
+namespace {
+
+void PutU32(std::string* out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+void PutString(std::string* out, const std::string& s) {
+  PutU32(out, static_cast<uint32_t>(s.size()));
+  out->append(s);
+}
+
+}  // namespace
+
+PrefixUnitKey PrefixUnitRange(const PrefixContext& ctx, int index) {
+  PrefixUnitKey key;
+  if (ctx.sink_tokens > 0 && index == 0) {
+    key.kind = PrefixUnitKind::kSink;
+    key.token_start = 0;
+    key.token_count = ctx.sink_tokens;
+    return key;
+  }
+  const int block = ctx.sink_tokens > 0 ? index - 1 : index;
+  key.kind = PrefixUnitKind::kBlock;
+  key.token_start = ctx.sink_tokens + block * ctx.block_tokens;
+  key.token_count = ctx.block_tokens;
+  return key;
+}
+
+PrefixHash HashPrefixUnit(const PrefixContext& ctx, const PrefixHash& parent, PrefixUnitKind kind,
+                          absl::Span<const uint32_t> tokens) {
+  std::string buf;
+  buf.reserve(64 + ctx.tenant.size() + ctx.model_id.size() + 32 * 2 + tokens.size() * 4);
+  buf.append("kvpool-prefix", 13);
+  buf.push_back('\0');
+  PutString(&buf, ctx.tenant);
+  PutString(&buf, ctx.model_id);
+  buf.append(reinterpret_cast<const char*>(ctx.codec_version.data()), ctx.codec_version.size());
+  buf.append(reinterpret_cast<const char*>(parent.data()), parent.size());
+  PutU32(&buf, static_cast<uint32_t>(kind));
+  PutU32(&buf, static_cast<uint32_t>(tokens.size()));
+  for (uint32_t t : tokens) PutU32(&buf, t);
+  return Sha256(buf.data(), buf.size());
+}
+
+std::vector<PrefixUnitKey> ComputePrefixChain(const PrefixContext& ctx,
+                                              absl::Span<const uint32_t> token_ids) {
+  std::vector<PrefixUnitKey> chain;
+  PrefixHash parent{};
+  for (int i = 0;; ++i) {
+    PrefixUnitKey key = PrefixUnitRange(ctx, i);
+    if (key.token_count <= 0) break;
+    const size_t end = static_cast<size_t>(key.token_start) + key.token_count;
+    if (end > token_ids.size()) break;
+    key.hash =
+        HashPrefixUnit(ctx, parent, key.kind, token_ids.subspan(key.token_start, key.token_count));
+    parent = key.hash;
+    chain.push_back(key);
+  }
+  return chain;
+}
+
+std::string PrefixHashHex(const PrefixHash& h) { return ToHex(h); }
+
+PrefixIndex::~PrefixIndex() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [hash, e] : entries_) pool_->UnrefAll(e.pages);
+  entries_.clear();
+  lru_.clear();
+}
+
+bool PrefixIndex::Publish(const PrefixContext& ctx, const PrefixUnitKey& key,
+                          const PrefixHash& parent, absl::Span<const PageId> pages) {
+  absl::MutexLock lock(&mu_);
+  if (entries_.contains(key.hash)) return false;
+  const bool first = key.token_start == 0;
+  Entry* parent_entry = nullptr;
+  if (!first) {
+    auto it = entries_.find(parent);
+    // An orphan could never be reached by a chain walk; it would only hold memory.
+    if (it == entries_.end()) return false;
+    parent_entry = &it->second;
+  }
+  Entry e;
+  e.key = key;
+  e.parent = parent;
+  e.has_parent = !first;
+  e.tenant = ctx.tenant;
+  e.model_id = ctx.model_id;
+  e.codec_version = ctx.codec_version;
+  e.pages.assign(pages.begin(), pages.end());
+  e.last_use = ++clock_;
+  pool_->RefAll(e.pages);
+  if (parent_entry != nullptr) ++parent_entry->children;
+  lru_.emplace(e.last_use, key.hash);
+  entries_.emplace(key.hash, std::move(e));
+  return true;
+}
+
+std::vector<PrefixMatch> PrefixIndex::Match(const PrefixContext& ctx,
+                                            absl::Span<const PrefixUnitKey> chain, bool take_refs) {
+  absl::MutexLock lock(&mu_);
+  std::vector<PrefixMatch> out;
+  for (const PrefixUnitKey& key : chain) {
+    auto it = entries_.find(key.hash);
+    if (it == entries_.end()) break;
+    Entry& e = it->second;
+    // The hash covers all of these; checking them too costs nothing and rules out a collision.
+    if (e.tenant != ctx.tenant || e.model_id != ctx.model_id ||
+        e.codec_version != ctx.codec_version || e.key.token_start != key.token_start ||
+        e.key.token_count != key.token_count || e.key.kind != key.kind) {
+      break;
+    }
+    lru_.erase({e.last_use, key.hash});
+    e.last_use = ++clock_;
+    lru_.emplace(e.last_use, key.hash);
+    if (take_refs) pool_->RefAll(e.pages);
+    out.push_back(PrefixMatch{e.key, e.pages});
+  }
+  return out;
+}
+
+bool PrefixIndex::Contains(const PrefixHash& hash) const {
+  absl::MutexLock lock(&mu_);
+  return entries_.contains(hash);
+}
+
+size_t PrefixIndex::RemoveLocked(const PrefixHash& hash) {
+  auto it = entries_.find(hash);
+  if (it == entries_.end()) return 0;
+  Entry& e = it->second;
+  if (e.has_parent) {
+    auto p = entries_.find(e.parent);
+    if (p != entries_.end()) --p->second.children;
+  }
+  lru_.erase({e.last_use, hash});
+  const size_t freed = pool_->UnrefAll(e.pages);
+  entries_.erase(it);
+  return freed;
+}
+
+size_t PrefixIndex::EvictOne() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [tick, hash] : lru_) {
+    const Entry& e = entries_.at(hash);
+    if (e.children > 0) continue;
+    bool only_index = true;
+    for (PageId p : e.pages) {
+      if (pool_->RefCount(p) != 1) {
+        only_index = false;
+        break;
+      }
+    }
+    if (!only_index) continue;
+    const PrefixHash victim = hash;
+    ++evicted_;
+    return RemoveLocked(victim);
+  }
+  return 0;
+}
+
+size_t PrefixIndex::DropModel(const TenantId& tenant, const std::string& model_id) {
+  absl::MutexLock lock(&mu_);
+  std::vector<PrefixHash> victims;
+  for (const auto& [hash, e] : entries_) {
+    if (e.tenant == tenant && e.model_id == model_id) victims.push_back(hash);
+  }
+  size_t freed = 0;
+  for (const PrefixHash& h : victims) freed += RemoveLocked(h);
+  return freed;
+}
+
+PrefixIndexStats PrefixIndex::Stats() const {
+  absl::MutexLock lock(&mu_);
+  PrefixIndexStats st;
+  st.units = entries_.size();
+  st.evicted_units = evicted_;
+  absl::flat_hash_set<PageId> seen;
+  for (const auto& [hash, e] : entries_) {
+    for (PageId p : e.pages) {
+      if (!seen.insert(p).second) continue;
+      const size_t bytes = pool_->PageBytes(p);
+      st.bytes += bytes;
+      if (pool_->RefCount(p) == 1) st.cached_bytes += bytes;
+    }
+  }
+  return st;
+}
+
+}  // namespace kvpool::server

@@ -1,0 +1,145 @@
+// PrefixIndex: the daemon's cache of shareable prefix units, found through a hash chain over
+// token ids, so a new sequence can start from KV another sequence already stored.
+//
+// A unit is the BF16 sink (tokens [0, S0)) or one whole INT2 history block (block_tokens tokens
+// starting at S0 + i * block_tokens), covering every layer. Its hash is
+//   SHA-256("kvpool-prefix\0" || tenant || model id || codec version || parent hash || kind ||
+//           token ids)
+// (strings length-prefixed, integers little-endian; the first unit's parent is all zeros), so a
+// unit never matches another tenant's, model's or codec version's. The index holds one
+// reference on each page of a unit: units stay cached after their sequences are released, until
+// evicted (least recently used leaf first, and only when nothing else references its pages).
+//
+//   std::vector<PrefixUnitKey> chain = ComputePrefixChain(ctx, token_ids);
+//   std::vector<PrefixMatch> hit = index.Match(ctx, chain, /*take_refs=*/true);
+//   ...attach hit[i].pages to a new sequence (the refs are now the sequence's)...
+//
+// Thread-safe. Lock order: a caller may hold a sequence lock; the index calls the pool under its
+// own lock and never calls back.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kernels/codec_version.h"
+#include "server/block_pool.h"
+#include "server/tenant.h"
+
+namespace kvpool::server {
+
+using PrefixHash = std::array<uint8_t, 32>;
+
+enum class PrefixUnitKind : uint8_t { kSink = 1, kBlock = 2 };
+
+// Everything a unit hash is scoped by.
+struct PrefixContext {
+  TenantId tenant;
+  std::string model_id;
+  CodecVersion codec_version{};
+  int sink_tokens = 0;
+  int block_tokens = 16;
+};
+
+// The position of unit `index` of a chain: unit 0 is the sink when sink_tokens > 0, then whole
+// blocks.
+struct PrefixUnitKey {
+  PrefixHash hash{};
+  PrefixUnitKind kind = PrefixUnitKind::kBlock;
+  int token_start = 0;
+  int token_count = 0;
+};
+
+// Token range of unit `index` under `ctx`.
+PrefixUnitKey PrefixUnitRange(const PrefixContext& ctx, int index);
+// Hash of one unit given its parent's hash and its token ids.
+PrefixHash HashPrefixUnit(const PrefixContext& ctx, const PrefixHash& parent, PrefixUnitKind kind,
+                          absl::Span<const uint32_t> tokens);
+// The chain of every complete unit covered by `token_ids` (from position 0).
+std::vector<PrefixUnitKey> ComputePrefixChain(const PrefixContext& ctx,
+                                              absl::Span<const uint32_t> token_ids);
+std::string PrefixHashHex(const PrefixHash& h);
+
+// A unit found by Match: its key and pages (per layer: the sink's pages, layer-major, or one
+// block).
+struct PrefixMatch {
+  PrefixUnitKey key;
+  std::vector<PageId> pages;
+};
+
+struct PrefixIndexStats {
+  size_t units = 0;
+  size_t bytes = 0;         // pages referenced by units
+  size_t cached_bytes = 0;  // of those, pages only the index references
+  uint64_t evicted_units = 0;
+};
+
+class PrefixIndex {
+ public:
+  explicit PrefixIndex(BlockPool* pool) : pool_(pool) {}
+  ~PrefixIndex();  // drops every reference
+
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  // Adds a unit (taking one reference on each of `pages`). Returns false and changes nothing
+  // when the hash is present already or its parent (for a non-first unit) is not.
+  bool Publish(const PrefixContext& ctx, const PrefixUnitKey& key, const PrefixHash& parent,
+               absl::Span<const PageId> pages);
+
+  // The longest run of `chain` (from its start) present in the index. With `take_refs`, one
+  // reference on every returned page is taken for the caller, atomically with the lookup.
+  // Marks the matched units as recently used.
+  std::vector<PrefixMatch> Match(const PrefixContext& ctx, absl::Span<const PrefixUnitKey> chain,
+                                 bool take_refs);
+  bool Contains(const PrefixHash& hash) const;
+
+  // Evicts the least recently used leaf unit whose pages only the index references. Returns
+  // the pool bytes freed (0 when nothing is evictable).
+  size_t EvictOne();
+  // Drops every unit of (tenant, model_id); returns the pool bytes freed.
+  size_t DropModel(const TenantId& tenant, const std::string& model_id);
+
+  PrefixIndexStats Stats() const;
+
+ private:
+  struct Entry {
+    PrefixUnitKey key;
+    PrefixHash parent{};
+    bool has_parent = false;
+    TenantId tenant;
+    std::string model_id;
+    CodecVersion codec_version{};
+    std::vector<PageId> pages;
+    int children = 0;
+    uint64_t last_use = 0;
+  };
+  struct HashHasher {
+    size_t operator()(const PrefixHash& h) const {
+      size_t v;
+      static_assert(sizeof(v) <= sizeof(PrefixHash));
+      std::memcpy(&v, h.data(), sizeof(v));
+      return v;
+    }
+  };
+
+  size_t RemoveLocked(const PrefixHash& hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  BlockPool* const pool_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<PrefixHash, Entry, HashHasher> entries_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<uint64_t, PrefixHash>> lru_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evicted_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvpool::server

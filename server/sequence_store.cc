@@ -1,0 +1,810 @@
+#include "server/sequence_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+
+namespace kvpool::server {
+namespace {
+
+int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+
+bool AllFinite(absl::Span<const Bf16> rows) {
+  for (Bf16 x : rows) {
+    if ((x.bits & 0x7f80u) == 0x7f80u) return false;  // exponent all ones: Inf or NaN
+  }
+  return true;
+}
+
+}  // namespace
+
+// Per-layer storage of a sequence.
+struct LayerPages {
+  std::vector<PageId> sink;
+  std::vector<PageId> history;
+  std::deque<PageId> recent;
+};
+
+class Sequence {
+ public:
+  Sequence(TenantId tenant_in, std::string id_in, std::shared_ptr<const Model> model_in)
+      : tenant(std::move(tenant_in)),
+        id(std::move(id_in)),
+        model(std::move(model_in)),
+        layout(TierConfig::FromQuantConfig(model->codec.quant)),
+        layers(model->num_layers) {}
+
+  const TenantId tenant;
+  const std::string id;
+  const std::shared_ptr<const Model> model;
+
+  mutable absl::Mutex mu;
+  MixedSequenceLayout layout ABSL_GUARDED_BY(mu);
+  int recent_head ABSL_GUARDED_BY(mu) = 0;
+  std::vector<LayerPages> layers ABSL_GUARDED_BY(mu);
+  SequenceState state ABSL_GUARDED_BY(mu) = SequenceState::kPrefill;
+  bool append_active ABSL_GUARDED_BY(mu) = false;
+  bool released ABSL_GUARDED_BY(mu) = false;
+  std::vector<uint32_t> token_ids ABSL_GUARDED_BY(mu);
+  bool token_ids_complete ABSL_GUARDED_BY(mu) = true;
+  // Units of the prefix chain hashed so far (attached, published, or already cached).
+  std::vector<PrefixUnitKey> chain ABSL_GUARDED_BY(mu);
+  int reused_tokens ABSL_GUARDED_BY(mu) = 0;
+
+  std::vector<PageId> AllPagesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::vector<PageId> pages;
+    for (const LayerPages& l : layers) {
+      pages.insert(pages.end(), l.sink.begin(), l.sink.end());
+      pages.insert(pages.end(), l.history.begin(), l.history.end());
+      pages.insert(pages.end(), l.recent.begin(), l.recent.end());
+    }
+    return pages;
+  }
+
+  SequenceInfo InfoLocked(const BlockPool& pool) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    SequenceInfo info;
+    info.id = id;
+    info.model_id = model->id;
+    info.tenant = tenant;
+    info.state = state;
+    info.sink = layout.sink();
+    info.history = layout.history();
+    info.recent = layout.recent();
+    info.reused_tokens = reused_tokens;
+    info.has_token_ids = token_ids_complete;
+    for (PageId p : AllPagesLocked()) {
+      const size_t bytes = pool.PageBytes(p);
+      info.pool_bytes += bytes;
+      if (pool.RefCount(p) > 1) info.shared_bytes += bytes;
+    }
+    info.bf16_equivalent_bytes =
+        static_cast<size_t>(info.total()) * model->bf16_token_bytes() * model->num_layers;
+    return info;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// SequenceSnapshot
+
+SequenceSnapshot::~SequenceSnapshot() {
+  if (pool_ != nullptr) pool_->UnrefAll(refs_);
+}
+
+SequenceTiers SequenceSnapshot::Tiers(size_t i) const {
+  const Layer& l = layers_.at(i);
+  const int bt = model_->block_tokens();
+  const size_t half = static_cast<size_t>(bt) * model_->row_values();  // values of K in a page
+  SequenceTiers tiers;
+  for (int t = 0; t < sink_; t += bt) {
+    const Bf16* page = reinterpret_cast<const Bf16*>(pool_->Data(l.sink[t / bt]));
+    tiers.bf16.push_back({page, page + half, std::min(bt, sink_ - t)});
+  }
+  for (int done = 0; done < recent_;) {
+    const int slot = recent_head_ + done;
+    const int in_page = slot % bt;
+    const int take = std::min(recent_ - done, bt - in_page);
+    const Bf16* page = reinterpret_cast<const Bf16*>(pool_->Data(l.recent[slot / bt]));
+    const size_t off = static_cast<size_t>(in_page) * model_->row_values();
+    tiers.bf16.push_back({page + off, page + half + off, take});
+    done += take;
+  }
+  tiers.history_tokens = history_;
+  tiers.history_blocks.reserve(l.history.size());
+  for (PageId b : l.history) tiers.history_blocks.push_back(pool_->Data(b));
+  return tiers;
+}
+
+const uint8_t* SequenceSnapshot::HistoryBlock(size_t i, size_t b) const {
+  return pool_->Data(layers_.at(i).history.at(b));
+}
+
+void SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier, int start,
+                                    int count, absl::Span<Bf16> k, absl::Span<Bf16> v) const {
+  const Layer& l = layers_.at(i);
+  const int bt = model_->block_tokens();
+  const size_t row = model_->row_values();
+  const size_t row_bytes = row * sizeof(Bf16);
+  const int base = recent_tier ? recent_head_ : 0;
+  const std::vector<PageId>& pages = recent_tier ? l.recent : l.sink;
+  for (int done = 0; done < count;) {
+    const int slot = base + start + done;
+    const int in_page = slot % bt;
+    const int take = std::min(count - done, bt - in_page);
+    const uint8_t* page = pool_->Data(pages[slot / bt]);
+    backend->CopyFromPool(k.data() + done * row, page + in_page * row_bytes, take * row_bytes);
+    backend->CopyFromPool(v.data() + done * row, page + (bt + in_page) * row_bytes,
+                          take * row_bytes);
+    done += take;
+  }
+}
+
+void SequenceSnapshot::ReadRotated(ComputeBackend* backend, size_t i, int start, int count,
+                                   absl::Span<float> k, absl::Span<float> v) const {
+  const Layer& l = layers_.at(i);
+  const Model& m = *model_;
+  const int bt = m.block_tokens();
+  const size_t row = m.row_values();
+  std::vector<Bf16> kb, vb;
+  const int end = start + count;
+  // Sink and recent: exact BF16 rows.
+  auto copy_bf16 = [&](bool recent_tier, int tier_start, int n, int out_row) {
+    kb.resize(n * row);
+    vb.resize(n * row);
+    CopyBf16Rows(backend, i, recent_tier, tier_start, n, absl::MakeSpan(kb), absl::MakeSpan(vb));
+    for (size_t j = 0; j < n * row; ++j) {
+      k[out_row * row + j] = kb[j].ToFloat();
+      v[out_row * row + j] = vb[j].ToFloat();
+    }
+  };
+  const int sink_end = std::min(end, sink_);
+  if (start < sink_end) copy_bf16(false, start, sink_end - start, 0);
+  const int hist_start = std::max(start, sink_);
+  const int hist_end = std::min(end, sink_ + history_);
+  for (int t = hist_start; t < hist_end;) {
+    const int pos = t - sink_;
+    const int slot = pos % bt;
+    const int take = std::min(hist_end - t, bt - slot);
+    const uint8_t* block = pool_->Data(l.history[pos / bt]);
+    const size_t out = static_cast<size_t>(t - start) * row;
+    backend->DecodeFromBlock(m.row_codec, KvTensor::kKey, m.block_layout, block, slot, take,
+                             k.subspan(out, take * row));
+    backend->DecodeFromBlock(m.row_codec, KvTensor::kValue, m.block_layout, block, slot, take,
+                             v.subspan(out, take * row));
+    t += take;
+  }
+  const int rec_start = std::max(start, sink_ + history_);
+  if (rec_start < end) {
+    copy_bf16(true, rec_start - sink_ - history_, end - rec_start, rec_start - start);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AppendTxn
+
+AppendTxn::~AppendTxn() {
+  if (!done_ && store_ != nullptr) store_->Abort(this);
+}
+
+uint8_t* AppendTxn::SinkPage(const LayerState& l, int index) const {
+  const int base = static_cast<int>(l.base_sink.size());
+  return pool_->Data(index < base ? l.base_sink[index] : l.new_sink.at(index - base));
+}
+
+uint8_t* AppendTxn::HistoryBlock(const LayerState& l, int index) const {
+  // Appends only ever write the partly filled last base block or fresh ones.
+  if (index < l.base_history_blocks) return pool_->Data(l.base_history_tail);
+  return pool_->Data(l.new_history.at(index - l.base_history_blocks));
+}
+
+uint8_t* AppendTxn::RecentPage(const LayerState& l, int index) const {
+  const int base = static_cast<int>(l.base_recent.size());
+  return pool_->Data(index < base ? l.base_recent[index] : l.new_recent.at(index - base));
+}
+
+absl::Status AppendTxn::WriteRows(LayerState& l, Tier tier, int dest, absl::Span<const Bf16> k,
+                                  absl::Span<const Bf16> v) {
+  const Model& m = *model_;
+  const int bt = m.block_tokens();
+  const size_t row = m.row_values();
+  const size_t row_bytes = row * sizeof(Bf16);
+  const int n = static_cast<int>(k.size() / row);
+  for (int done = 0; done < n;) {
+    const int pos = dest + done;
+    const int slot = pos % bt;
+    const int take = std::min(n - done, bt - slot);
+    const auto k_rows = k.subspan(done * row, take * row);
+    const auto v_rows = v.subspan(done * row, take * row);
+    if (tier == Tier::kHistory) {
+      uint8_t* block = HistoryBlock(l, pos / bt);
+      KVPOOL_RETURN_IF_ERROR(backend_->EncodeIntoBlock(m.row_codec, KvTensor::kKey, m.block_layout,
+                                                       k_rows, slot, block));
+      KVPOOL_RETURN_IF_ERROR(backend_->EncodeIntoBlock(m.row_codec, KvTensor::kValue,
+                                                       m.block_layout, v_rows, slot, block));
+    } else {
+      uint8_t* page = tier == Tier::kSink ? SinkPage(l, pos / bt) : RecentPage(l, pos / bt);
+      backend_->CopyToPool(page + slot * row_bytes, k_rows.data(), take * row_bytes);
+      backend_->CopyToPool(page + (bt + slot) * row_bytes, v_rows.data(), take * row_bytes);
+    }
+    done += take;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AppendTxn::Demote(LayerState& l) {
+  const Model& m = *model_;
+  const int bt = m.block_tokens();
+  const size_t row = m.row_values();
+  const size_t row_bytes = row * sizeof(Bf16);
+  std::vector<Bf16> k, v;
+  for (const Demotion& d : demotions_) {
+    for (int done = 0; done < d.count;) {
+      const int src = d.src + done;
+      const int take = std::min(d.count - done, bt - src % bt);
+      k.resize(take * row);
+      v.resize(take * row);
+      const uint8_t* page = RecentPage(l, src / bt);
+      backend_->CopyFromPool(k.data(), page + (src % bt) * row_bytes, take * row_bytes);
+      backend_->CopyFromPool(v.data(), page + (bt + src % bt) * row_bytes, take * row_bytes);
+      KVPOOL_RETURN_IF_ERROR(WriteRows(l, Tier::kHistory, d.dst + done, k, v));
+      done += take;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AppendTxn::StageLayer(int layer, int offset, absl::Span<const Bf16> k,
+                                   absl::Span<const Bf16> v) {
+  const Model& m = *model_;
+  if (layer < 0 || layer >= m.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", m.num_layers, ")"));
+  }
+  LayerState& l = layers_[layer];
+  if (offset != l.cursor) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk of layer ", layer, " starts at token offset ", offset, ", expected ",
+                     l.cursor, " (a layer's chunks must come in order without gaps or overlaps)"));
+  }
+  const size_t row = m.row_values();
+  if (k.empty() || k.size() % row != 0 || v.size() != k.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", layer, ": k and v must each hold a positive multiple of kv_heads x head_dim = ",
+        row, " values, got ", k.size(), " and ", v.size()));
+  }
+  const int n = static_cast<int>(k.size() / row);
+  if (n > num_tokens_ - offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, ": chunk of ", n, " tokens at offset ", offset,
+                     " runs past the append's ", num_tokens_, " tokens"));
+  }
+  if (!AllFinite(k) || !AllFinite(v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, ": K/V contain NaN or Inf (tokens ", token_start_ + offset,
+                     "..", token_start_ + offset + n - 1, ")"));
+  }
+  std::vector<Bf16> rk(k.size()), rv(v.size());
+  KVPOOL_RETURN_IF_ERROR(
+      backend_->RotateRows(m.codec.rotations, layer, KvTensor::kKey, k, absl::MakeSpan(rk)));
+  if (m.codec.v_prerotated) {
+    std::memcpy(rv.data(), v.data(), v.size() * sizeof(Bf16));
+  } else {
+    KVPOOL_RETURN_IF_ERROR(
+        backend_->RotateRows(m.codec.rotations, layer, KvTensor::kValue, v, absl::MakeSpan(rv)));
+  }
+  if (!AllFinite(rk) || !AllFinite(rv)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": rotated K/V overflow BF16"));
+  }
+  const int end = offset + n;
+  for (const Segment& seg : segments_) {
+    const int a = std::max(offset, seg.input);
+    const int b = std::min(end, seg.input + seg.count);
+    if (a >= b) continue;
+    const size_t from = static_cast<size_t>(a - offset) * row;
+    const size_t len = static_cast<size_t>(b - a) * row;
+    KVPOOL_RETURN_IF_ERROR(WriteRows(l, seg.tier, seg.dest + (a - seg.input),
+                                     absl::MakeConstSpan(rk).subspan(from, len),
+                                     absl::MakeConstSpan(rv).subspan(from, len)));
+  }
+  l.cursor = end;
+  if (l.cursor == num_tokens_) KVPOOL_RETURN_IF_ERROR(Demote(l));
+  return absl::OkStatus();
+}
+
+absl::Status AppendTxn::CheckComplete() const {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].cursor != num_tokens_) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", i,
+                                                     " is incomplete: ", layers_[i].cursor, " of ",
+                                                     num_tokens_, " tokens received"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void AppendTxn::Release() {
+  std::vector<PageId> pages = std::move(base_refs_);
+  for (LayerState& l : layers_) {
+    pages.insert(pages.end(), l.new_sink.begin(), l.new_sink.end());
+    pages.insert(pages.end(), l.new_history.begin(), l.new_history.end());
+    pages.insert(pages.end(), l.new_recent.begin(), l.new_recent.end());
+    l.new_sink.clear();
+    l.new_history.clear();
+    l.new_recent.clear();
+  }
+  pool_->UnrefAll(pages);
+  done_ = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SequenceStore
+
+SequenceStore::SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend)
+    : pool_(pool), index_(index), backend_(backend) {}
+
+SequenceStore::~SequenceStore() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [key, seq] : sequences_) {
+    absl::MutexLock seq_lock(&seq->mu);
+    seq->released = true;
+    pool_->UnrefAll(seq->AllPagesLocked());
+    seq->layers.clear();
+  }
+  sequences_.clear();
+}
+
+PrefixContext SequenceStore::ContextOf(const Model& model) {
+  PrefixContext ctx;
+  ctx.tenant = model.tenant;
+  ctx.model_id = model.id;
+  ctx.codec_version = model.version;
+  ctx.sink_tokens = model.codec.quant.sink_tokens;
+  ctx.block_tokens = model.codec.quant.block_tokens;
+  return ctx;
+}
+
+std::shared_ptr<Sequence> SequenceStore::Find(const TenantId& tenant, const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(std::make_pair(tenant, id));
+  return it == sequences_.end() ? nullptr : it->second;
+}
+
+absl::Status SequenceStore::AllocatePages(PageClassId cls, size_t count, std::vector<PageId>* out) {
+  for (;;) {
+    absl::Status s = pool_->Allocate(cls, count, out);
+    if (s.ok() || !absl::IsResourceExhausted(s)) return s;
+    if (index_->EvictOne() == 0) return s;
+  }
+}
+
+absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStore::Create(
+    const TenantId& tenant, std::shared_ptr<const Model> model, std::string id,
+    absl::Span<const uint32_t> prefix_token_ids) {
+  if (model == nullptr) return absl::InvalidArgumentError("no model");
+  if (!id.empty()) KVPOOL_RETURN_IF_ERROR(ValidateId("sequence_id", id));
+  auto reserve_id = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    if (id.empty()) {
+      do {
+        id = absl::StrCat("seq-", next_auto_id_++);
+      } while (sequences_.count(std::make_pair(tenant, id)) > 0);
+    } else if (sequences_.count(std::make_pair(tenant, id)) > 0) {
+      return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+    }
+    return absl::OkStatus();
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    KVPOOL_RETURN_IF_ERROR(reserve_id());
+  }
+  auto seq = std::make_shared<Sequence>(tenant, id, model);
+  std::vector<PrefixUnitKey> attached;
+  std::vector<PageId> attached_pages;  // references taken by Match, now the sequence's
+  if (!prefix_token_ids.empty()) {
+    const PrefixContext ctx = ContextOf(*model);
+    const std::vector<PrefixUnitKey> chain = ComputePrefixChain(ctx, prefix_token_ids);
+    std::vector<PrefixMatch> hits = index_->Match(ctx, chain, /*take_refs=*/true);
+    absl::MutexLock seq_lock(&seq->mu);
+    const int sink_pages = CeilDiv(ctx.sink_tokens, ctx.block_tokens);
+    int tokens = 0;
+    for (PrefixMatch& hit : hits) {
+      attached_pages.insert(attached_pages.end(), hit.pages.begin(), hit.pages.end());
+      for (int layer = 0; layer < model->num_layers; ++layer) {
+        LayerPages& l = seq->layers[layer];
+        if (hit.key.kind == PrefixUnitKind::kSink) {
+          l.sink.assign(hit.pages.begin() + layer * sink_pages,
+                        hit.pages.begin() + (layer + 1) * sink_pages);
+        } else {
+          l.history.push_back(hit.pages[layer]);
+        }
+      }
+      tokens = hit.key.token_start + hit.key.token_count;
+      attached.push_back(hit.key);
+      seq->chain.push_back(hit.key);
+    }
+    if (tokens > 0) {
+      absl::StatusOr<AppendPlan> plan = seq->layout.PlanAppend(tokens, AppendKind::kPrefill);
+      if (!plan.ok() || plan->to_recent != 0 || plan->demote != 0) {
+        pool_->UnrefAll(attached_pages);
+        return absl::InternalError("prefix attach does not fit the sequence layout");
+      }
+      seq->layout.Commit(*plan, AppendKind::kPrefill);
+      seq->token_ids.assign(prefix_token_ids.begin(), prefix_token_ids.begin() + tokens);
+      seq->reused_tokens = tokens;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  // The id was free a moment ago; re-check in case a concurrent Create took it.
+  if (sequences_.count(std::make_pair(tenant, id)) > 0) {
+    pool_->UnrefAll(attached_pages);
+    return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+  }
+  sequences_.emplace(std::make_pair(tenant, id), seq);
+  absl::MutexLock seq_lock(&seq->mu);
+  return std::make_pair(seq->InfoLocked(*pool_), std::move(attached));
+}
+
+absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const TenantId& tenant,
+                                                                      const std::string& id,
+                                                                      AppendSpec spec) {
+  std::shared_ptr<Sequence> seq = Find(tenant, id);
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  const Model& m = *seq->model;
+  if (spec.num_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens must be >= 1, got ", spec.num_tokens));
+  }
+  if (!spec.token_ids.empty() && static_cast<int>(spec.token_ids.size()) != spec.num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("token_ids has ", spec.token_ids.size(),
+                                                   " entries for ", spec.num_tokens, " tokens"));
+  }
+  const int bt = m.block_tokens();
+  auto txn = std::unique_ptr<AppendTxn>(new AppendTxn());
+  txn->pool_ = pool_;
+  txn->backend_ = backend_;
+  txn->seq_ = seq;
+  txn->model_ = seq->model;
+  txn->token_start_ = spec.token_start;
+  txn->num_tokens_ = spec.num_tokens;
+  txn->token_ids_ = std::move(spec.token_ids);
+  int new_sink = 0, new_history = 0, new_recent = 0;
+  {
+    absl::MutexLock lock(&seq->mu);
+    if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+    if (seq->state == SequenceState::kSealed) {
+      return absl::FailedPreconditionError(absl::StrCat("sequence '", id, "' is sealed"));
+    }
+    if (seq->append_active) {
+      return absl::AbortedError(
+          absl::StrCat("another append to sequence '", id, "' is in progress"));
+    }
+    if (spec.token_start != seq->layout.total()) {
+      return absl::FailedPreconditionError(absl::StrCat("token_start ", spec.token_start,
+                                                        " is not the length of sequence '", id,
+                                                        "' (", seq->layout.total(), " tokens)"));
+    }
+    // Plan on a copy of the layout; the sequence's own changes only at Commit.
+    MixedSequenceLayout sim = seq->layout;
+    const int steps = spec.kind == AppendKind::kDecode ? spec.num_tokens : 1;
+    const int per_step = spec.kind == AppendKind::kDecode ? 1 : spec.num_tokens;
+    for (int i = 0; i < steps; ++i) {
+      KVPOOL_ASSIGN_OR_RETURN(AppendPlan plan, sim.PlanAppend(per_step, spec.kind));
+      sim.Commit(plan, spec.kind);
+      txn->plans_.emplace_back(plan, spec.kind);
+    }
+    // Route input tokens and demotions to tier positions.
+    const int base_s = seq->layout.sink(), base_h = seq->layout.history();
+    const int base_r = seq->layout.recent(), base_head = seq->recent_head;
+    int s = base_s, h = base_h, rend = base_head + base_r, rhead = base_head, input = 0;
+    auto add_segment = [&](int count, AppendTxn::Tier tier, int* dest) {
+      if (count <= 0) return;
+      auto& segs = txn->segments_;
+      if (!segs.empty() && segs.back().tier == tier &&
+          segs.back().input + segs.back().count == input &&
+          segs.back().dest + segs.back().count == *dest) {
+        segs.back().count += count;
+      } else {
+        segs.push_back({input, count, tier, *dest});
+      }
+      input += count;
+      *dest += count;
+    };
+    for (const auto& [plan, kind] : txn->plans_) {
+      if (plan.demote > 0) {
+        auto& dem = txn->demotions_;
+        if (!dem.empty() && dem.back().src + dem.back().count == rhead &&
+            dem.back().dst + dem.back().count == h) {
+          dem.back().count += plan.demote;
+        } else {
+          dem.push_back({rhead, h, plan.demote});
+        }
+        rhead += plan.demote;
+        h += plan.demote;
+      }
+      add_segment(plan.to_sink, AppendTxn::Tier::kSink, &s);
+      add_segment(plan.to_history, AppendTxn::Tier::kHistory, &h);
+      add_segment(plan.to_recent, AppendTxn::Tier::kRecent, &rend);
+      txn->to_sink_ += plan.to_sink;
+      txn->to_history_ += plan.to_history;
+      txn->to_recent_ += plan.to_recent;
+      txn->demoted_ += plan.demote;
+    }
+    const int base_recent_pages = static_cast<int>(seq->layers[0].recent.size());
+    new_sink = CeilDiv(s, bt) - CeilDiv(base_s, bt);
+    new_history = CeilDiv(h, bt) - CeilDiv(base_h, bt);
+    new_recent = std::max(0, CeilDiv(rend, bt) - base_recent_pages);
+    txn->popped_recent_pages_ = std::min(rhead / bt, base_recent_pages + new_recent);
+    txn->final_recent_head_ = rhead - txn->popped_recent_pages_ * bt;
+
+    txn->layers_.resize(m.num_layers);
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      const LayerPages& pages = seq->layers[layer];
+      AppendTxn::LayerState& l = txn->layers_[layer];
+      l.base_sink = pages.sink;
+      l.base_history_blocks = static_cast<int>(pages.history.size());
+      if (base_h % bt != 0) l.base_history_tail = pages.history.back();
+      l.base_recent.assign(pages.recent.begin(), pages.recent.end());
+      // Keep what we write into or read from alive even if the sequence is released meanwhile.
+      txn->base_refs_.insert(txn->base_refs_.end(), l.base_sink.begin(), l.base_sink.end());
+      if (l.base_history_tail != kInvalidPage) txn->base_refs_.push_back(l.base_history_tail);
+      txn->base_refs_.insert(txn->base_refs_.end(), l.base_recent.begin(), l.base_recent.end());
+    }
+    pool_->RefAll(txn->base_refs_);
+    seq->append_active = true;
+    txn->store_ = this;  // from here on, destroying the txn rolls back
+  }
+  // Reserve every page up front: a full pool fails now, before the client streams anything.
+  const size_t layers = m.num_layers;
+  std::vector<PageId> bf16_pages, blocks;
+  KVPOOL_RETURN_IF_ERROR(AllocatePages(m.block_class, layers * new_history, &blocks));
+  if (absl::Status s = AllocatePages(m.bf16_class, layers * (new_sink + new_recent), &bf16_pages);
+      !s.ok()) {
+    pool_->UnrefAll(blocks);
+    return s;
+  }
+  size_t bi = 0, hi = 0;
+  for (size_t layer = 0; layer < layers; ++layer) {
+    AppendTxn::LayerState& l = txn->layers_[layer];
+    l.new_sink.assign(bf16_pages.begin() + bi, bf16_pages.begin() + bi + new_sink);
+    bi += new_sink;
+    l.new_recent.assign(bf16_pages.begin() + bi, bf16_pages.begin() + bi + new_recent);
+    bi += new_recent;
+    l.new_history.assign(blocks.begin() + hi, blocks.begin() + hi + new_history);
+    hi += new_history;
+  }
+  return txn;
+}
+
+void SequenceStore::Abort(AppendTxn* txn) {
+  {
+    absl::MutexLock lock(&txn->seq_->mu);
+    txn->seq_->append_active = false;
+  }
+  txn->Release();
+}
+
+absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> txn) {
+  KVPOOL_RETURN_IF_ERROR(txn->CheckComplete());
+  Sequence& seq = *txn->seq_;
+  const Model& m = *seq.model;
+  const int bt = m.block_tokens();
+  AppendResult result;
+  std::vector<PageId> to_unref;
+  {
+    absl::MutexLock lock(&seq.mu);
+    if (seq.released) {
+      return absl::NotFoundError(
+          absl::StrCat("sequence '", seq.id, "' was released during the append"));
+    }
+    for (size_t layer = 0; layer < seq.layers.size(); ++layer) {
+      LayerPages& pages = seq.layers[layer];
+      AppendTxn::LayerState& l = txn->layers_[layer];
+      pages.sink.insert(pages.sink.end(), l.new_sink.begin(), l.new_sink.end());
+      pages.history.insert(pages.history.end(), l.new_history.begin(), l.new_history.end());
+      pages.recent.insert(pages.recent.end(), l.new_recent.begin(), l.new_recent.end());
+      for (int p = 0; p < txn->popped_recent_pages_; ++p) {
+        to_unref.push_back(pages.recent.front());
+        pages.recent.pop_front();
+      }
+      l.new_sink.clear();
+      l.new_history.clear();
+      l.new_recent.clear();
+    }
+    for (const auto& [plan, kind] : txn->plans_) {
+      seq.layout.Commit(plan, kind);
+      if (kind == AppendKind::kFinalPrefill) seq.state = SequenceState::kDecode;
+    }
+    seq.recent_head = txn->final_recent_head_;
+    if (seq.token_ids_complete && !txn->token_ids_.empty()) {
+      seq.token_ids.insert(seq.token_ids.end(), txn->token_ids_.begin(), txn->token_ids_.end());
+    } else {
+      seq.token_ids_complete = false;
+      seq.token_ids.clear();
+      seq.token_ids.shrink_to_fit();
+    }
+    // Publish every newly whole unit (the sink once full, then whole INT2 blocks).
+    const PrefixContext ctx = ContextOf(m);
+    if (seq.token_ids_complete && seq.layout.sink() == ctx.sink_tokens) {
+      const int sink_pages = CeilDiv(ctx.sink_tokens, bt);
+      for (;;) {
+        PrefixUnitKey key = PrefixUnitRange(ctx, static_cast<int>(seq.chain.size()));
+        std::vector<PageId> pages;
+        if (key.kind == PrefixUnitKind::kSink) {
+          for (const LayerPages& l : seq.layers) {
+            pages.insert(pages.end(), l.sink.begin(), l.sink.begin() + sink_pages);
+          }
+        } else {
+          const int block = (key.token_start - ctx.sink_tokens) / bt;
+          if ((block + 1) * bt > seq.layout.history()) break;
+          for (const LayerPages& l : seq.layers) pages.push_back(l.history[block]);
+        }
+        const PrefixHash parent = seq.chain.empty() ? PrefixHash{} : seq.chain.back().hash;
+        key.hash = HashPrefixUnit(
+            ctx, parent, key.kind,
+            absl::MakeConstSpan(seq.token_ids).subspan(key.token_start, key.token_count));
+        if (index_->Publish(ctx, key, parent, pages)) result.published.push_back(key);
+        seq.chain.push_back(key);
+      }
+    }
+    seq.append_active = false;
+    result.info = seq.InfoLocked(*pool_);
+  }
+  result.to_sink = txn->to_sink_;
+  result.to_history = txn->to_history_;
+  result.to_recent = txn->to_recent_;
+  result.demoted = txn->demoted_;
+  pool_->UnrefAll(to_unref);
+  txn->Release();  // drops the base references; the new pages now belong to the sequence
+  return result;
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Seal(const TenantId& tenant, const std::string& id) {
+  std::shared_ptr<Sequence> seq = Find(tenant, id);
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  absl::MutexLock lock(&seq->mu);
+  if (seq->append_active) {
+    return absl::AbortedError(absl::StrCat("an append to sequence '", id, "' is in progress"));
+  }
+  seq->state = SequenceState::kSealed;
+  return seq->InfoLocked(*pool_);
+}
+
+absl::StatusOr<size_t> SequenceStore::Release(const TenantId& tenant, const std::string& id) {
+  std::shared_ptr<Sequence> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(std::make_pair(tenant, id));
+    if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+    seq = std::move(it->second);
+    sequences_.erase(it);
+  }
+  std::vector<PageId> pages;
+  {
+    absl::MutexLock lock(&seq->mu);
+    seq->released = true;
+    pages = seq->AllPagesLocked();
+    seq->layers.assign(seq->layers.size(), LayerPages{});
+  }
+  return pool_->UnrefAll(pages);
+}
+
+std::pair<size_t, size_t> SequenceStore::ReleaseModel(const TenantId& tenant,
+                                                      const std::string& model_id) {
+  std::vector<std::string> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, seq] : sequences_) {
+      if (key.first == tenant && seq->model->id == model_id) ids.push_back(key.second);
+    }
+  }
+  size_t count = 0, bytes = 0;
+  for (const std::string& id : ids) {
+    absl::StatusOr<size_t> freed = Release(tenant, id);
+    if (freed.ok()) {
+      ++count;
+      bytes += *freed;
+    }
+  }
+  return {count, bytes};
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Describe(const TenantId& tenant,
+                                                     const std::string& id) const {
+  std::shared_ptr<Sequence> seq = Find(tenant, id);
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  absl::MutexLock lock(&seq->mu);
+  return seq->InfoLocked(*pool_);
+}
+
+absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
+    const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const {
+  std::shared_ptr<Sequence> seq = Find(tenant, id);
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  const Model& m = *seq->model;
+  for (int layer : layers) {
+    if (layer < 0 || layer >= m.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, " out of range [0, ", m.num_layers, ")"));
+    }
+  }
+  auto snap = std::unique_ptr<SequenceSnapshot>(new SequenceSnapshot());
+  snap->model_ = seq->model;
+  snap->id_ = seq->id;
+  absl::MutexLock lock(&seq->mu);
+  if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  snap->sink_ = seq->layout.sink();
+  snap->history_ = seq->layout.history();
+  snap->recent_ = seq->layout.recent();
+  snap->recent_head_ = seq->recent_head;
+  auto add = [&](int layer) {
+    const LayerPages& p = seq->layers[layer];
+    SequenceSnapshot::Layer l;
+    l.layer = layer;
+    l.sink = p.sink;
+    l.history = p.history;
+    l.recent.assign(p.recent.begin(), p.recent.end());
+    snap->refs_.insert(snap->refs_.end(), l.sink.begin(), l.sink.end());
+    snap->refs_.insert(snap->refs_.end(), l.history.begin(), l.history.end());
+    snap->refs_.insert(snap->refs_.end(), l.recent.begin(), l.recent.end());
+    snap->layers_.push_back(std::move(l));
+  };
+  if (layers.empty()) {
+    for (int layer = 0; layer < m.num_layers; ++layer) add(layer);
+  } else {
+    for (int layer : layers) add(layer);
+  }
+  pool_->RefAll(snap->refs_);
+  snap->pool_ = pool_;
+  return snap;
+}
+
+std::vector<SequenceInfo> SequenceStore::List(const TenantId& tenant) const {
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, seq] : sequences_) {
+      if (key.first == tenant) seqs.push_back(seq);
+    }
+  }
+  std::vector<SequenceInfo> out;
+  for (const auto& seq : seqs) {
+    absl::MutexLock lock(&seq->mu);
+    out.push_back(seq->InfoLocked(*pool_));
+  }
+  return out;
+}
+
+std::map<std::string, StoreTotals> SequenceStore::TotalsByModel(const TenantId& tenant) const {
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, seq] : sequences_) {
+      if (key.first == tenant) seqs.push_back(seq);
+    }
+  }
+  std::map<std::string, StoreTotals> out;
+  std::map<std::string, absl::flat_hash_set<PageId>> pages;
+  for (const auto& seq : seqs) {
+    absl::MutexLock lock(&seq->mu);
+    StoreTotals& t = out[seq->model->id];
+    ++t.sequences;
+    t.sink_tokens += seq->layout.sink();
+    t.history_tokens += seq->layout.history();
+    t.recent_tokens += seq->layout.recent();
+    t.bf16_equivalent_bytes += static_cast<size_t>(seq->layout.total()) *
+                               seq->model->bf16_token_bytes() * seq->model->num_layers;
+    auto& set = pages[seq->model->id];
+    for (PageId p : seq->AllPagesLocked()) {
+      if (set.insert(p).second) t.pool_bytes += pool_->PageBytes(p);
+    }
+  }
+  return out;
+}
+
+size_t SequenceStore::size() const {
+  absl::MutexLock lock(&mu_);
+  return sequences_.size();
+}
+
+}  // namespace kvpool::server

@@ -1,0 +1,56 @@
+// Test helpers for server/ unit tests: an in-memory core (backend, pool, prefix index, registry,
+// sequence store) and deterministic K/V rows.
+//
+//   TestCore core(/*pool_bytes=*/32 << 20);
+//   std::shared_ptr<const Model> m = core.AddModel("m", RotationKind::kIdentity, BypassQuant());
+//   std::vector<Bf16> k = TestRows(/*tokens=*/100, m->row_values(), /*seed=*/1);
+//
+// Not thread-safe to construct; the members are as thread-safe as their classes.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/bf16.h"
+#include "kernels/codec_config.h"
+#include "kernels/rotation.h"
+#include "server/attention_engine.h"
+#include "server/backend.h"
+#include "server/block_pool.h"
+#include "server/model_registry.h"
+#include "server/prefix_index.h"
+#include "server/sequence_store.h"
+
+namespace kvpool::server::testing {
+
+// Small tiers so tests exercise every path: block 8, sink 8, recent 16, demotion batch 8.
+QuantConfig SmallQuant(QuantMethod method = QuantMethod::kUniform);
+inline QuantConfig BypassQuant() { return SmallQuant(QuantMethod::kBypass); }
+
+struct TestCore {
+  explicit TestCore(size_t pool_bytes = 32 << 20, size_t slab_bytes = 256 << 10);
+  ~TestCore();
+
+  // Registers a model (2 layers, Hq 4, Hkv 2, D 32 unless given) or fails the test.
+  std::shared_ptr<const Model> AddModel(const std::string& id, RotationKind kind,
+                                        const QuantConfig& quant, int num_layers = 2,
+                                        int q_heads = 4, int kv_heads = 2, int head_dim = 32);
+
+  std::unique_ptr<ComputeBackend> backend;
+  std::unique_ptr<BlockPool> pool;
+  std::unique_ptr<PrefixIndex> index;
+  std::unique_ptr<ModelRegistry> registry;
+  std::unique_ptr<SequenceStore> store;
+};
+
+// `tokens` rows of `row_values` BF16 values: real-like (outlier channels), deterministic.
+std::vector<Bf16> TestRows(int tokens, size_t row_values, uint64_t seed);
+
+// Appends `tokens` tokens to every layer of `id` (layer l uses rows seeded seed + l), in chunks
+// of `chunk` tokens. Returns the commit status.
+absl::Status AppendAll(SequenceStore& store, const Model& model, const std::string& id,
+                       int token_start, int tokens, AppendKind kind, uint64_t seed,
+                       int chunk = 1 << 30, std::vector<uint32_t> token_ids = {});
+
+}  // namespace kvpool::server::testing
