@@ -219,12 +219,15 @@ struct Case {
   int bits;
   QuantMethod method;
   ScaleDtype dtype;
+  float clip_k = 0.96f;
+  float clip_v = 0.92f;
 };
 
 std::string CaseName(const Case& c) {
   return "D=" + std::to_string(c.d) + " G=" + std::to_string(c.g) +
          " bits=" + std::to_string(c.bits) + " " + std::string(QuantMethodName(c.method)) + " " +
-         std::string(ScaleDtypeName(c.dtype));
+         std::string(ScaleDtypeName(c.dtype)) + " clip " + std::to_string(c.clip_k) + "/" +
+         std::to_string(c.clip_v);
 }
 
 std::vector<Case> PropertyCases() {
@@ -237,6 +240,10 @@ std::vector<Case> PropertyCases() {
       }
       cases.push_back({d, d, 2, QuantMethod::kLloydMax, dtype});
     }
+    // Clip ratios that keep many values (the selection's nth_element path) or none.
+    cases.push_back({d, d, 2, QuantMethod::kUniform, ScaleDtype::kFp16, 0.5f, 0.8f});
+    cases.push_back({d, 32, 4, QuantMethod::kUniform, ScaleDtype::kFp16, 1.0f, 0.0f});
+    cases.push_back({d, d, 2, QuantMethod::kLloydMax, ScaleDtype::kFp16, 0.7f, 0.999f});
   }
   return cases;
 }
@@ -338,7 +345,9 @@ TEST(RowCodecTest, CreateValidatesTheConfig) {
 TEST(RowCodecTest, MatchesLiteralFormulasAndFloat64Reference) {
   for (const Case& c : PropertyCases()) {
     SCOPED_TRACE(CaseName(c));
-    const QuantConfig cfg = Config(c.bits, c.g, c.method, c.dtype);
+    QuantConfig cfg = Config(c.bits, c.g, c.method, c.dtype);
+    cfg.clip_ratio_k = c.clip_k;
+    cfg.clip_ratio_v = c.clip_v;
     const RowCodec codec = MakeCodec(cfg, c.d);
     const int levels = (1 << c.bits) - 1;
     int boundary_ties = 0;
@@ -415,6 +424,24 @@ TEST(RowCodecTest, MatchesLiteralFormulasAndFloat64Reference) {
   }
 }
 
+// Encode selects tau on BF16 magnitude bits; every ratio must give the sorted order statistic.
+TEST(RowCodecTest, ClipMatchesTheOrderStatisticForEveryRatio) {
+  for (int d : {32, 64, 256}) {
+    for (float r : {0.01f, 0.05f, 0.3f, 0.5f, 0.75f, 0.9f, 0.97f, 0.99f, 0.999f, 1.0f}) {
+      QuantConfig cfg = Config(4, 0);
+      cfg.clip_ratio_k = r;
+      const RowCodec codec = MakeCodec(cfg, d);
+      for (const std::vector<Bf16>& row : TestRows(d, 25, 40 + d)) {
+        const Encoded e = EncodeOrDie(codec, KvTensor::kKey, row);
+        const LiteralResult lit = LiteralEncode(cfg, d, KvTensor::kKey, row);
+        ASSERT_EQ(UnpackCodes(e.codes.data(), d, 4), lit.codes) << d << " " << r;
+        ASSERT_EQ(e.meta[0].scale, lit.meta[0].scale);
+        ASSERT_EQ(e.meta[0].min, lit.meta[0].min);
+      }
+    }
+  }
+}
+
 TEST(RowCodecTest, EncodeFloatRoundsToBf16First) {
   const RowCodec codec = MakeCodec(QuantConfig(), 128);
   const std::vector<float> row = RealLikeRows(1, 128, 21);
@@ -474,6 +501,30 @@ TEST(RowCodecTest, ConstantRowHasZeroScaleAndExactMin) {
             value == 1000.5f) {
           for (float v : out) EXPECT_EQ(v, row[0].ToFloat());
         }
+      }
+    }
+  }
+}
+
+// Min and max follow a sequential scan in dim order (`if (x < mn) mn = x`), which matters only
+// for the sign of a zero minimum: the first zero wins. The CUDA kernels reproduce this.
+TEST(RowCodecTest, ZeroMinTakesTheSignOfTheFirstZero) {
+  for (int g : {8, 32, 128}) {
+    QuantConfig cfg = Config(2, g);
+    cfg.clip_ratio_k = 0.0f;
+    const RowCodec codec = MakeCodec(cfg, 128);
+    for (bool negative_first : {false, true}) {
+      std::vector<Bf16> row = ToBf16(GaussianValues(128, 3, 1.0f));
+      for (Bf16& b : row) b.bits &= 0x7fff;  // all >= 0
+      for (int k = 0; k < 128 / g; ++k) {
+        // Zeros of both signs late in the group; the first one decides.
+        row[k * g + g - 5] = Bf16::FromBits(negative_first ? 0x8000 : 0x0000);
+        row[k * g + g - 2] = Bf16::FromBits(negative_first ? 0x0000 : 0x8000);
+        row[k * g + g - 1] = Bf16::FromBits(0x8000);
+      }
+      const Encoded e = EncodeOrDie(codec, KvTensor::kKey, row);
+      for (int k = 0; k < 128 / g; ++k) {
+        EXPECT_EQ(e.meta[k].min, negative_first ? 0x8000 : 0x0000) << g << " " << k;
       }
     }
   }
