@@ -7,6 +7,8 @@
 //   s = max(mx - mn, 1e-8f) / 3;  z = -mn / s;  code = clamp(floor(x / s + z + 0.5f), 0, 3)
 //
 // and its Lloyd-Max variant (oscar-method.md section 8) stores s = 1.16739 * sigma, z = 1.5 - mu/s.
+// QuantizeReferenceRow evaluates "/ 3" as a multiply by fp32(1/3), as the reference kernel does
+// (bit-exact scales on the golden data), and the Lloyd-Max step as RowCodec's kLloydMaxStep.
 //
 //   ReferenceRow r = *QuantizeReferenceRow(row, /*group_size=*/128, 0.96f, QuantMethod::kUniform);
 //   PackPlanarQuarter(r.codes, planar_bytes);

@@ -6,6 +6,8 @@
 //   clip:     c = clamp(floor(r * D), 0, D-1) (r <= 0: no clip); tau = c-th smallest |x_j| over
 //             the WHOLE row; x_j <- min(max(x_j, -tau), tau)
 //   uniform:  mn = min, mx = max over the group; s32 = (mx - mn) / L (L = 3 for INT2, 15 INT4);
+//             min/max as a sequential scan in dim order (if (x < mn) mn = x; if (mx < x) mx = x),
+//             which decides only the sign of a zero result;
 //             stored scale s = to16(s32), stored min m = to16(mn) (round to nearest even);
 //             if s == 0 every code is 0, else code = clamp(floor((x - m) / s + 0.5f), 0, L)
 //   lloyd-max (INT2, G = D): mu = mean, sigma = sqrt(mean((x-mu)^2) + 1e-8);
