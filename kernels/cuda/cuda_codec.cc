@@ -12,21 +12,16 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
 #include "kernels/cuda/codec_params.h"
+#include "kernels/cuda/host_internal.h"
 
 namespace kvpool::cuda {
 namespace {
 
 using internal::ArrivalParams;
 using internal::BatchParams;
-using internal::BlockGeometry;
+using internal::CudaStatus;
 using internal::DequantParams;
-
-absl::Status CudaStatus(int err, const char* what) {
-  if (err == 0) return absl::OkStatus();
-  const auto e = static_cast<cudaError_t>(err);
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
-}
+using internal::MakeGeometry;
 
 bool IsPowerOfTwo(int v) { return v > 0 && (v & (v - 1)) == 0; }
 
@@ -79,27 +74,6 @@ absl::Status CheckBatch(const SequenceBatch& b) {
   return absl::OkStatus();
 }
 
-BlockGeometry Geometry(const PagedKvView& kv) {
-  const BlockLayout& l = kv.layout;
-  BlockGeometry g;
-  g.block_bytes = static_cast<int64_t>(l.block_bytes());
-  g.head_segment_bytes = static_cast<int64_t>(l.head_segment_bytes());
-  for (int t = 0; t < 2; ++t) {
-    const auto tensor = static_cast<KvTensor>(t);
-    g.codes_offset[t] = static_cast<int64_t>(l.CodesOffset(tensor, 0));
-    g.meta_offset[t] = static_cast<int64_t>(l.MetaOffset(tensor, 0));
-  }
-  g.code_bytes_per_row = static_cast<int32_t>(l.code_bytes_per_row());
-  g.meta_bytes_per_row = static_cast<int32_t>(l.meta_bytes_per_row());
-  g.tokens = l.tokens;
-  g.kv_heads = l.kv_heads;
-  g.head_dim = l.head_dim;
-  g.group_size = l.bits == 16 ? l.head_dim : l.group_size;
-  g.bits = l.bits;
-  g.num_blocks = kv.num_blocks;
-  return g;
-}
-
 BatchParams Batch(const SequenceBatch& b) {
   BatchParams p;
   p.row_offsets = b.row_offsets;
@@ -134,7 +108,7 @@ absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
     return absl::InvalidArgumentError("rotation must be 16-byte aligned");
   }
   ArrivalParams p;
-  p.geo = Geometry(kv);
+  p.geo = MakeGeometry(kv);
   p.batch = Batch(batch);
   p.rows = in.rows;
   p.rotation = in.rotation;
@@ -169,7 +143,7 @@ absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,
   if (batch.total_rows == 0) return absl::OkStatus();
   if (out == nullptr) return absl::InvalidArgumentError("output is null");
   DequantParams p;
-  p.geo = Geometry(kv);
+  p.geo = MakeGeometry(kv);
   p.batch = Batch(batch);
   p.pool = kv.pool;
   p.out = out;
@@ -222,3 +196,35 @@ int CudaDeviceCount() {
 }
 
 }  // namespace kvpool::cuda
+
+namespace kvpool::cuda::internal {
+
+absl::Status CudaStatus(int err, const char* what) {
+  if (err == 0) return absl::OkStatus();
+  const auto e = static_cast<cudaError_t>(err);
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+BlockGeometry MakeGeometry(const PagedKvView& kv) {
+  const BlockLayout& l = kv.layout;
+  BlockGeometry g;
+  g.block_bytes = static_cast<int64_t>(l.block_bytes());
+  g.head_segment_bytes = static_cast<int64_t>(l.head_segment_bytes());
+  for (int t = 0; t < 2; ++t) {
+    const auto tensor = static_cast<KvTensor>(t);
+    g.codes_offset[t] = static_cast<int64_t>(l.CodesOffset(tensor, 0));
+    g.meta_offset[t] = static_cast<int64_t>(l.MetaOffset(tensor, 0));
+  }
+  g.code_bytes_per_row = static_cast<int32_t>(l.code_bytes_per_row());
+  g.meta_bytes_per_row = static_cast<int32_t>(l.meta_bytes_per_row());
+  g.tokens = l.tokens;
+  g.kv_heads = l.kv_heads;
+  g.head_dim = l.head_dim;
+  g.group_size = l.bits == 16 ? l.head_dim : l.group_size;
+  g.bits = l.bits;
+  g.num_blocks = kv.num_blocks;
+  return g;
+}
+
+}  // namespace kvpool::cuda::internal

@@ -1,0 +1,59 @@
+// Internal: plain parameter structs of the decode attention kernels and their launchers (filled
+// by cuda_attention.cc, read by decode_attention.cuh). No CUDA types, no Abseil.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/codec_params.h"
+
+struct CUstream_st;
+
+namespace kvpool::cuda::internal {
+
+// One tier of every sequence: tokens [first[i], first[i] + count[i]) of block table i.
+struct TierParams {
+  const int32_t* block_tables;  // [num_seqs][stride]
+  const int32_t* first;         // [num_seqs]
+  const int32_t* count;         // [num_seqs]
+  int32_t stride;
+};
+
+struct AttentionParams {
+  const uint8_t* int2_pool;
+  BlockGeometry int2_geo;
+  const uint8_t* bf16_pool;
+  BlockGeometry bf16_geo;
+  TierParams sink;
+  TierParams history;
+  TierParams recent;
+  int32_t num_seqs;
+  int32_t q_heads;
+  int32_t kv_heads;
+  int32_t group;  // q_heads / kv_heads
+  int32_t scale_is_bf16;
+  float softmax_scale_log2;  // log2(e) / sqrt(D)
+
+  const float* queries;     // [num_seqs][q_heads][D] fp32, original basis
+  const float* rotation_k;  // D x D or nullptr
+  const float* rotation_v;  // D x D or nullptr
+  float* q_rot;             // workspace [num_seqs][q_heads][D]
+  float* q_sum;             // workspace [num_seqs][q_heads]: sum of the rotated query
+  float* q_scale;           // workspace [num_seqs][q_heads]: power of two, max|q| * it < 2^14
+  float* part_out;          // workspace [num_seqs][q_heads][num_parts][D]
+  float* part_lse;          // workspace [num_seqs][q_heads][num_parts], log2 domain
+  int32_t num_parts;        // history_chunks + bf16_chunks
+  int32_t history_chunks;
+  int32_t history_chunk_tokens;  // multiple of 64
+  int32_t bf16_chunks;
+  int32_t bf16_chunk_tokens;  // multiple of 64
+  float* out;                 // [num_seqs][q_heads][D] fp32, original basis
+  float* lse;                 // [num_seqs][q_heads], natural log
+};
+
+// Enqueues the whole decode step (query rotation, BF16 tiers, INT2 history, merge and output
+// un-rotation). kD in {64, 128}; kGroupTiles = ceil(group / 8) in {1, 2}. Returns a
+// cudaError_t value.
+template <int kD, int kGroupTiles>
+int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream);
+
+}  // namespace kvpool::cuda::internal

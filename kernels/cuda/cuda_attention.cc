@@ -1,0 +1,214 @@
+// Host side of the decode attention: checks, the split of the work into chunks, the workspace
+// layout, and the dispatch to the instantiated kernels (decode_attention_d*.cu).
+#include "kernels/cuda/cuda_attention.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+#include "kernels/cuda/attention_params.h"
+#include "kernels/cuda/host_internal.h"
+
+namespace kvpool::cuda {
+namespace {
+
+using internal::AttentionParams;
+using internal::CudaStatus;
+using internal::MakeGeometry;
+
+constexpr int kChunkQuantum = 64;  // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)
+constexpr int kMaxGroup = 16;
+
+struct Plan {
+  int group = 0;
+  int history_chunks = 0;
+  int history_chunk_tokens = kChunkQuantum;
+  int bf16_chunks = 0;
+  int bf16_chunk_tokens = kChunkQuantum;
+  int num_parts = 0;
+  // Workspace layout (byte offsets).
+  size_t q_rot = 0, q_sum = 0, q_scale = 0, part_out = 0, part_lse = 0, total = 0;
+};
+
+int RoundUp(int64_t v, int64_t q) { return static_cast<int>((v + q - 1) / q * q); }
+
+absl::Status CheckShape(const DecodeAttentionShape& s) {
+  const BlockLayout& l = s.history_pool.layout;
+  const int d = l.head_dim;
+  if (d != 64 && d != 128) {
+    return absl::UnimplementedError(
+        absl::StrCat("decode attention supports D = 64 or 128, not ", d));
+  }
+  KVPOOL_RETURN_IF_ERROR(s.cfg.Validate(d));
+  if (l.kv_heads < 1 || s.q_heads < l.kv_heads || s.q_heads % l.kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q_heads ", s.q_heads, " is not a multiple of kv_heads ", l.kv_heads));
+  }
+  if (s.q_heads / l.kv_heads > kMaxGroup) {
+    return absl::UnimplementedError(absl::StrCat("GQA groups above ", kMaxGroup, " query heads"));
+  }
+  const BlockLayout want = BlockLayout::ForModel(s.cfg, l.kv_heads, d);
+  if (want.tokens != l.tokens || want.group_size != l.group_size || want.bits != l.bits) {
+    return absl::InvalidArgumentError("history block layout does not match the QuantConfig");
+  }
+  if (l.bits != 2 || l.group_size != d) {
+    return absl::UnimplementedError(
+        "decode attention needs INT2 history blocks with one group per row (G = D)");
+  }
+  if (s.history_pool.scale_dtype != s.cfg.scale_dtype) {
+    return absl::InvalidArgumentError("history scale dtype does not match the QuantConfig");
+  }
+  if (s.num_seqs < 1 || s.max_history_tokens < 0 || s.max_bf16_tokens < 0) {
+    return absl::InvalidArgumentError("need num_seqs >= 1 and non-negative token bounds");
+  }
+  if (s.max_history_tokens > 0 &&
+      (s.history_pool.pool == nullptr || s.history_pool.num_blocks < 1)) {
+    return absl::InvalidArgumentError("history pool is empty");
+  }
+  if (s.max_bf16_tokens > 0) {
+    const BlockLayout& b = s.bf16_pool.layout;
+    if (s.bf16_pool.pool == nullptr || s.bf16_pool.num_blocks < 1 ||
+        reinterpret_cast<uintptr_t>(s.bf16_pool.pool) % 16 != 0) {
+      return absl::InvalidArgumentError("BF16 pool must be a non-null 16-byte aligned arena");
+    }
+    if (b.bits != 16 || b.head_dim != d || b.kv_heads != l.kv_heads || b.tokens < 8 ||
+        (b.tokens & (b.tokens - 1)) != 0) {
+      return absl::InvalidArgumentError(
+          "BF16 pool layout must be bits 16 with the model's head_dim and kv_heads");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
+  KVPOOL_RETURN_IF_ERROR(CheckShape(s));
+  int device = 0;
+  int sms = 0;
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count"));
+  const int kv_heads = s.history_pool.layout.kv_heads;
+  Plan p;
+  p.group = s.q_heads / kv_heads;
+  // About four CTAs per SM in the history launch; chunks of at least 128 tokens.
+  const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
+  const int64_t per_seq = std::max<int64_t>(1, (4 * static_cast<int64_t>(sms) + pairs - 1) / pairs);
+  if (s.max_history_tokens > 0) {
+    p.history_chunk_tokens = std::max(
+        2 * kChunkQuantum, RoundUp((s.max_history_tokens + per_seq - 1) / per_seq, kChunkQuantum));
+    p.history_chunks = (s.max_history_tokens + p.history_chunk_tokens - 1) / p.history_chunk_tokens;
+  }
+  if (s.max_bf16_tokens > 0) {
+    p.bf16_chunk_tokens = std::max(
+        kChunkQuantum, RoundUp((s.max_bf16_tokens + per_seq - 1) / per_seq, kChunkQuantum));
+    p.bf16_chunks = (s.max_bf16_tokens + p.bf16_chunk_tokens - 1) / p.bf16_chunk_tokens;
+  }
+  p.num_parts = p.history_chunks + p.bf16_chunks;
+  const size_t rows = static_cast<size_t>(s.num_seqs) * s.q_heads;
+  const size_t d = s.history_pool.layout.head_dim;
+  auto take = [&](size_t bytes) {
+    const size_t at = p.total;
+    p.total += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  p.q_rot = take(rows * d * sizeof(float));
+  p.q_sum = take(rows * sizeof(float));
+  p.q_scale = take(rows * sizeof(float));
+  p.part_out = take(rows * std::max(p.num_parts, 1) * d * sizeof(float));
+  p.part_lse = take(rows * std::max(p.num_parts, 1) * sizeof(float));
+  return p;
+}
+
+absl::Status CheckTier(const DecodeTier& t, const char* name) {
+  if (t.block_tables == nullptr || t.first_token == nullptr || t.num_tokens == nullptr ||
+      t.block_table_stride < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the ", name, " tier needs block tables, ", "first tokens and token counts"));
+  }
+  return absl::OkStatus();
+}
+
+internal::TierParams Tier(const DecodeTier& t) {
+  return internal::TierParams{t.block_tables, t.first_token, t.num_tokens, t.block_table_stride};
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const DecodeAttentionShape& shape) {
+  KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape));
+  return plan.total;
+}
+
+absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatch& batch,
+                             const DecodeIo& io, void* workspace, size_t workspace_bytes,
+                             Stream stream) {
+  KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape));
+  if (workspace == nullptr || workspace_bytes < plan.total) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("decode attention needs ", plan.total, " workspace bytes"));
+  }
+  if (io.queries == nullptr || io.out == nullptr || io.lse == nullptr) {
+    return absl::InvalidArgumentError("queries, out and lse must be device pointers");
+  }
+  if ((io.rotation_k != nullptr && !Aligned16(io.rotation_k)) ||
+      (io.rotation_v != nullptr && !Aligned16(io.rotation_v))) {
+    return absl::InvalidArgumentError("rotations must be 16-byte aligned");
+  }
+  if (shape.max_history_tokens > 0) KVPOOL_RETURN_IF_ERROR(CheckTier(batch.history, "history"));
+  if (shape.max_bf16_tokens > 0) {
+    KVPOOL_RETURN_IF_ERROR(CheckTier(batch.sink, "sink"));
+    KVPOOL_RETURN_IF_ERROR(CheckTier(batch.recent, "recent"));
+  }
+  const int d = shape.history_pool.layout.head_dim;
+  AttentionParams p{};
+  p.int2_pool = shape.history_pool.pool;
+  p.int2_geo = MakeGeometry(shape.history_pool);
+  if (shape.max_bf16_tokens > 0) {
+    p.bf16_pool = shape.bf16_pool.pool;
+    p.bf16_geo = MakeGeometry(shape.bf16_pool);
+  }
+  p.sink = Tier(batch.sink);
+  p.history = Tier(batch.history);
+  p.recent = Tier(batch.recent);
+  p.num_seqs = shape.num_seqs;
+  p.q_heads = shape.q_heads;
+  p.kv_heads = shape.history_pool.layout.kv_heads;
+  p.group = plan.group;
+  p.scale_is_bf16 = shape.cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
+  p.softmax_scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(d)));
+  p.queries = io.queries;
+  p.rotation_k = io.rotation_k;
+  p.rotation_v = io.rotation_v;
+  auto* base = static_cast<uint8_t*>(workspace);
+  p.q_rot = reinterpret_cast<float*>(base + plan.q_rot);
+  p.q_sum = reinterpret_cast<float*>(base + plan.q_sum);
+  p.q_scale = reinterpret_cast<float*>(base + plan.q_scale);
+  p.part_out = reinterpret_cast<float*>(base + plan.part_out);
+  p.part_lse = reinterpret_cast<float*>(base + plan.part_lse);
+  p.num_parts = plan.num_parts;
+  p.history_chunks = plan.history_chunks;
+  p.history_chunk_tokens = plan.history_chunk_tokens;
+  p.bf16_chunks = plan.bf16_chunks;
+  p.bf16_chunk_tokens = plan.bf16_chunk_tokens;
+  p.out = io.out;
+  p.lse = io.lse;
+  const bool two_tiles = plan.group > 8;
+  int err = 0;
+  if (d == 64) {
+    err = two_tiles ? internal::LaunchDecodeAttention<64, 2>(p, stream)
+                    : internal::LaunchDecodeAttention<64, 1>(p, stream);
+  } else {
+    err = two_tiles ? internal::LaunchDecodeAttention<128, 2>(p, stream)
+                    : internal::LaunchDecodeAttention<128, 1>(p, stream);
+  }
+  return CudaStatus(err, "DecodeAttention launch");
+}
+
+}  // namespace kvpool::cuda

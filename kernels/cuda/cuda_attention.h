@@ -1,0 +1,83 @@
+// INT2 paged decode attention on the GPU: one decode step of one layer for a batch of
+// sequences of different lengths, over the BF16 sink, the INT2 history and the BF16 recent
+// window, with an exact log-sum-exp merge (oscar-method.md section 11, kernels/attention.h).
+// No CUDA types here; all pointers are device pointers.
+//
+//   DecodeAttentionShape shape{cfg, /*q_heads=*/64, int2_view, bf16_view, batch_size,
+//                              max_history, max_sink_plus_recent};
+//   size_t bytes = *DecodeAttentionWorkspaceBytes(shape);          // cudaMalloc it once
+//   KVPOOL_RETURN_IF_ERROR(DecodeAttention(shape, batch, io, workspace, bytes, stream));
+//
+// Semantics, per sequence b and query head j (KV head j / (Hq / Hkv)), with q' = q * M_K:
+//   l_t = q'_j . k'_t / sqrt(D) over the sink, history and recent tokens;
+//   lse_j = ln sum_t exp(l_t);   out_j = (sum_t exp(l_t - lse_j) v'_t) * M_V^T
+// INT2 rows are dequantized as min + code * scale (folded: the kernel never forms them); an
+// empty sequence gives lse = -inf and a zero output. The kernel computes q'.k in fp16 x fp16
+// tensor-core products with fp32 accumulation (q' rounded to fp16 after a power-of-two scale),
+// and P * scale in fp16: relative error about 1e-3 against float64 on the dequantized data.
+//
+// Supported: head_dim 64 or 128; INT2 uniform or Lloyd-Max history with one group per row
+// (G = D); GQA groups of 1 to 16 query heads per KV head. Others are Unimplemented.
+// Thread-safety: stateless; concurrent calls need separate workspaces.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/codec_config.h"
+#include "kernels/cuda/cuda_codec.h"
+
+namespace kvpool::cuda {
+
+// One tier (sink, history or recent) of every sequence of the batch: sequence i's tier holds
+// the tokens at positions [first_token[i], first_token[i] + num_tokens[i]) of block table i
+// (block table entry p / T holds position p at slot p % T). Device int32 arrays.
+struct DecodeTier {
+  const int32_t* block_tables = nullptr;  // [num_seqs][block_table_stride]
+  int block_table_stride = 0;
+  const int32_t* first_token = nullptr;  // [num_seqs]
+  const int32_t* num_tokens = nullptr;   // [num_seqs]
+};
+
+// What stays fixed between decode steps of a model and batch size: it decides the split of the
+// work and the workspace size.
+struct DecodeAttentionShape {
+  QuantConfig cfg;
+  int q_heads = 0;
+  PagedKvView history_pool;  // INT2 blocks (layout of cfg)
+  PagedKvView bf16_pool;     // BF16 blocks of the sink and recent tiers: layout bits == 16
+  int num_seqs = 0;
+  int max_history_tokens = 0;  // upper bound of any sequence's history length
+  int max_bf16_tokens = 0;     // upper bound of any sequence's sink + recent length
+};
+
+struct DecodeBatch {
+  DecodeTier sink;     // in bf16_pool
+  DecodeTier history;  // in history_pool
+  DecodeTier recent;   // in bf16_pool
+};
+
+struct DecodeIo {
+  const float* queries = nullptr;     // [num_seqs][q_heads][D] fp32, original basis
+  const float* rotation_k = nullptr;  // D x D fp32 row-major (16-byte aligned); nullptr = I
+  const float* rotation_v = nullptr;  // D x D fp32 row-major (16-byte aligned); nullptr = I
+  float* out = nullptr;               // [num_seqs][q_heads][D] fp32, original basis
+  float* lse = nullptr;               // [num_seqs][q_heads], natural log
+};
+
+// Device workspace bytes DecodeAttention needs for `shape` on the current device.
+// InvalidArgument / Unimplemented as DecodeAttention.
+[[nodiscard]] absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(
+    const DecodeAttentionShape& shape);
+
+// Enqueues the decode step on `stream` (4 kernel launches; capturable in a CUDA graph).
+// InvalidArgument for inconsistent shapes or null pointers, Unimplemented for unsupported
+// settings, FailedPrecondition if `workspace_bytes` is too small. Token counts above the
+// shape's maxima are not detected (the excess tokens are ignored).
+[[nodiscard]] absl::Status DecodeAttention(const DecodeAttentionShape& shape,
+                                           const DecodeBatch& batch, const DecodeIo& io,
+                                           void* workspace, size_t workspace_bytes, Stream stream);
+
+}  // namespace kvpool::cuda

@@ -1,0 +1,738 @@
+// INT2 paged decode attention on tensor cores (oscar-method.md section 11, attention.h).
+//
+// One decode step of one layer is four launches on one stream:
+//   1. RotateQueriesKernel   q' = q * M_K for each (sequence, KV head group); also the sum and
+//                            a power-of-two scale of every rotated query.
+//   2. Bf16TierKernel        attention over the BF16 sink + recent tokens, split in chunks.
+//   3. Int2HistoryKernel     attention over the INT2 history, split-K in chunks.
+//   4. MergeKernel           exact log-sum-exp merge of all chunks, o = o' * M_V^T.
+// Every chunk CTA writes a normalized partial output and its log2-sum-exp (-inf when empty),
+// so no scratch needs clearing.
+//
+// The attention CTAs (4 warps) work on 16-token tiles with mma.m16n8k16 (fp16 in, fp32 acc):
+//   S^T[16 tokens x 8 queries] = K[16 x D] * Q^T          (tokens are the M dimension, the GQA
+//   O^T[D x 8 queries]       += V^T[D x 16] * (P * s)^T    group of up to 8 queries is N)
+// INT2 tier: the 2-bit codes become fp16 subnormals with one AND (mma.cuh ExtractCodes), the
+// scale and minimum stay out of the inner loop:
+//   q . k_t = s_t (q . c_t) + m_t sum(q)        sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t m_t
+// P^T moves from the accumulator layout to the B operand layout with movmatrix. The dims that a
+// lane handles are chosen so that all its code loads are single coalesced 4- or 8-byte loads;
+// the kernel maps them back when it writes the output.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/attention_params.h"
+#include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/mma.cuh"
+
+namespace kvpool::cuda::internal {
+
+inline constexpr int kAttnWarps = 4;
+inline constexpr int kAttnThreads = kAttnWarps * kWarpSize;
+inline constexpr int kTileTokens = 16;
+inline constexpr int kChunkQuantum = kAttnWarps * kTileTokens;  // chunk sizes are multiples
+inline constexpr float kNegInf = -__builtin_huge_valf();
+
+// Byte offset, from the pool base, of a token's segment start for (block table, head): the
+// caller adds codes/meta offsets and slot * row bytes.
+struct TokenAddress {
+  int64_t segment;  // block * block_bytes + head * head_segment_bytes
+  int slot;
+};
+
+__device__ __forceinline__ TokenAddress AddressOf(const BlockGeometry& g, const int32_t* table,
+                                                  int log2_tokens, int position, int head) {
+  const int32_t block = __ldg(table + (position >> log2_tokens));
+  TokenAddress a;
+  a.segment = static_cast<int64_t>(block) * g.block_bytes +
+              static_cast<int64_t>(head) * g.head_segment_bytes;
+  a.slot = position & ((1 << log2_tokens) - 1);
+  return a;
+}
+
+__device__ __forceinline__ float WarpMaxOverRows(float v) {
+  // Max over the 8 lanes that share lane % 4 (the rows of a C fragment).
+  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 4));
+  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 8));
+  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 16));
+  return v;
+}
+
+__device__ __forceinline__ float WarpSumOverRows(float v) {
+  v += __shfl_xor_sync(kFullMask, v, 4);
+  v += __shfl_xor_sync(kFullMask, v, 8);
+  v += __shfl_xor_sync(kFullMask, v, 16);
+  return v;
+}
+
+// Splits x = hi + lo into two fp16 values (hi = fp16(x), lo = fp16(x - hi)), so that two fp16
+// tensor-core products carry about 22 bits of the query: the logits, and so the log-sum-exp,
+// keep fp32-like accuracy although the MMA inputs are fp16.
+__device__ __forceinline__ void SplitHalf2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 back = __half22float2(h);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = PackHalf2(x0 - back.x, x1 - back.y);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Query rotation. Grid (kv_heads, num_seqs), kD threads; thread j computes dim j of every
+// query of the group.
+template <int kD>
+__global__ void __launch_bounds__(kD) RotateQueriesKernel(const AttentionParams p) {
+  __shared__ float q_in[16][kD];
+  __shared__ float q_out[16][kD];
+  const int b = blockIdx.y;
+  const int head0 = blockIdx.x * p.group;
+  const int j = threadIdx.x;
+  for (int n = 0; n < p.group; ++n) {
+    q_in[n][j] = p.queries[(static_cast<int64_t>(b) * p.q_heads + head0 + n) * kD + j];
+  }
+  __syncthreads();
+  float acc[16];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc[n] = 0.f;
+  if (p.rotation_k != nullptr) {
+    for (int i = 0; i < kD; ++i) {
+      const float m = __ldg(p.rotation_k + i * kD + j);
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        if (n < p.group) acc[n] = __fmaf_rn(q_in[n][i], m, acc[n]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      if (n < p.group) acc[n] = q_in[n][j];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    if (n < p.group) {
+      q_out[n][j] = acc[n];
+      p.q_rot[(static_cast<int64_t>(b) * p.q_heads + head0 + n) * kD + j] = acc[n];
+    }
+  }
+  __syncthreads();
+  // Sum and scale of each query: warp w reduces queries w, w + warps, ...
+  const int warp = j / kWarpSize;
+  const int lane = j % kWarpSize;
+  for (int n = warp; n < p.group; n += kD / kWarpSize) {
+    float sum = 0.f;
+    float max_abs = 0.f;
+    for (int i = lane; i < kD; i += kWarpSize) {
+      sum += q_out[n][i];
+      max_abs = fmaxf(max_abs, fabsf(q_out[n][i]));
+    }
+    for (int o = 16; o >= 1; o >>= 1) {
+      sum += __shfl_xor_sync(kFullMask, sum, o);
+      max_abs = fmaxf(max_abs, __shfl_xor_sync(kFullMask, max_abs, o));
+    }
+    if (lane == 0) {
+      int e = 0;
+      float scale = 1.f;
+      if (max_abs > 0.f) {
+        frexpf(max_abs, &e);  // max_abs < 2^e
+        scale = ldexpf(1.f, min(14 - e, 100));
+      }
+      const int64_t at = static_cast<int64_t>(b) * p.q_heads + head0 + n;
+      p.q_sum[at] = sum;
+      p.q_scale[at] = scale;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-warp online-softmax state for the queries of the lane's accumulator columns, and the
+// accumulators of O^T. Column cc of n-tile nt is query nt * 8 + 2t + cc.
+template <int kD, int kNT>
+struct WarpState {
+  static constexpr int kMTiles = kD / 16;
+  float m[kNT][2];   // running max, log2 domain
+  float l[kNT][2];   // lane-partial sum of p
+  float pm[kNT][2];  // lane-partial sum of p * min (INT2 tier)
+  float acc[kNT][kMTiles][4];
+
+  __device__ __forceinline__ void Init() {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        m[nt][cc] = kNegInf;
+        l[nt][cc] = 0.f;
+        pm[nt][cc] = 0.f;
+      }
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[nt][mi][k] = 0.f;
+      }
+    }
+  }
+
+  // Online softmax over one tile. logit[nt][cc][r] is the log2-domain logit of token row r
+  // (0: g, 1: g + 8) for column (nt, cc), -inf when the token is absent; row_scale[r] and
+  // row_min[r] are the tokens' V scale and minimum (1 and 0 for BF16 rows). Returns the B
+  // operand (P * s)^T of the PV product in pb.
+  __device__ __forceinline__ void Update(const float (&logit)[kNT][2][2],
+                                         const float (&row_scale)[2], const float (&row_min)[2],
+                                         uint32_t (&pb)[kNT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      float ps[2][2];  // [cc][row]
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const float tile_max = WarpMaxOverRows(fmaxf(logit[nt][cc][0], logit[nt][cc][1]));
+        const float m_new = fmaxf(m[nt][cc], tile_max);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        const float corr = FastExp2(m[nt][cc] - m_use);
+        const float p0 = FastExp2(logit[nt][cc][0] - m_use);
+        const float p1 = FastExp2(logit[nt][cc][1] - m_use);
+        m[nt][cc] = m_new;
+        l[nt][cc] = __fmaf_rn(l[nt][cc], corr, p0 + p1);
+        pm[nt][cc] =
+            __fmaf_rn(pm[nt][cc], corr, __fmaf_rn(p0, row_min[0], __fmul_rn(p1, row_min[1])));
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          acc[nt][mi][cc] *= corr;
+          acc[nt][mi][2 + cc] *= corr;
+        }
+        ps[cc][0] = p0 * row_scale[0];
+        ps[cc][1] = p1 * row_scale[1];
+      }
+      // Rows g (tokens 0..7) and g + 8 (tokens 8..15) of P^T tile, columns 2t, 2t+1 -> transpose.
+      pb[nt][0] = Transpose8x8(PackHalf2(ps[0][0], ps[1][0]));
+      pb[nt][1] = Transpose8x8(PackHalf2(ps[0][1], ps[1][1]));
+    }
+  }
+};
+
+// Writes the combined state of the CTA's warps as one normalized partial result. row_factor
+// maps accumulator (mi, half) to its true scale; dims: thread (g, t) holds dims
+// g * (kD / 8) + mi (rows g) and g * (kD / 8) + mi + kD / 16 (rows g + 8).
+template <int kD, int kNT>
+__device__ __forceinline__ void WritePartial(WarpState<kD, kNT>& st, const AttentionParams& p,
+                                             int b, int kv_head, int part,
+                                             const float (&row_factor)[kD / 16][2]) {
+  constexpr int kQ = kNT * 8;
+  constexpr int kMTiles = kD / 16;
+  __shared__ float sm_o[kAttnWarps][kQ][kD];
+  __shared__ float sm_m[kAttnWarps][kQ];
+  __shared__ float sm_l[kAttnWarps][kQ];
+  __shared__ float sm_pm[kAttnWarps][kQ];
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const float l = WarpSumOverRows(st.l[nt][cc]);
+      const float pm = WarpSumOverRows(st.pm[nt][cc]);
+      const int q = nt * 8 + 2 * t + cc;
+      if (g == 0) {
+        sm_m[warp][q] = st.m[nt][cc];
+        sm_l[warp][q] = l;
+        sm_pm[warp][q] = pm;
+      }
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        sm_o[warp][q][g * (kD / 8) + mi] = st.acc[nt][mi][cc] * row_factor[mi][0];
+        sm_o[warp][q][g * (kD / 8) + mi + kD / 16] = st.acc[nt][mi][2 + cc] * row_factor[mi][1];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < p.group * kD; idx += kAttnThreads) {
+    const int q = idx / kD;
+    const int dim = idx % kD;
+    float m_all = kNegInf;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) m_all = fmaxf(m_all, sm_m[w][q]);
+    const int64_t row = (static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + q);
+    float o = 0.f;
+    float lse = kNegInf;
+    if (m_all != kNegInf) {
+      float u = 0.f;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float e = FastExp2(sm_m[w][q] - m_all);
+        u = __fmaf_rn(e, sm_o[w][q][dim] + sm_pm[w][q], u);
+        l = __fmaf_rn(e, sm_l[w][q], l);
+      }
+      o = u / l;
+      lse = m_all + __log2f(l);
+    }
+    p.part_out[(row * p.num_parts + part) * kD + dim] = o;
+    if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
+  }
+}
+
+// Per-CTA query operands. B fragment of k-step j, n-tile nt for lane (g, t): query nt * 8 + g,
+// k rows 2t, 2t+1 (reg 0) and 2t+8, 2t+9 (reg 1) mapped to dims by `dim_of(j, reg, half)`,
+// each multiplied by q_scale * factor(j, reg).
+template <int kD, int kNT>
+struct QueryOperands {
+  uint32_t b[kNT][kD / 16][2];
+  float gamma[kNT][2];  // log2-domain logit = acc * gamma (* s_t) + m_t * beta
+  float beta[kNT][2];
+};
+
+// ---------------------------------------------------------------------------------------------
+// 3. INT2 history. Grid (history_chunks, kv_heads, num_seqs).
+template <int kD, int kNT>
+__global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const AttentionParams p) {
+  constexpr int kKSteps = kD / 16;
+  constexpr int kMTiles = kD / 16;
+  constexpr int kKWords = kD / 64;  // 32-bit K code words per token per lane
+  const int chunk = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const BlockGeometry& geo = p.int2_geo;
+  const bool scale_bf16 = p.scale_is_bf16 != 0;
+
+  const int count = __ldg(p.history.count + b);
+  const int first = __ldg(p.history.first + b);
+  const int32_t* table = p.history.block_tables + static_cast<int64_t>(b) * p.history.stride;
+  const int c0 = chunk * p.history_chunk_tokens;
+  const int c1 = min(count, c0 + p.history_chunk_tokens);
+  const int log2_tokens = __ffs(geo.tokens) - 1;
+
+  // Query operands: code i of a K word is an fp16 c * 2^(CodePos(i) - 24), so dim d of the
+  // query carries 2^-CodePos(i) and the logit 2^24.
+  uint32_t qb[kNT][kKSteps][2][2];  // [..][reg][hi, lo]
+  float gamma[kNT][2];
+  float beta[kNT][2];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    const int n = nt * 8 + g;
+    const bool valid = n < p.group;
+    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + n;
+    const float* qv = p.q_rot + qrow * kD;
+    const float qs = valid ? p.q_scale[qrow] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int r = 2 * j + s;
+        const int w = r / 8;
+        const int i = r % 8;
+        const int dim = t * (kD / 4) + w * 16 + i;
+        const float f = qs / static_cast<float>(1 << CodePos(i));
+        qb[nt][j][s][0] = 0u;
+        qb[nt][j][s][1] = 0u;
+        if (valid) SplitHalf2(qv[dim] * f, qv[dim + 8] * f, qb[nt][j][s][0], qb[nt][j][s][1]);
+      }
+    }
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const int nq = nt * 8 + 2 * t + cc;
+      const bool v = nq < p.group;
+      const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + nq;
+      gamma[nt][cc] = v ? 16777216.f * p.softmax_scale_log2 / p.q_scale[row] : 0.f;
+      beta[nt][cc] = v ? p.q_sum[row] * p.softmax_scale_log2 : 0.f;
+    }
+  }
+
+  WarpState<kD, kNT> st;
+  st.Init();
+
+  struct Tile {
+    uint32_t k[2][kKWords];
+    uint32_t k_meta[2];
+    uint32_t v_meta[2];
+    uint32_t v[4];
+  };
+  auto load = [&](int start, Tile& tile) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = start + g + 8 * r;
+      if (i < c1) {
+        const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
+        const uint8_t* seg = p.int2_pool + a.segment;
+        const uint8_t* kc =
+            seg + geo.codes_offset[0] + a.slot * geo.code_bytes_per_row + t * (kD / 16);
+        if constexpr (kKWords == 2) {
+          const uint2 w = __ldg(reinterpret_cast<const uint2*>(kc));
+          tile.k[r][0] = w.x;
+          tile.k[r][1] = w.y;
+        } else {
+          tile.k[r][0] = __ldg(reinterpret_cast<const uint32_t*>(kc));
+        }
+        tile.k_meta[r] =
+            __ldg(reinterpret_cast<const uint32_t*>(seg + geo.meta_offset[0] + a.slot * 4));
+        tile.v_meta[r] =
+            __ldg(reinterpret_cast<const uint32_t*>(seg + geo.meta_offset[1] + a.slot * 4));
+      } else {
+#pragma unroll
+        for (int w = 0; w < kKWords; ++w) tile.k[r][w] = 0u;
+        tile.k_meta[r] = 0u;
+        tile.v_meta[r] = 0u;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int i = start + 2 * t + (c & 1) + 8 * (c >> 1);
+      uint32_t w = 0u;
+      if (i < c1) {
+        const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
+        const uint8_t* vc = p.int2_pool + a.segment + geo.codes_offset[1] +
+                            a.slot * geo.code_bytes_per_row + g * (kD / 32);
+        if constexpr (kD == 128) {
+          w = __ldg(reinterpret_cast<const uint32_t*>(vc));
+        } else {
+          w = __ldg(reinterpret_cast<const uint16_t*>(vc));
+        }
+      }
+      tile.v[c] = w;
+    }
+  };
+
+  const int stride = kAttnWarps * kTileTokens;
+  int start = c0 + warp * kTileTokens;
+  Tile cur;
+  if (start < c1) load(start, cur);
+  for (; start < c1; start += stride) {
+    Tile next;
+    if (start + stride < c1) load(start + stride, next);
+
+    // S^T = K * Q^T over kKSteps k-steps of 16 dims.
+    float s[kNT][4];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[nt][k] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      const int w = (2 * j) / 8;
+      const int i0 = (2 * j) % 8;
+      const uint32_t a[4] = {ExtractCodesAt(cur.k[0][w], i0), ExtractCodesAt(cur.k[1][w], i0),
+                             ExtractCodesAt(cur.k[0][w], i0 + 1),
+                             ExtractCodesAt(cur.k[1][w], i0 + 1)};
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const uint32_t hi[2] = {qb[nt][j][0][0], qb[nt][j][1][0]};
+        const uint32_t lo[2] = {qb[nt][j][0][1], qb[nt][j][1][1]};
+        MmaF16(s[nt], a, hi);
+        MmaF16(s[nt], a, lo);
+      }
+    }
+
+    float k_scale[2], k_min[2], v_scale[2], v_min[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      k_scale[r] = ScaleWordToFloat(static_cast<uint16_t>(cur.k_meta[r] & 0xffffu), scale_bf16);
+      k_min[r] = ScaleWordToFloat(static_cast<uint16_t>(cur.k_meta[r] >> 16), scale_bf16);
+      v_scale[r] = ScaleWordToFloat(static_cast<uint16_t>(cur.v_meta[r] & 0xffffu), scale_bf16);
+      v_min[r] = ScaleWordToFloat(static_cast<uint16_t>(cur.v_meta[r] >> 16), scale_bf16);
+    }
+    const bool row_valid[2] = {start + g < c1, start + g + 8 < c1};
+    float logit[kNT][2][2];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float qc = s[nt][2 * r + cc] * gamma[nt][cc];
+          logit[nt][cc][r] =
+              row_valid[r] ? __fmaf_rn(qc, k_scale[r], k_min[r] * beta[nt][cc]) : kNegInf;
+        }
+      }
+    }
+    uint32_t pb[kNT][2];
+    st.Update(logit, v_scale, v_min, pb);
+
+    // O^T += V^T * (P s)^T. Lane pairs tokens (2t, 2t+1) and (2t+8, 2t+9) in one register.
+    uint32_t il[2][kD / 64];
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      if constexpr (kD == 128) {
+        il[pr][0] = Permute(cur.v[2 * pr], cur.v[2 * pr + 1], 0x5410u);
+        il[pr][1] = Permute(cur.v[2 * pr], cur.v[2 * pr + 1], 0x7632u);
+      } else {
+        il[pr][0] = (cur.v[2 * pr] & 0xffffu) | (cur.v[2 * pr + 1] << 16);
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      constexpr int kHalf = kD / 16;
+      const int ja = mi;
+      const int jb = mi + kHalf;
+      const uint32_t a[4] = {
+          ExtractCodesAt(il[0][ja / 8], ja % 8), ExtractCodesAt(il[0][jb / 8], jb % 8),
+          ExtractCodesAt(il[1][ja / 8], ja % 8), ExtractCodesAt(il[1][jb / 8], jb % 8)};
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) MmaF16(st.acc[nt][mi], a, pb[nt]);
+    }
+    cur = next;
+  }
+
+  float row_factor[kMTiles][2];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    row_factor[mi][0] = static_cast<float>(1 << (24 - CodePos(mi % 8)));
+    row_factor[mi][1] = static_cast<float>(1 << (24 - CodePos((mi + kD / 16) % 8)));
+  }
+  WritePartial<kD, kNT>(st, p, b, kv_head, chunk, row_factor);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. BF16 tiers (sink then recent, as one list). Grid (bf16_chunks, kv_heads, num_seqs).
+template <int kD, int kNT>
+__global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionParams p) {
+  constexpr int kKSteps = kD / 16;
+  constexpr int kMTiles = kD / 16;
+  constexpr int kKVec = kD / 32;  // uint4 (8 dims) per token per lane on the K side (kD / 4 dims)
+  constexpr int kVVec = kD / 64;  // uint4 per token per lane on the V side (kD / 8 dims)
+  const int chunk = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const BlockGeometry& geo = p.bf16_geo;
+  const int n_sink = __ldg(p.sink.count + b);
+  const int n_recent = __ldg(p.recent.count + b);
+  const int first_sink = __ldg(p.sink.first + b);
+  const int first_recent = __ldg(p.recent.first + b);
+  const int32_t* sink_table = p.sink.block_tables + static_cast<int64_t>(b) * p.sink.stride;
+  const int32_t* recent_table = p.recent.block_tables + static_cast<int64_t>(b) * p.recent.stride;
+  const int total = n_sink + n_recent;
+  const int c0 = chunk * p.bf16_chunk_tokens;
+  const int c1 = min(total, c0 + p.bf16_chunk_tokens);
+  const int log2_tokens = __ffs(geo.tokens) - 1;
+
+  // Lane (g, t) K side: dims t * kD/4 + [0, kD/4) as bf16 pairs; k-step j uses pairs 2j, 2j+1.
+  uint32_t qb[kNT][kKSteps][2][2];  // [..][reg][hi, lo]
+  float gamma[kNT][2];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    const int n = nt * 8 + g;
+    const bool valid = n < p.group;
+    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + n;
+    const float* qv = p.q_rot + qrow * kD;
+    const float qs = valid ? p.q_scale[qrow] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int dim = t * (kD / 4) + 4 * j + 2 * s;
+        qb[nt][j][s][0] = 0u;
+        qb[nt][j][s][1] = 0u;
+        if (valid) SplitHalf2(qv[dim] * qs, qv[dim + 1] * qs, qb[nt][j][s][0], qb[nt][j][s][1]);
+      }
+    }
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const int nq = nt * 8 + 2 * t + cc;
+      const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + nq;
+      gamma[nt][cc] = nq < p.group ? p.softmax_scale_log2 / p.q_scale[row] : 0.f;
+    }
+  }
+
+  auto segment_of = [&](int i, bool& ok) -> const uint8_t* {
+    ok = i < c1;
+    if (!ok) return nullptr;
+    const bool sink = i < n_sink;
+    const TokenAddress a = AddressOf(geo, sink ? sink_table : recent_table, log2_tokens,
+                                     sink ? first_sink + i : first_recent + (i - n_sink), kv_head);
+    return p.bf16_pool + a.segment + static_cast<int64_t>(a.slot) * geo.code_bytes_per_row;
+  };
+  auto bf16_lo = [](uint32_t w) { return __uint_as_float(w << 16); };
+  auto bf16_hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
+
+  WarpState<kD, kNT> st;
+  st.Init();
+  const float ones[2] = {1.f, 1.f};
+  const float zeros[2] = {0.f, 0.f};
+  for (int start = c0 + warp * kTileTokens; start < c1; start += kAttnWarps * kTileTokens) {
+    uint32_t kw[2][kKVec * 4];
+    bool row_valid[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint8_t* seg = segment_of(start + g + 8 * r, row_valid[r]);
+#pragma unroll
+      for (int v = 0; v < kKVec; ++v) {
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (row_valid[r]) {
+          x = __ldg(reinterpret_cast<const uint4*>(seg + geo.codes_offset[0] + 2 * (t * (kD / 4)) +
+                                                   16 * v));
+        }
+        kw[r][4 * v] = x.x;
+        kw[r][4 * v + 1] = x.y;
+        kw[r][4 * v + 2] = x.z;
+        kw[r][4 * v + 3] = x.w;
+      }
+    }
+    uint32_t vw[4][kVVec * 4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      bool ok;
+      const uint8_t* seg = segment_of(start + 2 * t + (c & 1) + 8 * (c >> 1), ok);
+#pragma unroll
+      for (int v = 0; v < kVVec; ++v) {
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (ok) {
+          x = __ldg(reinterpret_cast<const uint4*>(seg + geo.codes_offset[1] + 2 * (g * (kD / 8)) +
+                                                   16 * v));
+        }
+        vw[c][4 * v] = x.x;
+        vw[c][4 * v + 1] = x.y;
+        vw[c][4 * v + 2] = x.z;
+        vw[c][4 * v + 3] = x.w;
+      }
+    }
+
+    float s[kNT][4];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[nt][k] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      const uint32_t a[4] = {PackHalf2(bf16_lo(kw[0][2 * j]), bf16_hi(kw[0][2 * j])),
+                             PackHalf2(bf16_lo(kw[1][2 * j]), bf16_hi(kw[1][2 * j])),
+                             PackHalf2(bf16_lo(kw[0][2 * j + 1]), bf16_hi(kw[0][2 * j + 1])),
+                             PackHalf2(bf16_lo(kw[1][2 * j + 1]), bf16_hi(kw[1][2 * j + 1]))};
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const uint32_t hi[2] = {qb[nt][j][0][0], qb[nt][j][1][0]};
+        const uint32_t lo[2] = {qb[nt][j][0][1], qb[nt][j][1][1]};
+        MmaF16(s[nt], a, hi);
+        MmaF16(s[nt], a, lo);
+      }
+    }
+    float logit[kNT][2][2];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          logit[nt][cc][r] = row_valid[r] ? s[nt][2 * r + cc] * gamma[nt][cc] : kNegInf;
+        }
+      }
+    }
+    uint32_t pb[kNT][2];
+    st.Update(logit, ones, zeros, pb);
+
+    // V^T slots: slot j of lane g is dim g * kD/8 + j; element j of a token is half j % 2 of
+    // word j / 2.
+    auto v_pair = [&](int c0i, int c1i, int j) {
+      const uint32_t w0 = vw[c0i][j / 2];
+      const uint32_t w1 = vw[c1i][j / 2];
+      return (j % 2 == 0) ? PackHalf2(bf16_lo(w0), bf16_lo(w1))
+                          : PackHalf2(bf16_hi(w0), bf16_hi(w1));
+    };
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      const int ja = mi;
+      const int jb = mi + kD / 16;
+      const uint32_t a[4] = {v_pair(0, 1, ja), v_pair(0, 1, jb), v_pair(2, 3, ja),
+                             v_pair(2, 3, jb)};
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) MmaF16(st.acc[nt][mi], a, pb[nt]);
+    }
+  }
+  float row_factor[kMTiles][2];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    row_factor[mi][0] = 1.f;
+    row_factor[mi][1] = 1.f;
+  }
+  WritePartial<kD, kNT>(st, p, b, kv_head, p.history_chunks + chunk, row_factor);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Merge of all parts and un-rotation. Grid (kv_heads, num_seqs), kD threads.
+template <int kD>
+__global__ void __launch_bounds__(kD) MergeKernel(const AttentionParams p) {
+  __shared__ float o_rot[16][kD];
+  const int b = blockIdx.y;
+  const int head0 = blockIdx.x * p.group;
+  const int j = threadIdx.x;
+  for (int n = 0; n < p.group; ++n) {
+    const int64_t row = static_cast<int64_t>(b) * p.q_heads + head0 + n;
+    const float* lse = p.part_lse + row * p.num_parts;
+    float m_all = kNegInf;
+    for (int k = 0; k < p.num_parts; ++k) m_all = fmaxf(m_all, lse[k]);
+    float o = 0.f;
+    float total_lse = kNegInf;
+    if (m_all != kNegInf) {
+      float l = 0.f;
+      for (int k = 0; k < p.num_parts; ++k) {
+        const float e = exp2f(lse[k] - m_all);
+        if (e > 0.f) {
+          o = __fmaf_rn(e, p.part_out[(row * p.num_parts + k) * kD + j], o);
+          l += e;
+        }
+      }
+      o = o / l;
+      total_lse = (m_all + log2f(l)) * 0.69314718055994531f;
+    }
+    o_rot[n][j] = o;
+    if (j == 0) p.lse[row] = total_lse;
+  }
+  __syncthreads();
+  float acc[16];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc[n] = 0.f;
+  if (p.rotation_v != nullptr) {
+    // o = o' * M_V^T: o[j] = sum_i o'[i] * M_V[j][i].
+    const float* mrow = p.rotation_v + static_cast<int64_t>(j) * kD;
+    for (int i = 0; i < kD; i += 4) {
+      const float4 m = __ldg(reinterpret_cast<const float4*>(mrow + i));
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        if (n < p.group) {
+          float a = acc[n];
+          a = __fmaf_rn(o_rot[n][i], m.x, a);
+          a = __fmaf_rn(o_rot[n][i + 1], m.y, a);
+          a = __fmaf_rn(o_rot[n][i + 2], m.z, a);
+          a = __fmaf_rn(o_rot[n][i + 3], m.w, a);
+          acc[n] = a;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      if (n < p.group) acc[n] = o_rot[n][j];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    if (n < p.group) p.out[(static_cast<int64_t>(b) * p.q_heads + head0 + n) * kD + j] = acc[n];
+  }
+}
+
+template <int kD, int kGroupTiles>
+int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
+  const dim3 groups(p.kv_heads, p.num_seqs);
+  RotateQueriesKernel<kD><<<groups, kD, 0, stream>>>(p);
+  if (p.bf16_chunks > 0) {
+    Bf16TierKernel<kD, kGroupTiles>
+        <<<dim3(p.bf16_chunks, p.kv_heads, p.num_seqs), kAttnThreads, 0, stream>>>(p);
+  }
+  if (p.history_chunks > 0) {
+    Int2HistoryKernel<kD, kGroupTiles>
+        <<<dim3(p.history_chunks, p.kv_heads, p.num_seqs), kAttnThreads, 0, stream>>>(p);
+  }
+  MergeKernel<kD><<<groups, kD, 0, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace kvpool::cuda::internal

@@ -1,0 +1,9 @@
+// Instantiates the decode attention for head dim 64 (GQA groups of up to 8 and up to 16 queries).
+#include "kernels/cuda/decode_attention.cuh"
+
+namespace kvpool::cuda::internal {
+
+template int LaunchDecodeAttention<64, 1>(const AttentionParams& p, CUstream_st* stream);
+template int LaunchDecodeAttention<64, 2>(const AttentionParams& p, CUstream_st* stream);
+
+}  // namespace kvpool::cuda::internal
