@@ -195,11 +195,13 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
 
 
 def mixed_attention(q, k, v, k_hist, v_hist, sink: int, window: int,
-                    block: int = 512) -> np.ndarray:
+                    block: int = 512, recent_start=None) -> np.ndarray:
     """Causal GQA attention in which query t reads (k, v) for keys s < sink or s > t - window
     (its `window` most recent tokens, itself included) and (k_hist, v_hist) for the others.
 
-    With k_hist None every key uses (k, v). Scale 1/sqrt(D), float32. Returns o [T, Hq, D].
+    recent_start ([T] ints), when given, replaces the window: query t reads (k, v) for keys
+    s >= recent_start[t]. With k_hist None every key uses (k, v). Scale 1/sqrt(D), float32.
+    Returns o [T, Hq, D].
     """
     t_len, hq, d = q.shape
     hkv = k.shape[1]
@@ -208,6 +210,9 @@ def mixed_attention(q, k, v, k_hist, v_hist, sink: int, window: int,
     out = np.empty(q.shape, dtype=np.float32)
     pos = np.arange(t_len)
     mixed = k_hist is not None
+    if recent_start is None:
+        recent_start = pos - window + 1
+    recent_start = np.asarray(recent_start)
     for h in range(hkv):
         kh = np.ascontiguousarray(k[:, h, :])
         vh = np.ascontiguousarray(v[:, h, :])
@@ -219,12 +224,13 @@ def mixed_attention(q, k, v, k_hist, v_hist, sink: int, window: int,
             stop = min(t_len, start + block)
             qs = (q[start:stop, h * g:(h + 1) * g, :] * scale).reshape(-1, d)  # [(rows*g), D]
             rows = np.repeat(pos[start:stop], g)[:, None]
+            first_recent = np.repeat(recent_start[start:stop], g)[:, None]
             lg = qs @ (kq if mixed else kh)[:stop].T
             if mixed:
                 s0 = min(sink, stop)
                 lg[:, :s0] = qs @ kh[:s0].T
-                lo = max(s0, start - window + 1)
-                band = pos[None, lo:stop] > rows - window
+                lo = min(stop, max(s0, int(recent_start[start:stop].min())))
+                band = pos[None, lo:stop] >= first_recent
                 lg[:, lo:stop] = np.where(band, qs @ kh[lo:stop].T, lg[:, lo:stop])
             diag = lg[:, start:stop]
             diag[pos[None, start:stop] > rows] = -np.inf
