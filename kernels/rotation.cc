@@ -7,7 +7,9 @@
 
 // GCC 12 reports a false -Wmaybe-uninitialized inside Eigen's AVX-512 GEMM packing
 // (gemm_pack_lhs transposes); the warning fires at instantiation, so it is silenced file-wide.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include "Eigen/Core"
 #include "absl/strings/str_cat.h"
 
