@@ -737,6 +737,7 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->history_ = seq->layout.history();
   snap->recent_ = seq->layout.recent();
   snap->recent_head_ = seq->recent_head;
+  snap->chain_ = seq->chain;
   auto add = [&](int layer) {
     const LayerPages& p = seq->layers[layer];
     SequenceSnapshot::Layer l;

@@ -93,6 +93,8 @@ class SequenceSnapshot {
   int total() const { return sink_ + history_ + recent_; }
   int recent_head() const { return recent_head_; }
   const std::vector<Layer>& layers() const { return layers_; }
+  // Prefix units of the sequence whose hashes the daemon knows (needs token ids), in order.
+  const std::vector<PrefixUnitKey>& prefix_chain() const { return chain_; }
 
   // Pointers into pool memory for attention over layers()[i].
   SequenceTiers Tiers(size_t i) const;
@@ -119,6 +121,7 @@ class SequenceSnapshot {
   int recent_ = 0;
   int recent_head_ = 0;
   std::vector<Layer> layers_;
+  std::vector<PrefixUnitKey> chain_;
   std::vector<PageId> refs_;
 };
 
@@ -150,6 +153,7 @@ class AppendTxn {
   AppendTxn& operator=(const AppendTxn&) = delete;
 
   const Model& model() const { return *model_; }
+  const std::shared_ptr<const Model>& model_ptr() const { return model_; }
   int num_tokens() const { return num_tokens_; }
   int token_start() const { return token_start_; }
   // Input tokens of `layer` staged so far.

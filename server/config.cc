@@ -1,0 +1,199 @@
+#include "server/config.h"
+
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+ABSL_FLAG(std::string, config, "", "Optional config file of `name = value` lines (flag names)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "Address to serve gRPC on (host:port; port 0 picks a free one)");
+ABSL_FLAG(std::string, backend, "cpu", "Compute backend: cpu (cuda:N later)");
+ABSL_FLAG(uint64_t, pool_bytes, 0,
+          "Block pool size in bytes; 0 = --pool_fraction of available memory, capped");
+ABSL_FLAG(double, pool_fraction, 0.25, "Fraction of MemAvailable for the pool when auto-sized");
+ABSL_FLAG(uint64_t, pool_max_bytes, uint64_t{8} << 30, "Cap of the auto-sized pool in bytes");
+ABSL_FLAG(uint64_t, slab_bytes, uint64_t{4} << 20,
+          "Allocator slab size; every page (INT2 block, BF16 page) must fit one");
+ABSL_FLAG(int32_t, worker_threads, 0, "Worker threads for codec math; 0 = CPU count");
+ABSL_FLAG(uint64_t, worker_queue, 1024,
+          "Tasks that may wait for a worker; more are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, model_dir, "",
+          "Directory rotation files may be registered from by server path ('' = disabled)");
+ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{16} << 20, "Largest gRPC message accepted");
+ABSL_FLAG(uint64_t, max_chunk_bytes, uint64_t{8} << 20,
+          "Largest k or v payload of one chunk (and rotation file chunk)");
+ABSL_FLAG(uint64_t, max_rotation_file_bytes, uint64_t{512} << 20, "Largest uploaded rotation file");
+ABSL_FLAG(int32_t, max_attention_batch, 256, "Most sequences in one Attend call");
+ABSL_FLAG(int32_t, max_append_tokens, 1 << 20, "Most tokens in one AppendKv stream");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, the bound port is written to this file once serving (for tests)");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+ABSL_FLAG(int32_t, shutdown_grace_ms, 5000,
+          "On SIGTERM/SIGINT, how long in-flight calls may finish before being cancelled");
+
+namespace kvpool::server {
+
+absl::Status ServerConfig::Validate() const {
+  if (listen.empty() || listen.find(':') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen must be host:port, got '", listen, "'"));
+  }
+  if (pool_bytes < slab_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--pool_bytes (", pool_bytes, ") must be at least --slab_bytes (", slab_bytes, ")"));
+  }
+  if (slab_bytes < 4096 || slab_bytes % 4096 != 0) {
+    return absl::InvalidArgumentError("--slab_bytes must be a positive multiple of 4096");
+  }
+  if (worker_threads < 1 || worker_threads > 1024) {
+    return absl::InvalidArgumentError("--worker_threads must be in [0, 1024]");
+  }
+  if (worker_queue < 1) return absl::InvalidArgumentError("--worker_queue must be >= 1");
+  if (max_message_bytes < 4096 || max_message_bytes > (size_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError("--max_message_bytes must be in [4096, 2^31)");
+  }
+  if (max_chunk_bytes < 1024 || max_chunk_bytes > max_message_bytes) {
+    return absl::InvalidArgumentError(
+        "--max_chunk_bytes must be >= 1024 and at most --max_message_bytes");
+  }
+  if (max_attention_batch < 1) {
+    return absl::InvalidArgumentError("--max_attention_batch must be >= 1");
+  }
+  if (max_append_tokens < 1) return absl::InvalidArgumentError("--max_append_tokens must be >= 1");
+  if (shutdown_grace_ms < 0) return absl::InvalidArgumentError("--shutdown_grace_ms must be >= 0");
+  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error"};
+  bool level_ok = false;
+  for (const char* l : kLevels) level_ok |= log_level == l;
+  if (!level_ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--log_level must be trace, debug, info, warn or error, got '", log_level, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyConfigText(const std::string& text, const std::string& source) {
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    const size_t hash = line.find('#');
+    if (hash != absl::string_view::npos) line = line.substr(0, hash);
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty()) continue;
+    const size_t eq = line.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ":", line_no, ": expected `name = value`"));
+    }
+    absl::string_view name = absl::StripAsciiWhitespace(line.substr(0, eq));
+    absl::string_view value = absl::StripAsciiWhitespace(line.substr(eq + 1));
+    absl::ConsumePrefix(&name, "--");
+    if (value.size() >= 2 && value.front() == '"' && value.back() == '"') {
+      value = value.substr(1, value.size() - 2);
+    }
+    if (name == "config") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ":", line_no, ": a config file cannot name another"));
+    }
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ":", line_no, ": unknown setting '", name, "'"));
+    }
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ":", line_no, ": bad value for ", name, ": ", error));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseServerFlags(int argc, char** argv) {
+  // The config file applies first so that the command line overrides it.
+  std::string config_path;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (absl::ConsumePrefix(&arg, "--config=") || absl::ConsumePrefix(&arg, "-config=")) {
+      config_path = std::string(arg);
+    } else if ((arg == "--config" || arg == "-config") && i + 1 < argc) {
+      config_path = argv[i + 1];
+    }
+  }
+  if (!config_path.empty()) {
+    std::ifstream in(config_path);
+    if (!in) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot read config file '", config_path, "'"));
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    if (absl::Status s = ApplyConfigText(text.str(), config_path); !s.ok()) return s;
+  }
+  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected positional argument '", rest[1], "'"));
+  }
+  return absl::OkStatus();
+}
+
+size_t AutoPoolBytes(double fraction, size_t cap, size_t align) {
+  size_t available = 0;
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") {
+      available = static_cast<size_t>(kib) * 1024;
+      break;
+    }
+  }
+  if (available == 0) available = size_t{1} << 30;  // unknown: assume 1 GiB
+  size_t bytes = static_cast<size_t>(static_cast<double>(available) * fraction);
+  if (bytes > cap) bytes = cap;
+  bytes = bytes / align * align;
+  return bytes < align ? align : bytes;
+}
+
+absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
+  ServerConfig c;
+  c.listen = absl::GetFlag(FLAGS_listen);
+  c.backend = absl::GetFlag(FLAGS_backend);
+  c.slab_bytes = absl::GetFlag(FLAGS_slab_bytes);
+  c.pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
+  const double fraction = absl::GetFlag(FLAGS_pool_fraction);
+  if (!(fraction > 0.0 && fraction <= 0.9)) {
+    return absl::InvalidArgumentError("--pool_fraction must be in (0, 0.9]");
+  }
+  if (c.pool_bytes == 0 && c.slab_bytes > 0) {
+    c.pool_bytes = AutoPoolBytes(fraction, absl::GetFlag(FLAGS_pool_max_bytes), c.slab_bytes);
+  }
+  c.worker_threads = absl::GetFlag(FLAGS_worker_threads);
+  if (c.worker_threads == 0) {
+    c.worker_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+  c.worker_queue = absl::GetFlag(FLAGS_worker_queue);
+  c.model_dir = absl::GetFlag(FLAGS_model_dir);
+  c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  c.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
+  c.max_rotation_file_bytes = absl::GetFlag(FLAGS_max_rotation_file_bytes);
+  c.max_attention_batch = absl::GetFlag(FLAGS_max_attention_batch);
+  c.max_append_tokens = absl::GetFlag(FLAGS_max_append_tokens);
+  c.port_file = absl::GetFlag(FLAGS_port_file);
+  c.log_level = absl::GetFlag(FLAGS_log_level);
+  c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
+  if (absl::Status s = c.Validate(); !s.ok()) return s;
+  return c;
+}
+
+}  // namespace kvpool::server

@@ -1,0 +1,60 @@
+// ServerConfig: kvpoold's settings, from Abseil flags and an optional config file.
+//
+// Every setting is a flag (see config.cc for the list and defaults). `--config=FILE` names a
+// file of `name = value` lines (flag names without dashes; `#` starts a comment); values from
+// the file apply first and command-line flags override them. With no flags kvpoold serves on
+// 127.0.0.1:50051 with the CPU backend and a pool of --pool_fraction of the available memory,
+// capped at --pool_max_bytes.
+//
+//   KVPOOL_RETURN_IF_ERROR(ParseServerFlags(argc, argv));     // config file + command line
+//   KVPOOL_ASSIGN_OR_RETURN(ServerConfig cfg, ServerConfigFromFlags());
+//
+// Flag parsing is not thread-safe (do it once in main); ServerConfig is a plain value.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvpool::server {
+
+struct ServerConfig {
+  std::string listen = "127.0.0.1:50051";
+  std::string backend = "cpu";
+  size_t pool_bytes = 0;  // resolved: never 0 after ServerConfigFromFlags
+  size_t slab_bytes = 4u << 20;
+  int worker_threads = 0;  // resolved: >= 1
+  size_t worker_queue = 1024;
+  std::string model_dir;
+  size_t max_message_bytes = 16u << 20;
+  size_t max_chunk_bytes = 8u << 20;
+  size_t max_rotation_file_bytes = 512u << 20;
+  int max_attention_batch = 256;
+  int max_append_tokens = 1 << 20;
+  std::string port_file;
+  std::string log_level = "info";
+  int shutdown_grace_ms = 5000;
+
+  // InvalidArgument naming the first bad setting.
+  absl::Status Validate() const;
+};
+
+// Applies `--config=FILE` (if present in argv) and then the command line to the flags.
+// InvalidArgument for an unreadable or malformed file, an unknown key, or a bad value.
+// Exits on --help like absl::ParseCommandLine.
+[[nodiscard]] absl::Status ParseServerFlags(int argc, char** argv);
+
+// Sets flags from the `name = value` lines of `text` (`source` names it in errors).
+[[nodiscard]] absl::Status ApplyConfigText(const std::string& text, const std::string& source);
+
+// The configuration the flags describe, with automatic values resolved (pool size from
+// /proc/meminfo, worker threads from the CPU count) and validated.
+[[nodiscard]] absl::StatusOr<ServerConfig> ServerConfigFromFlags();
+
+// `fraction` of MemAvailable, at most `cap` bytes, rounded down to `align`.
+size_t AutoPoolBytes(double fraction, size_t cap, size_t align);
+
+}  // namespace kvpool::server

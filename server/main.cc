@@ -1,0 +1,94 @@
+// kvpoold: the kvpool KV-cache daemon. See server/config.cc (or --help) for its flags.
+//
+//   kvpoold --pool_bytes=1073741824 --listen=127.0.0.1:0 --port_file=/tmp/kvpoold.port
+//
+// Stops gracefully on SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused,
+// in-flight calls get --shutdown_grace_ms to finish.
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/flags/usage.h"
+#include "server/config.h"
+#include "server/server.h"
+#include "server/stats_service.h"
+#include "spdlog/spdlog.h"
+
+namespace {
+
+bool WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return false;
+    out << port << "\n";
+    if (!out.good()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;  // readers never see a partial file
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using kvpool::server::KvpoolServer;
+  // Block the stop signals in every thread; one thread waits for them with sigwait.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  absl::SetProgramUsageMessage(
+      "kvpoold: KV-cache daemon storing LLM K/V as 2-bit OSCAR codes, served over gRPC.\n"
+      "Usage: kvpoold [--config=FILE] [--listen=HOST:PORT] [--pool_bytes=N] [flags...]");
+  if (absl::Status s = kvpool::server::ParseServerFlags(argc, argv); !s.ok()) {
+    std::fprintf(stderr, "kvpoold: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  absl::StatusOr<kvpool::server::ServerConfig> config = kvpool::server::ServerConfigFromFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "kvpoold: %s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ kvpoold: %v");
+  spdlog::set_level(spdlog::level::from_str(config->log_level));
+
+  absl::StatusOr<std::unique_ptr<KvpoolServer>> server = KvpoolServer::Start(*config);
+  if (!server.ok()) {
+    spdlog::error("cannot start: {}", server.status().ToString());
+    return 1;
+  }
+  const int port = (*server)->port();
+  const std::string host = config->listen.substr(0, config->listen.rfind(':'));
+  spdlog::info("{} serving on {}:{} (backend {}, pool {} MiB, slab {} KiB, {} workers)",
+               kvpool::server::KvpoolVersion(), host, port, config->backend,
+               config->pool_bytes >> 20, config->slab_bytes >> 10, config->worker_threads);
+  std::printf("kvpoold listening on %s:%d\n", host.c_str(), port);
+  std::fflush(stdout);
+  if (!config->port_file.empty() && !WritePortFile(config->port_file, port)) {
+    spdlog::error("cannot write --port_file {}", config->port_file);
+    (*server)->Shutdown(std::chrono::milliseconds(0));
+    (*server)->Wait();
+    return 1;
+  }
+
+  KvpoolServer* srv = server->get();
+  const auto grace = std::chrono::milliseconds(config->shutdown_grace_ms);
+  std::thread stopper([&stop_signals, srv, grace] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    spdlog::info("received {}, shutting down (grace {} ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
+                 grace.count());
+    srv->Shutdown(grace);
+  });
+  srv->Wait();
+  stopper.join();
+  server->reset();
+  spdlog::info("stopped");
+  return 0;
+}

@@ -1,0 +1,277 @@
+#include "server/sequence_service.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+#include "server/proto_convert.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::server {
+namespace {
+
+grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
+                                    const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void CountIngest(ServiceContext* ctx, const Model& m, int tokens) {
+  ctx->counters.ingested_tokens += tokens;
+  ctx->counters.ingested_bytes +=
+      static_cast<uint64_t>(tokens) * m.bf16_token_bytes() * m.num_layers;
+}
+
+class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest> {
+ public:
+  AppendKvReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
+                  v1::AppendKvResponse* response)
+      : ctx_(ctx), call_(call), tenant_(TenantOf(call)), response_(response) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (call_->IsCancelled()) {
+        return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "AppendKv cancelled"));
+      }
+      if (txn_ == nullptr) {
+        return Finish(
+            ToGrpcStatus(absl::InvalidArgumentError("AppendKv: the stream ended before a header")));
+      }
+      if (!ctx_->workers->TrySubmit([this] { Finish(ToGrpcStatus(Commit())); })) {
+        Finish(ToGrpcStatus(BusyError()));
+      }
+      return;
+    }
+    if (txn_ == nullptr) {
+      absl::Status s = Begin();
+      if (!s.ok()) return Finish(ToGrpcStatus(s));
+      return StartRead(&request_);
+    }
+    if (request_.part_case() != v1::AppendKvRequest::kChunk) {
+      return Finish(ToGrpcStatus(
+          absl::InvalidArgumentError("AppendKv: only the first message may be a header")));
+    }
+    auto chunk = std::make_shared<v1::KvChunk>();
+    chunk->Swap(request_.mutable_chunk());
+    const bool queued = ctx_->workers->TrySubmit([this, chunk] {
+      absl::Status s = Stage(*chunk);
+      if (!s.ok()) return Finish(ToGrpcStatus(s));
+      StartRead(&request_);
+    });
+    if (!queued) Finish(ToGrpcStatus(BusyError()));
+  }
+
+  void OnDone() override { delete this; }  // an uncommitted transaction rolls back here
+
+ private:
+  absl::Status Begin() {
+    if (request_.part_case() != v1::AppendKvRequest::kHeader) {
+      return absl::InvalidArgumentError("AppendKv: the first message must be a header");
+    }
+    const v1::AppendKvHeader& h = request_.header();
+    if (h.sequence_id().empty()) return absl::InvalidArgumentError("sequence_id is empty");
+    const int max_tokens = ctx_->config->max_append_tokens;
+    if (h.num_tokens() < 1 || h.num_tokens() > static_cast<uint32_t>(max_tokens)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_tokens must be in [1, ", max_tokens, "], got ", h.num_tokens()));
+    }
+    if (DTypeSize(h.dtype()) == 0) {
+      return absl::InvalidArgumentError("dtype must be DTYPE_BF16, DTYPE_FP16 or DTYPE_FP32");
+    }
+    if (h.token_start() > static_cast<uint32_t>(INT32_MAX - max_tokens)) {
+      return absl::InvalidArgumentError("token_start out of range");
+    }
+    dtype_ = h.dtype();
+    AppendSpec spec;
+    spec.token_start = static_cast<int>(h.token_start());
+    spec.num_tokens = static_cast<int>(h.num_tokens());
+    spec.kind = h.end_of_prefill() ? AppendKind::kFinalPrefill : AppendKind::kPrefill;
+    spec.token_ids.assign(h.token_ids().begin(), h.token_ids().end());
+    KVPOOL_ASSIGN_OR_RETURN(txn_,
+                            ctx_->store->BeginAppend(tenant_, h.sequence_id(), std::move(spec)));
+    return absl::OkStatus();
+  }
+
+  absl::Status Stage(const v1::KvChunk& c) {
+    const Model& m = txn_->model();
+    const size_t max_chunk = ctx_->config->max_chunk_bytes;
+    if (c.k().size() > max_chunk || c.v().size() > max_chunk) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk payload of ",
+                                                     std::max(c.k().size(), c.v().size()),
+                                                     " bytes exceeds max_chunk_bytes ", max_chunk));
+    }
+    if (c.layer() < 0 || c.layer() >= m.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", c.layer(), " out of range [0, ", m.num_layers, ")"));
+    }
+    if (c.num_tokens() < 1 || c.token_offset() >= static_cast<uint32_t>(txn_->num_tokens()) ||
+        c.num_tokens() > static_cast<uint32_t>(txn_->num_tokens()) - c.token_offset()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk tokens [", c.token_offset(), ", ",
+                       static_cast<uint64_t>(c.token_offset()) + c.num_tokens(),
+                       ") do not fit the append's ", txn_->num_tokens(), " tokens"));
+    }
+    const size_t values = static_cast<size_t>(c.num_tokens()) * m.row_values();
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> k, DecodeToBf16(dtype_, c.k(), values, "k"));
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> v, DecodeToBf16(dtype_, c.v(), values, "v"));
+    return txn_->StageLayer(c.layer(), static_cast<int>(c.token_offset()), k, v);
+  }
+
+  absl::Status Commit() {
+    if (call_->IsCancelled()) return absl::CancelledError("AppendKv cancelled");
+    const std::shared_ptr<const Model> model = txn_->model_ptr();  // outlives the txn
+    const int tokens = txn_->num_tokens();
+    KVPOOL_ASSIGN_OR_RETURN(AppendResult r, ctx_->store->Commit(std::move(txn_)));
+    FillSequenceInfo(r.info, response_->mutable_sequence());
+    response_->set_to_history(r.to_history);
+    response_->set_to_sink(r.to_sink);
+    response_->set_to_recent(r.to_recent);
+    for (const PrefixUnitKey& k : r.published) FillPrefixUnit(k, response_->add_published_units());
+    CountIngest(ctx_, *model, tokens);
+    return absl::OkStatus();
+  }
+
+  ServiceContext* const ctx_;
+  grpc::CallbackServerContext* const call_;
+  const TenantId tenant_;
+  v1::AppendKvResponse* const response_;
+  v1::AppendKvRequest request_;
+  v1::DType dtype_ = v1::DTYPE_UNSPECIFIED;
+  std::unique_ptr<AppendTxn> txn_;
+};
+
+absl::Status RunDecodeAppend(ServiceContext* ctx, const TenantId& tenant,
+                             const v1::AppendDecodeRequest& req, v1::AppendDecodeResponse* resp) {
+  if (req.sequence_id().empty()) return absl::InvalidArgumentError("sequence_id is empty");
+  const int max_tokens = ctx->config->max_append_tokens;
+  if (req.num_tokens() < 1 || req.num_tokens() > static_cast<uint32_t>(max_tokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_tokens must be in [1, ", max_tokens, "], got ", req.num_tokens()));
+  }
+  AppendSpec spec;
+  spec.token_start = static_cast<int>(std::min<uint32_t>(req.token_start(), INT32_MAX / 2));
+  spec.num_tokens = static_cast<int>(req.num_tokens());
+  spec.kind = AppendKind::kDecode;
+  spec.token_ids.assign(req.token_ids().begin(), req.token_ids().end());
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<AppendTxn> txn,
+                          ctx->store->BeginAppend(tenant, req.sequence_id(), std::move(spec)));
+  const Model& m = txn->model();
+  const size_t per_layer = static_cast<size_t>(req.num_tokens()) * m.row_values();
+  const size_t values = per_layer * m.num_layers;
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> k, DecodeToBf16(req.dtype(), req.k(), values, "k"));
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> v, DecodeToBf16(req.dtype(), req.v(), values, "v"));
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    KVPOOL_RETURN_IF_ERROR(
+        txn->StageLayer(layer, 0, absl::MakeConstSpan(k).subspan(layer * per_layer, per_layer),
+                        absl::MakeConstSpan(v).subspan(layer * per_layer, per_layer)));
+  }
+  const int tokens = txn->num_tokens();
+  const std::shared_ptr<const Model> model = txn->model_ptr();  // outlives the txn
+  KVPOOL_ASSIGN_OR_RETURN(AppendResult r, ctx->store->Commit(std::move(txn)));
+  FillSequenceInfo(r.info, resp->mutable_sequence());
+  resp->set_demoted_tokens(r.demoted);
+  for (const PrefixUnitKey& key : r.published) FillPrefixUnit(key, resp->add_published_units());
+  CountIngest(ctx, *model, tokens);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* SequenceServiceImpl::CreateSequence(
+    grpc::CallbackServerContext* context, const v1::CreateSequenceRequest* request,
+    v1::CreateSequenceResponse* response) {
+  const TenantId tenant = TenantOf(context);
+  auto run = [&]() -> absl::Status {
+    KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                            ctx_->registry->Get(tenant, request->model_id()));
+    if (request->prefix_token_ids_size() > ctx_->config->max_append_tokens) {
+      return absl::InvalidArgumentError("prefix_token_ids is longer than max_append_tokens");
+    }
+    const std::vector<uint32_t> ids(request->prefix_token_ids().begin(),
+                                    request->prefix_token_ids().end());
+    KVPOOL_ASSIGN_OR_RETURN(auto created,
+                            ctx_->store->Create(tenant, model, request->sequence_id(), ids));
+    FillSequenceInfo(created.first, response->mutable_sequence());
+    response->set_reused_tokens(created.first.reused_tokens);
+    for (const PrefixUnitKey& k : created.second) FillPrefixUnit(k, response->add_reused_units());
+    return absl::OkStatus();
+  };
+  return FinishNow(context, run());
+}
+
+grpc::ServerReadReactor<v1::AppendKvRequest>* SequenceServiceImpl::AppendKv(
+    grpc::CallbackServerContext* context, v1::AppendKvResponse* response) {
+  return new AppendKvReactor(ctx_, context, response);
+}
+
+grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServerContext* context,
+                                                            const v1::AppendDecodeRequest* request,
+                                                            v1::AppendDecodeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const TenantId tenant = TenantOf(context);
+  ServiceContext* ctx = ctx_;
+  if (!ctx_->workers->TrySubmit([ctx, tenant, request, response, reactor] {
+        reactor->Finish(ToGrpcStatus(RunDecodeAppend(ctx, tenant, *request, response)));
+      })) {
+    reactor->Finish(ToGrpcStatus(BusyError()));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SequenceServiceImpl::SealSequence(grpc::CallbackServerContext* context,
+                                                            const v1::SealSequenceRequest* request,
+                                                            v1::SealSequenceResponse* response) {
+  absl::StatusOr<SequenceInfo> info = ctx_->store->Seal(TenantOf(context), request->sequence_id());
+  if (info.ok()) FillSequenceInfo(*info, response->mutable_sequence());
+  return FinishNow(context, info.status());
+}
+
+grpc::ServerUnaryReactor* SequenceServiceImpl::ReleaseSequence(
+    grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
+    v1::ReleaseSequenceResponse* response) {
+  absl::StatusOr<size_t> freed = ctx_->store->Release(TenantOf(context), request->sequence_id());
+  if (freed.ok()) response->set_freed_bytes(*freed);
+  return FinishNow(context, freed.status());
+}
+
+grpc::ServerUnaryReactor* SequenceServiceImpl::DescribeSequence(
+    grpc::CallbackServerContext* context, const v1::DescribeSequenceRequest* request,
+    v1::SequenceInfo* response) {
+  absl::StatusOr<SequenceInfo> info =
+      ctx_->store->Describe(TenantOf(context), request->sequence_id());
+  if (info.ok()) FillSequenceInfo(*info, response);
+  return FinishNow(context, info.status());
+}
+
+grpc::ServerUnaryReactor* SequenceServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
+                                                            const v1::LookupPrefixRequest* request,
+                                                            v1::LookupPrefixResponse* response) {
+  const TenantId tenant = TenantOf(context);
+  auto run = [&]() -> absl::Status {
+    KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                            ctx_->registry->Get(tenant, request->model_id()));
+    if (request->token_ids_size() > ctx_->config->max_append_tokens) {
+      return absl::InvalidArgumentError("token_ids is longer than max_append_tokens");
+    }
+    const std::vector<uint32_t> ids(request->token_ids().begin(), request->token_ids().end());
+    const PrefixContext pctx = SequenceStore::ContextOf(*model);
+    const std::vector<PrefixUnitKey> chain = ComputePrefixChain(pctx, ids);
+    const std::vector<PrefixMatch> hits = ctx_->index->Match(pctx, chain, /*take_refs=*/false);
+    uint32_t matched = 0;
+    for (const PrefixMatch& hit : hits) {
+      FillPrefixUnit(hit.key, response->add_units());
+      matched = hit.key.token_start + hit.key.token_count;
+    }
+    response->set_matched_tokens(matched);
+    response->set_codec_version(model->version_hex);
+    return absl::OkStatus();
+  };
+  return FinishNow(context, run());
+}
+
+}  // namespace kvpool::server

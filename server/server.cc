@@ -1,0 +1,99 @@
+#include "server/server.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kernels/common/status_macros.h"
+#include "server/attention_service.h"
+#include "server/model_service.h"
+#include "server/read_service.h"
+#include "server/sequence_service.h"
+#include "server/stats_service.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::server {
+namespace {
+
+constexpr const char* kServiceNames[] = {"kvpool.v1.ModelService", "kvpool.v1.SequenceService",
+                                         "kvpool.v1.ReadService", "kvpool.v1.AttentionService",
+                                         "kvpool.v1.StatsService"};
+
+void SetHealth(grpc::Server* server, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus(serving);  // overall ("") and every service
+  for (const char* name : kServiceNames) health->SetServingStatus(name, serving);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerConfig& config) {
+  KVPOOL_RETURN_IF_ERROR(config.Validate());
+  auto s = std::unique_ptr<KvpoolServer>(new KvpoolServer());
+  s->config_ = config;
+  KVPOOL_ASSIGN_OR_RETURN(s->backend_, CreateBackend(config.backend));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Arena> arena,
+                          s->backend_->AllocateArena(config.pool_bytes));
+  KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));
+  s->index_ = std::make_unique<PrefixIndex>(s->pool_.get());
+  s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get());
+  s->store_ = std::make_unique<SequenceStore>(s->pool_.get(), s->index_.get(), s->backend_.get());
+  s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
+  s->attention_ =
+      std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
+  ServiceContext& ctx = s->ctx_;
+  ctx.config = &s->config_;
+  ctx.backend = s->backend_.get();
+  ctx.pool = s->pool_.get();
+  ctx.index = s->index_.get();
+  ctx.registry = s->registry_.get();
+  ctx.store = s->store_.get();
+  ctx.workers = s->workers_.get();
+  ctx.attention = s->attention_.get();
+  s->model_service_ = std::make_unique<ModelServiceImpl>(&ctx);
+  s->sequence_service_ = std::make_unique<SequenceServiceImpl>(&ctx);
+  s->read_service_ = std::make_unique<ReadServiceImpl>(&ctx);
+  s->attention_service_ = std::make_unique<AttentionServiceImpl>(&ctx);
+  s->stats_service_ = std::make_unique<StatsServiceImpl>(&ctx);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.RegisterService(s->model_service_.get());
+  builder.RegisterService(s->sequence_service_.get());
+  builder.RegisterService(s->read_service_.get());
+  builder.RegisterService(s->attention_service_.get());
+  builder.RegisterService(s->stats_service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve on ", config.listen, " (address in use or invalid?)"));
+  }
+  SetHealth(s->server_.get(), true);
+  return s;
+}
+
+KvpoolServer::~KvpoolServer() {
+  Shutdown(std::chrono::milliseconds(0));
+  Wait();
+}
+
+void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_ || server_ == nullptr) return;
+    shut_down_ = true;
+  }
+  SetHealth(server_.get(), false);
+  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  workers_->Shutdown();
+}
+
+void KvpoolServer::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+}  // namespace kvpool::server

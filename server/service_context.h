@@ -1,0 +1,64 @@
+// ServiceContext: what the gRPC service implementations share (the core objects, the config and
+// service counters), plus the conversion of absl::Status to grpc::Status at the RPC edge and the
+// caller's tenant.
+//
+//   ServiceContext ctx{...};
+//   ModelServiceImpl models(&ctx);
+//   return ToGrpcStatus(absl::NotFoundError("no model 'x'"));   // NOT_FOUND, same message
+//
+// The pointed-to objects are thread-safe; counters are atomics.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
+#include "server/attention_engine.h"
+#include "server/backend.h"
+#include "server/block_pool.h"
+#include "server/config.h"
+#include "server/model_registry.h"
+#include "server/prefix_index.h"
+#include "server/sequence_store.h"
+#include "server/tenant.h"
+#include "server/worker_pool.h"
+
+namespace kvpool::server {
+
+struct ServiceCounters {
+  std::atomic<uint64_t> ingested_bytes{0};   // BF16-equivalent bytes committed by appends
+  std::atomic<uint64_t> ingested_tokens{0};  // tokens committed (per-layer count)
+  std::atomic<uint64_t> attention_calls{0};
+  std::atomic<uint64_t> attention_sequences{0};
+};
+
+struct ServiceContext {
+  const ServerConfig* config = nullptr;
+  ComputeBackend* backend = nullptr;
+  BlockPool* pool = nullptr;
+  PrefixIndex* index = nullptr;
+  ModelRegistry* registry = nullptr;
+  SequenceStore* store = nullptr;
+  WorkerPool* workers = nullptr;
+  AttentionEngine* attention = nullptr;
+  ServiceCounters counters;
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+};
+
+// absl and gRPC share the canonical codes; the message is kept.
+inline grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+// The caller's tenant. Authentication comes later (a token in the call metadata mapped to a
+// tenant); until then every caller is the default tenant.
+inline TenantId TenantOf(const grpc::CallbackServerContext* /*context*/) { return kDefaultTenant; }
+
+inline absl::Status BusyError() {
+  return absl::ResourceExhaustedError("server busy: worker queue full, retry later");
+}
+
+}  // namespace kvpool::server

@@ -1,0 +1,87 @@
+#include "server/stats_service.h"
+
+#include <chrono>
+
+namespace kvpool::server {
+
+const char* KvpoolVersion() { return "kvpoold 0.1.0"; }
+
+grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext* context,
+                                                     const v1::GetStatsRequest* request,
+                                                     v1::GetStatsResponse* response) {
+  const TenantId tenant = TenantOf(context);
+  const BlockPoolStats pool = ctx_->pool->Stats();
+  const PrefixIndexStats index = ctx_->index->Stats();
+  v1::PoolStats* p = response->mutable_pool();
+  p->set_capacity_bytes(pool.capacity_bytes);
+  p->set_used_bytes(pool.used_bytes);
+  p->set_free_bytes(pool.capacity_bytes - pool.used_bytes);
+  p->set_cached_bytes(index.cached_bytes);
+  p->set_shared_bytes(pool.shared_bytes);
+  p->set_slab_bytes(pool.slab_bytes);
+  p->set_slabs_in_use(pool.slabs_in_use);
+  p->set_slabs_total(pool.slabs_total);
+  p->set_unassigned_bytes((pool.slabs_total - pool.slabs_in_use) * pool.slab_bytes);
+  for (const PageClassStats& c : pool.classes) {
+    v1::PageClassStats* out = p->add_classes();
+    out->set_page_bytes(c.page_bytes);
+    out->set_pages_in_use(c.pages_in_use);
+    out->set_bytes_in_use(c.page_bytes * c.pages_in_use);
+  }
+  p->set_evicted_units(index.evicted_units);
+  p->set_prefix_units(index.units);
+
+  const auto totals = ctx_->store->TotalsByModel(tenant);
+  for (const auto& m : ctx_->registry->List(tenant)) {
+    v1::ModelStats* out = response->add_models();
+    out->set_model_id(m->id);
+    out->set_codec_version(m->version_hex);
+    auto it = totals.find(m->id);
+    if (it == totals.end()) continue;
+    out->set_sequences(it->second.sequences);
+    out->set_sink_tokens(it->second.sink_tokens);
+    out->set_history_tokens(it->second.history_tokens);
+    out->set_recent_tokens(it->second.recent_tokens);
+    out->set_pool_bytes(it->second.pool_bytes);
+    out->set_bf16_equivalent_bytes(it->second.bf16_equivalent_bytes);
+  }
+
+  v1::ServiceStats* s = response->mutable_service();
+  s->set_uptime_seconds(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - ctx_->started).count());
+  s->set_backend(std::string(ctx_->backend->name()));
+  s->set_worker_threads(ctx_->workers->threads());
+  s->set_worker_queue_depth(ctx_->workers->queue_depth());
+  s->set_worker_queue_capacity(ctx_->workers->queue_capacity());
+  s->set_rejected_busy(ctx_->workers->rejected());
+  s->set_ingested_bytes(ctx_->counters.ingested_bytes.load());
+  s->set_ingested_tokens(ctx_->counters.ingested_tokens.load());
+  s->set_attention_calls(ctx_->counters.attention_calls.load());
+  s->set_attention_sequences(ctx_->counters.attention_sequences.load());
+  s->set_version(KvpoolVersion());
+
+  const ServerConfig& cfg = *ctx_->config;
+  v1::ServerLimits* l = response->mutable_limits();
+  l->set_max_message_bytes(cfg.max_message_bytes);
+  l->set_max_chunk_bytes(cfg.max_chunk_bytes);
+  l->set_max_rotation_file_bytes(cfg.max_rotation_file_bytes);
+  l->set_max_attention_batch(cfg.max_attention_batch);
+  l->set_max_append_tokens(cfg.max_append_tokens);
+
+  if (request->include_sequences()) {
+    for (const SequenceInfo& info : ctx_->store->List(tenant)) {
+      v1::SequenceStats* out = response->add_sequences();
+      out->set_sequence_id(info.id);
+      out->set_model_id(info.model_id);
+      out->set_total_tokens(info.total());
+      out->set_pool_bytes(info.pool_bytes);
+    }
+  }
+  response->set_tenant(tenant);
+  response->set_quota_bytes(0);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace kvpool::server
