@@ -431,6 +431,11 @@ void RunScenario(const Scenario& sc) {
   ExpectMatches(sc, ref, out, lse);
 }
 
+TEST_F(CudaAttentionTest, TensorCoresTakeSubnormalCodesAndTranspose) {
+  const absl::Status s = cuda::testing::ProbeTensorCoreAssumptions();
+  EXPECT_TRUE(s.ok()) << s;
+}
+
 TEST_F(CudaAttentionTest, MixedBatchHead128Group8) {
   Scenario sc;
   sc.seqs = {{64, 1000, 256}, {64, 37, 300}, {5, 0, 17}, {64, 2100, 263}};

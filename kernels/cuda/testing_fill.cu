@@ -4,7 +4,9 @@
 
 #include <cstdint>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/host_internal.h"
+#include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/testing_fill.h"
 
 namespace kvpool::cuda::testing {
@@ -42,7 +44,60 @@ __global__ void FillGaussianKernel(float* dst, size_t count, uint64_t seed, floa
   }
 }
 
+// out[0..127]: C fragments of A (all codes 3 at CodePos 0, i.e. 3 * 2^-24) times B (all 1.0);
+// out[128..159]: movmatrix of a lane-distinct pattern.
+__global__ void ProbeKernel(float* out, uint32_t* moved) {
+  const uint32_t a[4] = {0x00030003u, 0x00030003u, 0x00030003u, 0x00030003u};
+  const uint32_t b[2] = {0x3c003c00u, 0x3c003c00u};
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  internal::MmaF16(c, a, b);
+  for (int k = 0; k < 4; ++k) out[threadIdx.x * 4 + k] = c[k];
+  const uint32_t lane = threadIdx.x;
+  // Element (row r, col c) of the 8x8 matrix holds r * 8 + c.
+  const uint32_t r = lane / 4, col = 2 * (lane % 4);
+  moved[lane] = internal::Transpose8x8((r * 8 + col) | ((r * 8 + col + 1) << 16));
+}
+
 }  // namespace
+
+absl::Status ProbeTensorCoreAssumptions() {
+  float* out = nullptr;
+  uint32_t* moved = nullptr;
+  if (cudaMalloc(&out, 128 * sizeof(float)) != cudaSuccess ||
+      cudaMalloc(&moved, 32 * sizeof(uint32_t)) != cudaSuccess) {
+    cudaFree(out);
+    return absl::ResourceExhaustedError("probe allocation failed");
+  }
+  ProbeKernel<<<1, 32>>>(out, moved);
+  float h_out[128];
+  uint32_t h_moved[32];
+  int err = static_cast<int>(cudaGetLastError());
+  if (err == 0) {
+    err = static_cast<int>(cudaMemcpy(h_out, out, sizeof(h_out), cudaMemcpyDeviceToHost));
+  }
+  if (err == 0) {
+    err = static_cast<int>(cudaMemcpy(h_moved, moved, sizeof(h_moved), cudaMemcpyDeviceToHost));
+  }
+  cudaFree(out);
+  cudaFree(moved);
+  if (err != 0) return internal::CudaStatus(err, "tensor core probe");
+  const float want = 48.0f / 16777216.0f;  // 16 products of 3 * 2^-24
+  for (int i = 0; i < 128; ++i) {
+    if (h_out[i] != want) {
+      return absl::InternalError(absl::StrCat("mma with subnormal fp16 input gave ", h_out[i],
+                                              " instead of ", want, " at ", i));
+    }
+  }
+  for (uint32_t lane = 0; lane < 32; ++lane) {
+    const uint32_t r = lane / 4, col = 2 * (lane % 4);
+    const uint32_t want_moved = (col * 8 + r) | (((col + 1) * 8 + r) << 16);
+    if (h_moved[lane] != want_moved) {
+      return absl::InternalError(absl::StrCat("movmatrix.trans gave ", h_moved[lane],
+                                              " instead of ", want_moved, " at lane ", lane));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status FillRealLikeBf16(uint16_t* dst, size_t count, int row_len, uint64_t seed, float scale,
                               Stream stream) {

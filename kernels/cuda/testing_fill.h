@@ -22,4 +22,9 @@ namespace kvpool::cuda::testing {
 [[nodiscard]] absl::Status FillGaussianF32(float* dst, size_t count, uint64_t seed, float scale,
                                            Stream stream);
 
+// Checks, on the current device, the two hardware facts the INT2 attention relies on:
+// mma.m16n8k16 takes subnormal fp16 inputs exactly (codes are fed as c * 2^-24), and
+// movmatrix transposes an 8x8 fragment. OK, or Internal naming the fact that failed.
+[[nodiscard]] absl::Status ProbeTensorCoreAssumptions();
+
 }  // namespace kvpool::cuda::testing

@@ -1,0 +1,384 @@
+// GPU benchmark of the CUDA codec and the INT2 decode attention (no gRPC; run by
+// tests/gpu/run.sh on the GPU machine). Times with CUDA events (median of many runs after
+// warm-up), cycling through input sets larger than the L2, and compares each kernel with the
+// byte floor: the bytes it must move over the device copy bandwidth measured in the same run.
+// tests/gpu/sdpa_bench.py adds torch SDPA BF16 on the same shapes.
+//
+//   gpu_bench --out bench-results/gpu-kernels.json [--quick]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/block_layout.h"
+#include "kernels/codec_config.h"
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_codec.h"
+#include "kernels/cuda/testing_fill.h"
+#include "kernels/rotation.h"
+
+namespace kvpool::cuda {
+namespace {
+
+void Die(const std::string& what) {
+  std::fprintf(stderr, "gpu_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) Die(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) Die(std::string(what) + ": " + s.ToString());
+}
+
+template <typename T>
+T* DeviceAlloc(size_t n) {
+  void* p = nullptr;
+  Check(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc");
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+T* Upload(const std::vector<T>& v) {
+  T* p = DeviceAlloc<T>(v.size());
+  Check(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return p;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times `fn(i)` (enqueueing work for iteration i on `stream`) with CUDA events: `warmup`
+// untimed calls, then `iters` timed ones. Returns the median in microseconds.
+template <typename Fn>
+double TimeUs(cudaStream_t stream, int warmup, int iters, Fn fn) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) Check(cudaEventCreate(&e), "event");
+  for (int i = 0; i < iters; ++i) {
+    Check(cudaEventRecord(ev[2 * i], stream), "record");
+    fn(warmup + i);
+    Check(cudaEventRecord(ev[2 * i + 1], stream), "record");
+  }
+  Check(cudaStreamSynchronize(stream), "sync");
+  std::vector<double> us(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    Check(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "elapsed");
+    us[i] = 1000.0 * ms;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  return Median(us);
+}
+
+struct Result {
+  std::string name;
+  std::string params;  // JSON object text
+  double value;        // microseconds or GB/s
+  std::string unit;
+  std::string baseline_name;
+  double baseline_value;
+  double ratio;
+};
+
+std::vector<Result> g_results;
+
+// Device copy bandwidth, bytes read + written per second, on a 2 GiB copy.
+double CopyBandwidthGBs(cudaStream_t stream) {
+  const size_t bytes = size_t{2} << 30;
+  uint8_t* a = DeviceAlloc<uint8_t>(bytes);
+  uint8_t* b = DeviceAlloc<uint8_t>(bytes);
+  Check(cudaMemset(a, 1, bytes), "memset");
+  const double us = TimeUs(stream, 3, 15, [&](int) {
+    Check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream), "copy");
+  });
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * bytes / (us * 1e-6) / 1e9;
+}
+
+// Rotate + clip + quantize on arrival, and dequantize, for Hkv = 8, D = 128.
+void BenchCodec(cudaStream_t stream, double copy_gbs) {
+  constexpr int kHkv = 8, kD = 128, kTokens = 64 * 1024, kSets = 4;
+  QuantConfig cfg;
+  const BlockLayout layout = BlockLayout::ForModel(cfg, kHkv, kD);
+  const int blocks = kTokens / layout.tokens;
+  const size_t rows_per_set = static_cast<size_t>(kTokens) * kHkv * kD;
+  uint16_t* rows = DeviceAlloc<uint16_t>(rows_per_set * kSets);
+  Check(testing::FillRealLikeBf16(rows, rows_per_set * kSets, kD, 3, 1.0f, stream), "fill");
+  uint8_t* pool = DeviceAlloc<uint8_t>(static_cast<size_t>(blocks) * kSets * layout.block_bytes());
+  std::vector<int32_t> table(static_cast<size_t>(blocks) * kSets);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(i);
+  int32_t* d_table = Upload(table);
+  int32_t* d_offsets = Upload(std::vector<int32_t>{0, kTokens});
+  int32_t* d_first = Upload(std::vector<int32_t>{0});
+  auto set = RotationSet::RandomizedHadamard(1, kD, 11);
+  Check(set.status(), "rotation");
+  float* rotation = Upload(set->Matrix(0, KvTensor::kKey));
+  uint32_t* err = DeviceAlloc<uint32_t>(1);
+  Check(cudaMemset(err, 0, 4), "memset");
+  uint16_t* out = DeviceAlloc<uint16_t>(rows_per_set);
+  const PagedKvView kv{pool, layout, cfg.scale_dtype, static_cast<int64_t>(blocks) * kSets};
+  auto batch_for = [&](int s) {
+    return SequenceBatch{1,      d_offsets, d_first, d_table + static_cast<size_t>(s) * blocks,
+                         blocks, kTokens};
+  };
+  const double in_bytes = rows_per_set * 2.0;
+  const double out_bytes = static_cast<double>(kTokens) * kHkv *
+                           (layout.code_bytes_per_row() + layout.meta_bytes_per_row());
+  for (const bool rotate : {true, false}) {
+    const double us = TimeUs(stream, 5, 40, [&](int i) {
+      const int s = i % kSets;
+      Check(QuantizeOnArrival(
+                cfg, kv, batch_for(s), KvTensor::kKey,
+                ArrivalRows{rows + s * rows_per_set, rotate ? rotation : nullptr, nullptr}, err,
+                stream),
+            "quantize");
+    });
+    const double floor_us = (in_bytes + out_bytes) / (copy_gbs * 1e9) * 1e6;
+    g_results.push_back({rotate ? "quantize_on_arrival_rotated" : "quantize_on_arrival_identity",
+                         "{\"Hkv\": 8, \"D\": 128, \"tokens\": 65536, \"bits\": 2}",
+                         in_bytes / (us * 1e-6) / 1e9, "GB/s of BF16 input", "copy_bandwidth_GBs",
+                         copy_gbs, in_bytes / (us * 1e-6) / 1e9 / copy_gbs});
+    std::printf("%-34s %10.1f us  %8.1f GB/s in   (floor %.1f us)\n", g_results.back().name.c_str(),
+                us, g_results.back().value, floor_us);
+  }
+  Check(TakeCodecErrors(err, stream), "codec errors");
+  const double us = TimeUs(stream, 5, 40, [&](int i) {
+    const int s = i % kSets;
+    Check(DequantizeToBf16(cfg, kv, batch_for(s), KvTensor::kKey, out, err, stream), "dequant");
+  });
+  g_results.push_back({"dequantize_to_bf16", "{\"Hkv\": 8, \"D\": 128, \"tokens\": 65536}",
+                       in_bytes / (us * 1e-6) / 1e9, "GB/s of BF16 output", "copy_bandwidth_GBs",
+                       copy_gbs, in_bytes / (us * 1e-6) / 1e9 / copy_gbs});
+  std::printf("%-34s %10.1f us  %8.1f GB/s out\n", "dequantize_to_bf16", us,
+              g_results.back().value);
+  Check(TakeCodecErrors(err, stream), "codec errors");
+  for (void* p : std::vector<void*>{rows, pool, d_table, d_offsets, d_first, rotation, err, out}) {
+    cudaFree(p);
+  }
+}
+
+struct Model {
+  const char* name;
+  int q_heads, kv_heads, head_dim;
+};
+
+// One model's pools, filled once (32 sequences of 128K history tokens of capacity), shared by
+// all batch sizes and contexts of that model.
+void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
+                    const std::vector<int>& batches, const std::vector<int>& contexts) {
+  constexpr int kSink = 64, kRecent = 256, kT = 16;
+  constexpr int64_t kCapacityTokens = int64_t{32} * 128 * 1024;
+  constexpr int kMaxSets = 32;
+  QuantConfig cfg;
+  cfg.block_tokens = kT;
+  QuantConfig bypass = cfg;
+  bypass.method = QuantMethod::kBypass;
+  const BlockLayout int2 = BlockLayout::ForModel(cfg, m.kv_heads, m.head_dim);
+  const BlockLayout bf16 = BlockLayout::ForModel(bypass, m.kv_heads, m.head_dim);
+  const int64_t int2_blocks = kCapacityTokens / kT;
+  uint8_t* int2_pool = DeviceAlloc<uint8_t>(int2_blocks * int2.block_bytes());
+  // Fill: random rows quantized by the GPU codec, 128K tokens at a time.
+  {
+    constexpr int kChunk = 128 * 1024;
+    uint16_t* rows = DeviceAlloc<uint16_t>(static_cast<size_t>(kChunk) * m.kv_heads * m.head_dim);
+    int32_t* offsets = Upload(std::vector<int32_t>{0, kChunk});
+    int32_t* first = Upload(std::vector<int32_t>{0});
+    std::vector<int32_t> table(int2_blocks);
+    for (int64_t i = 0; i < int2_blocks; ++i) table[i] = static_cast<int32_t>(i);
+    int32_t* d_table = Upload(table);
+    uint32_t* err = DeviceAlloc<uint32_t>(1);
+    Check(cudaMemset(err, 0, 4), "memset");
+    const PagedKvView kv{int2_pool, int2, cfg.scale_dtype, int2_blocks};
+    for (int64_t c = 0; c < kCapacityTokens / kChunk; ++c) {
+      const SequenceBatch batch{1,           offsets, first, d_table + c * (kChunk / kT),
+                                kChunk / kT, kChunk};
+      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+        Check(
+            testing::FillRealLikeBf16(rows, static_cast<size_t>(kChunk) * m.kv_heads * m.head_dim,
+                                      m.head_dim, 100 + 2 * c + static_cast<int>(t), 1.0f, stream),
+            "fill");
+        Check(
+            QuantizeOnArrival(cfg, kv, batch, t, ArrivalRows{rows, nullptr, nullptr}, err, stream),
+            "quantize");
+      }
+    }
+    Check(TakeCodecErrors(err, stream), "fill errors");
+    for (void* p : std::vector<void*>{rows, offsets, first, d_table, err}) cudaFree(p);
+  }
+  const int bf16_blocks_per_seq = (kSink + kRecent) / kT;
+  const int64_t bf16_blocks = int64_t{kMaxSets} * 32 * bf16_blocks_per_seq;
+  uint8_t* bf16_pool = DeviceAlloc<uint8_t>(bf16_blocks * bf16.block_bytes());
+  Check(
+      testing::FillRealLikeBf16(reinterpret_cast<uint16_t*>(bf16_pool),
+                                bf16_blocks * bf16.block_bytes() / 2, m.head_dim, 5, 1.0f, stream),
+      "fill bf16");
+  auto rotations = RotationSet::RandomizedHadamard(1, m.head_dim, 21);
+  Check(rotations.status(), "rotation");
+  float* mk = Upload(rotations->Matrix(0, KvTensor::kKey));
+  float* mv = Upload(rotations->Matrix(0, KvTensor::kValue));
+
+  for (int b : batches) {
+    for (int ctx : contexts) {
+      const int hist = ctx - kSink - kRecent;
+      const int hist_blocks = (hist + kT - 1) / kT;
+      const double set_bytes =
+          static_cast<double>(b) * m.kv_heads *
+          (static_cast<double>(hist) * (int2.code_bytes_per_row() + int2.meta_bytes_per_row()) * 2 +
+           (kSink + kRecent) * 2.0 * m.head_dim * 2);
+      const int64_t fit = kCapacityTokens / (static_cast<int64_t>(b) * hist_blocks * kT);
+      const int sets = static_cast<int>(std::clamp<int64_t>(
+          static_cast<int64_t>(std::ceil(256e6 / set_bytes)), 1, std::min<int64_t>(kMaxSets, fit)));
+      // Tables of all sets: set s, sequence i uses history region s * b + i.
+      std::vector<int32_t> hist_tables(static_cast<size_t>(sets) * b * hist_blocks);
+      std::vector<int32_t> sink_tables(static_cast<size_t>(sets) * b * 4);
+      std::vector<int32_t> recent_tables(static_cast<size_t>(sets) * b * 16);
+      for (int s = 0; s < sets; ++s) {
+        for (int i = 0; i < b; ++i) {
+          const int64_t region = static_cast<int64_t>(s) * b + i;
+          for (int j = 0; j < hist_blocks; ++j) {
+            hist_tables[region * hist_blocks + j] = static_cast<int32_t>(region * hist_blocks + j);
+          }
+          const int64_t bf16_region = region % (int64_t{kMaxSets} * 32);
+          for (int j = 0; j < 4; ++j) {
+            sink_tables[region * 4 + j] =
+                static_cast<int32_t>(bf16_region * bf16_blocks_per_seq + j);
+          }
+          for (int j = 0; j < 16; ++j) {
+            recent_tables[region * 16 + j] =
+                static_cast<int32_t>(bf16_region * bf16_blocks_per_seq + 4 + j);
+          }
+        }
+      }
+      int32_t* d_hist = Upload(hist_tables);
+      int32_t* d_sink = Upload(sink_tables);
+      int32_t* d_recent = Upload(recent_tables);
+      int32_t* d_zero = Upload(std::vector<int32_t>(b, 0));
+      int32_t* d_hist_n = Upload(std::vector<int32_t>(b, hist));
+      int32_t* d_sink_n = Upload(std::vector<int32_t>(b, kSink));
+      int32_t* d_recent_n = Upload(std::vector<int32_t>(b, kRecent));
+      const size_t qn = static_cast<size_t>(b) * m.q_heads * m.head_dim;
+      float* q = DeviceAlloc<float>(qn * sets);
+      Check(testing::FillGaussianF32(q, qn * sets, 9, 1.0f, stream), "fill q");
+      float* out = DeviceAlloc<float>(qn);
+      float* lse = DeviceAlloc<float>(static_cast<size_t>(b) * m.q_heads);
+
+      DecodeAttentionShape shape;
+      shape.cfg = cfg;
+      shape.q_heads = m.q_heads;
+      shape.history_pool = PagedKvView{int2_pool, int2, cfg.scale_dtype, int2_blocks};
+      shape.bf16_pool = PagedKvView{bf16_pool, bf16, cfg.scale_dtype, bf16_blocks};
+      shape.num_seqs = b;
+      shape.max_history_tokens = hist;
+      shape.max_bf16_tokens = kSink + kRecent;
+      auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
+      Check(ws_bytes.status(), "workspace");
+      uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
+      std::vector<cudaGraphExec_t> graphs(sets);
+      for (int s = 0; s < sets; ++s) {
+        const size_t off = static_cast<size_t>(s) * b;
+        const DecodeBatch batch{
+            DecodeTier{d_sink + off * 4, 4, d_zero, d_sink_n},
+            DecodeTier{d_hist + off * hist_blocks, hist_blocks, d_zero, d_hist_n},
+            DecodeTier{d_recent + off * 16, 16, d_zero, d_recent_n}};
+        const DecodeIo io{q + s * qn, mk, mv, out, lse};
+        cudaGraph_t graph;
+        Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+        Check(DecodeAttention(shape, batch, io, ws, *ws_bytes, stream), "attention");
+        Check(cudaStreamEndCapture(stream, &graph), "capture end");
+        Check(cudaGraphInstantiate(&graphs[s], graph, 0), "instantiate");
+        cudaGraphDestroy(graph);
+      }
+      const int iters = set_bytes > 1e9 ? 30 : 100;
+      const double us = TimeUs(stream, 10, iters, [&](int i) {
+        Check(cudaGraphLaunch(graphs[i % sets], stream), "graph launch");
+      });
+      const double bytes =
+          set_bytes + 2.0 * qn * sizeof(float) + 2.0 * m.head_dim * m.head_dim * sizeof(float);
+      const double floor_us = bytes / (copy_gbs * 1e9) * 1e6;
+      char params[256];
+      std::snprintf(params, sizeof(params),
+                    "{\"model\": \"%s\", \"Hq\": %d, \"Hkv\": %d, \"D\": %d, \"batch\": %d, "
+                    "\"context\": %d, \"history\": %d, \"sink\": %d, \"recent\": %d, "
+                    "\"bytes\": %.0f, \"input_sets\": %d}",
+                    m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, hist, kSink, kRecent, bytes,
+                    sets);
+      g_results.push_back(
+          {"int2_decode_attention", params, us, "us", "byte_floor_us", floor_us, us / floor_us});
+      std::printf("%-10s Hq=%-2d Hkv=%d D=%-3d B=%-2d ctx=%-6d %9.1f us  floor %8.1f us  (%.2fx)\n",
+                  m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, us, floor_us, us / floor_us);
+      std::fflush(stdout);
+      for (auto g : graphs) cudaGraphExecDestroy(g);
+      for (void* p : std::vector<void*>{d_hist, d_sink, d_recent, d_zero, d_hist_n, d_sink_n,
+                                        d_recent_n, q, out, lse, ws}) {
+        cudaFree(p);
+      }
+    }
+  }
+  for (void* p : std::vector<void*>{int2_pool, bf16_pool, mk, mv}) cudaFree(p);
+}
+
+int Main(int argc, char** argv) {
+  std::string out_path = "bench-results/gpu-kernels.json";
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
+      out_path = argv[++i];
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else {
+      Die(std::string("unknown argument ") + argv[i]);
+    }
+  }
+  if (CudaDeviceCount() == 0) Die("no CUDA device");
+  cudaDeviceProp prop;
+  Check(cudaGetDeviceProperties(&prop, 0), "properties");
+  cudaStream_t stream;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const double copy_gbs = CopyBandwidthGBs(stream);
+  std::printf("device %s, %d SMs, L2 %.0f MB, copy bandwidth %.0f GB/s (read + write)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_gbs);
+  BenchCodec(stream, copy_gbs);
+  const std::vector<int> batches = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
+  const std::vector<int> contexts =
+      quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
+  for (const Model& m :
+       {Model{"llama70b", 64, 8, 128}, Model{"hq32", 32, 8, 128}, Model{"smollm2", 9, 3, 64}}) {
+    BenchAttention(stream, copy_gbs, m, batches, contexts);
+  }
+  FILE* f = std::fopen(out_path.c_str(), "w");
+  if (f == nullptr) Die("cannot write " + out_path);
+  std::fprintf(f,
+               "{\"machine\": {\"gpu\": \"%s\", \"sms\": %d, \"l2_bytes\": %d, "
+               "\"copy_bandwidth_GBs\": %.1f},\n \"results\": [\n",
+               prop.name, prop.multiProcessorCount, prop.l2CacheSize, copy_gbs);
+  for (size_t i = 0; i < g_results.size(); ++i) {
+    const Result& r = g_results[i];
+    std::fprintf(f,
+                 "  {\"name\": \"%s\", \"params\": %s, \"value\": %.3f, \"unit\": \"%s\", "
+                 "\"baseline\": {\"name\": \"%s\", \"value\": %.3f}, \"ratio\": %.4f}%s\n",
+                 r.name.c_str(), r.params.c_str(), r.value, r.unit.c_str(), r.baseline_name.c_str(),
+                 r.baseline_value, r.ratio, i + 1 < g_results.size() ? "," : "");
+  }
+  std::fprintf(f, " ]}\n");
+  std::fclose(f);
+  std::printf("wrote %s\n", out_path.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvpool::cuda
+
+int main(int argc, char** argv) { return kvpool::cuda::Main(argc, argv); }

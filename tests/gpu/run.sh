@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# kvpool GPU checks on the lent H200 machine: correctness (GPU vs CPU reference), the
+# compute-sanitizer memcheck and racecheck, and the benchmark (ours vs torch SDPA BF16 vs the
+# byte floor). Uses the binaries that tests/gpu/package.sh built on the CPU machine
+# (.gpu-carry/, carried with the call), so nothing needs Abseil or gRPC here.
+#
+#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick]      (default: all)
+#
+# Logs and JSON go to $OUT (the device tool's folder; ./gpu-out otherwise); the summary table
+# prints last. Exit status: 0 when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+MODE=${1:-all}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT" bench-results
+CARRY=$PWD/.gpu-carry
+BIN=$CARRY/bin
+export LD_LIBRARY_PATH="$CARRY/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1
+if [ ! -x "$BIN/cuda_attention_test" ]; then
+  echo "missing $BIN: run 'bash tests/gpu/package.sh' on the CPU machine and carry .gpu-carry"
+  exit 2
+fi
+
+declare -a SUMMARY=()
+FAILED=0
+step() {  # step NAME LOG cmd...
+  local name=$1 log=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*" | tee -a "$log"
+  "$@" >>"$log" 2>&1
+  local rc=$?
+  local status=PASS
+  [ $rc -eq 0 ] || { status="FAIL(rc=$rc)"; FAILED=1; }
+  SUMMARY+=("$(printf '%-34s %-12s %5ds' "$name" "$status" $((SECONDS - t0)))")
+  tail -n 25 "$log" | grep -E "PASSED|FAILED|ERROR SUMMARY|worst|error|Error" | tail -n 8
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  uname -r
+  cat "$CARRY/ptxas.txt" 2>/dev/null
+  for b in "$BIN"/*; do cuobjdump --dump-resource-usage "$b" 2>/dev/null | grep -E "Function|REG" |
+    sed 's/_ZN6kvpool4cuda8internal//'; done
+} >"$OUT/resources.txt" 2>&1
+
+SLOW='*Batch32At128K*'
+if [ "$MODE" = all ] || [ "$MODE" = test ] || [ "$MODE" = quick ]; then
+  step "codec test (GPU vs CPU, bit-exact)" "$OUT/test.log" "$BIN/cuda_codec_test" --gtest_color=no
+  if [ "$MODE" = quick ]; then
+    step "attention test (fast cases)" "$OUT/test.log" "$BIN/cuda_attention_test" \
+      --gtest_color=no --gtest_filter="-$SLOW"
+  else
+    step "attention test (all, batch 32 x 128K)" "$OUT/test.log" "$BIN/cuda_attention_test" \
+      --gtest_color=no
+  fi
+fi
+if [ "$MODE" = all ] || [ "$MODE" = sanitize ]; then
+  CS="compute-sanitizer --error-exitcode 9 --print-limit 20"
+  step "memcheck codec test" "$OUT/sanitize.log" $CS --tool memcheck "$BIN/cuda_codec_test" \
+    --gtest_color=no
+  step "memcheck attention test" "$OUT/sanitize.log" $CS --tool memcheck \
+    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="-$SLOW:*OneHot*"
+  step "racecheck attention test" "$OUT/sanitize.log" $CS --tool racecheck \
+    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="*MixedBatch*:*Group16*:*Empty*"
+  step "racecheck codec test" "$OUT/sanitize.log" $CS --tool racecheck "$BIN/cuda_codec_test" \
+    --gtest_color=no --gtest_filter="*Int2Head128*:*LloydMax*"
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
+  QUICK=""
+  [ "$MODE" = quick ] && QUICK="--quick"
+  step "benchmark (ours, byte floor)" "$OUT/bench.log" "$BIN/kvpool-gpu-bench" \
+    --out "$OUT/gpu-kernels.json" $QUICK
+  step "benchmark (torch SDPA BF16)" "$OUT/bench.log" python3 tests/gpu/sdpa_bench.py \
+    --ours "$OUT/gpu-kernels.json" --out "$OUT/gpu.json"
+  cp "$OUT/gpu.json" bench-results/gpu.json 2>/dev/null
+  echo
+  sed -n '/^device /,$p' "$OUT/bench.log" | tail -n 45
+fi
+echo
+echo "step                               status       time"
+printf '%s\n' "${SUMMARY[@]}"
+exit $FAILED
