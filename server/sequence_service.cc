@@ -36,39 +36,49 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   void OnReadDone(bool ok) override {
     if (!ok) {
       if (call_->IsCancelled()) {
-        return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "AppendKv cancelled"));
+        return Fail(absl::CancelledError("AppendKv cancelled"));
       }
       if (txn_ == nullptr) {
         return Finish(
             ToGrpcStatus(absl::InvalidArgumentError("AppendKv: the stream ended before a header")));
       }
-      if (!ctx_->workers->TrySubmit([this] { Finish(ToGrpcStatus(Commit())); })) {
-        Finish(ToGrpcStatus(BusyError()));
+      if (!ctx_->workers->TrySubmit([this] {
+            absl::Status s = Commit();
+            if (!s.ok()) return Fail(s);
+            Finish(grpc::Status::OK);
+          })) {
+        Fail(BusyError());
       }
       return;
     }
     if (txn_ == nullptr) {
       absl::Status s = Begin();
-      if (!s.ok()) return Finish(ToGrpcStatus(s));
+      if (!s.ok()) return Fail(s);
       return StartRead(&request_);
     }
     if (request_.part_case() != v1::AppendKvRequest::kChunk) {
-      return Finish(ToGrpcStatus(
-          absl::InvalidArgumentError("AppendKv: only the first message may be a header")));
+      return Fail(absl::InvalidArgumentError("AppendKv: only the first message may be a header"));
     }
     auto chunk = std::make_shared<v1::KvChunk>();
     chunk->Swap(request_.mutable_chunk());
     const bool queued = ctx_->workers->TrySubmit([this, chunk] {
       absl::Status s = Stage(*chunk);
-      if (!s.ok()) return Finish(ToGrpcStatus(s));
+      if (!s.ok()) return Fail(s);
       StartRead(&request_);
     });
-    if (!queued) Finish(ToGrpcStatus(BusyError()));
+    if (!queued) Fail(BusyError());
   }
 
   void OnDone() override { delete this; }  // an uncommitted transaction rolls back here
 
  private:
+  // Rolls the append back before answering, so that a client retrying at once never finds the
+  // sequence still locked by this failed stream.
+  void Fail(const absl::Status& s) {
+    txn_.reset();
+    Finish(ToGrpcStatus(s));
+  }
+
   absl::Status Begin() {
     if (request_.part_case() != v1::AppendKvRequest::kHeader) {
       return absl::InvalidArgumentError("AppendKv: the first message must be a header");
