@@ -1,0 +1,57 @@
+#include "server/config.h"
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "gtest/gtest.h"
+
+ABSL_DECLARE_FLAG(uint64_t, pool_bytes);
+ABSL_DECLARE_FLAG(std::string, listen);
+ABSL_DECLARE_FLAG(int32_t, worker_threads);
+
+namespace kvpool::server {
+namespace {
+
+TEST(ConfigTest, DefaultsServeOnLoopbackWithACappedPool) {
+  auto c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "127.0.0.1:50051");
+  EXPECT_EQ(c->backend, "cpu");
+  EXPECT_GT(c->pool_bytes, 0u);
+  EXPECT_LE(c->pool_bytes, size_t{8} << 30);
+  EXPECT_EQ(c->pool_bytes % c->slab_bytes, 0u);
+  EXPECT_GE(c->worker_threads, 1);
+}
+
+TEST(ConfigTest, ConfigTextSetsFlagsAndRejectsMistakes) {
+  ASSERT_TRUE(ApplyConfigText("# comment\nlisten = 127.0.0.1:6000\n\npool_bytes=67108864 # 64M\n"
+                              "--worker_threads = 3\n",
+                              "test.conf")
+                  .ok());
+  auto c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "127.0.0.1:6000");
+  EXPECT_EQ(c->pool_bytes, 64u << 20);
+  EXPECT_EQ(c->worker_threads, 3);
+  EXPECT_TRUE(absl::IsInvalidArgument(ApplyConfigText("no_such_flag = 1", "t")));
+  EXPECT_TRUE(absl::IsInvalidArgument(ApplyConfigText("pool_bytes = lots", "t")));
+  EXPECT_TRUE(absl::IsInvalidArgument(ApplyConfigText("just words", "t")));
+  EXPECT_TRUE(absl::IsInvalidArgument(ApplyConfigText("config = other.conf", "t")));
+  absl::SetFlag(&FLAGS_pool_bytes, 1000);  // smaller than a slab
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  absl::SetFlag(&FLAGS_pool_bytes, 0);
+  absl::SetFlag(&FLAGS_listen, "nocolon");
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  absl::SetFlag(&FLAGS_listen, "127.0.0.1:50051");
+  absl::SetFlag(&FLAGS_worker_threads, 0);
+}
+
+TEST(ConfigTest, AutoPoolIsAFractionCappedAndAligned) {
+  const size_t align = 4 << 20;
+  const size_t small = AutoPoolBytes(0.01, size_t{1} << 40, align);
+  EXPECT_EQ(small % align, 0u);
+  EXPECT_GE(small, align);
+  EXPECT_EQ(AutoPoolBytes(0.9, 64 << 20, align), 64u << 20);
+}
+
+}  // namespace
+}  // namespace kvpool::server
