@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
   for (int e = 0; e < kMaxE; ++e) bits[e] = e < e_count ? __ldg(src + e) : 0;
 
   if (p.rotation != nullptr) {
-    // x_rot[j] = sum_i x[i] * M[i][j], in dim order, separate multiply and add (fp32).
+    // x_rot[j] = sum_i x[i] * M[i][j] in fp32 (the rotation is compared with a tolerance; only
+    // clip and quantize below are bit-exact).
     float* xs = row_smem[warp];
 #pragma unroll
     for (int e = 0; e < kMaxE; ++e) {
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
       LoadLaneFloats<kMaxE, kStatic>(m_col + static_cast<int64_t>(i) * head_dim, e_count, m);
       const float xi = xs[i];
 #pragma unroll
-      for (int e = 0; e < kMaxE; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(xi, m[e]));
+      for (int e = 0; e < kMaxE; ++e) acc[e] = __fmaf_rn(xi, m[e], acc[e]);
     }
 #pragma unroll
     for (int e = 0; e < kMaxE; ++e) bits[e] = e < e_count ? FloatToBf16Bits(acc[e]) : 0;

@@ -12,9 +12,10 @@
 //   l_t = q'_j . k'_t / sqrt(D) over the sink, history and recent tokens;
 //   lse_j = ln sum_t exp(l_t);   out_j = (sum_t exp(l_t - lse_j) v'_t) * M_V^T
 // INT2 rows are dequantized as min + code * scale (folded: the kernel never forms them); an
-// empty sequence gives lse = -inf and a zero output. The kernel computes q'.k in fp16 x fp16
-// tensor-core products with fp32 accumulation (q' rounded to fp16 after a power-of-two scale),
-// and P * scale in fp16: relative error about 1e-3 against float64 on the dequantized data.
+// empty sequence gives lse = -inf and a zero output. Precision: q'.k runs on fp16 tensor cores
+// with fp32 accumulation, the query split into two fp16 terms (hi + lo, about 22 bits) so that
+// the logits and the log-sum-exp keep fp32-like accuracy; P * scale enters the PV product as
+// fp16 (relative output error well under 1e-2 against float64 on the dequantized data).
 //
 // Supported: head_dim 64 or 128; INT2 uniform or Lloyd-Max history with one group per row
 // (G = D); GQA groups of 1 to 16 query heads per KV head. Others are Unimplemented.

@@ -180,26 +180,47 @@ struct WarpState {
   __device__ __forceinline__ void Update(const float (&logit)[kNT][2][2],
                                          const float (&row_scale)[2], const float (&row_min)[2],
                                          uint32_t (&pb)[kNT][2]) {
+    float m_new[kNT][2];
+    bool grew = false;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const float tile_max = WarpMaxOverRows(fmaxf(logit[nt][cc][0], logit[nt][cc][1]));
+        m_new[nt][cc] = fmaxf(m[nt][cc], tile_max);
+        grew = grew || m_new[nt][cc] > m[nt][cc];
+      }
+    }
+    // Rescale the running sums only when some running max grew (rare after the first tiles);
+    // for the columns whose max did not grow the factor is exp2(0) = 1.
+    if (__any_sync(kFullMask, grew)) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          const float m_use = m_new[nt][cc] == kNegInf ? 0.f : m_new[nt][cc];
+          const float corr = FastExp2(m[nt][cc] - m_use);
+          l[nt][cc] *= corr;
+          pm[nt][cc] *= corr;
+#pragma unroll
+          for (int mi = 0; mi < kMTiles; ++mi) {
+            acc[nt][mi][cc] *= corr;
+            acc[nt][mi][2 + cc] *= corr;
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
       float ps[2][2];  // [cc][row]
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
-        const float tile_max = WarpMaxOverRows(fmaxf(logit[nt][cc][0], logit[nt][cc][1]));
-        const float m_new = fmaxf(m[nt][cc], tile_max);
-        const float m_use = m_new == kNegInf ? 0.f : m_new;
-        const float corr = FastExp2(m[nt][cc] - m_use);
+        m[nt][cc] = m_new[nt][cc];
+        const float m_use = m_new[nt][cc] == kNegInf ? 0.f : m_new[nt][cc];
         const float p0 = FastExp2(logit[nt][cc][0] - m_use);
         const float p1 = FastExp2(logit[nt][cc][1] - m_use);
-        m[nt][cc] = m_new;
-        l[nt][cc] = __fmaf_rn(l[nt][cc], corr, p0 + p1);
-        pm[nt][cc] =
-            __fmaf_rn(pm[nt][cc], corr, __fmaf_rn(p0, row_min[0], __fmul_rn(p1, row_min[1])));
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi) {
-          acc[nt][mi][cc] *= corr;
-          acc[nt][mi][2 + cc] *= corr;
-        }
+        l[nt][cc] += p0 + p1;
+        pm[nt][cc] = __fmaf_rn(p0, row_min[0], __fmaf_rn(p1, row_min[1], pm[nt][cc]));
         ps[cc][0] = p0 * row_scale[0];
         ps[cc][1] = p1 * row_scale[1];
       }
@@ -273,16 +294,6 @@ __device__ __forceinline__ void WritePartial(WarpState<kD, kNT>& st, const Atten
   }
 }
 
-// Per-CTA query operands. B fragment of k-step j, n-tile nt for lane (g, t): query nt * 8 + g,
-// k rows 2t, 2t+1 (reg 0) and 2t+8, 2t+9 (reg 1) mapped to dims by `dim_of(j, reg, half)`,
-// each multiplied by q_scale * factor(j, reg).
-template <int kD, int kNT>
-struct QueryOperands {
-  uint32_t b[kNT][kD / 16][2];
-  float gamma[kNT][2];  // log2-domain logit = acc * gamma (* s_t) + m_t * beta
-  float beta[kNT][2];
-};
-
 // ---------------------------------------------------------------------------------------------
 // 3. INT2 history. Grid (history_chunks, kv_heads, num_seqs).
 template <int kD, int kNT>
@@ -352,15 +363,59 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
     uint32_t v_meta[2];
     uint32_t v[4];
   };
+  // Code rows are kD / 4 bytes. When blocks hold a multiple of 16 tokens and the history starts
+  // at a slot that is a multiple of 16 (the common case), every tile lies in one block: one
+  // table lookup per tile, three lane pointers, and immediate offsets for the other tokens.
+  // Otherwise every token is looked up.
+  constexpr int kRowBytes = kD / 4;
+  const bool aligned = geo.tokens >= kTileTokens && first % kTileTokens == 0;
+  const int k_lane = static_cast<int>(geo.codes_offset[0]) + g * kRowBytes + t * (kD / 16);
+  const int v_lane = static_cast<int>(geo.codes_offset[1]) + 2 * t * kRowBytes + g * (kD / 32);
+  const int m_lane = static_cast<int>(geo.meta_offset[0]) + g * 4;
+  const int vm_delta = static_cast<int>(geo.meta_offset[1] - geo.meta_offset[0]);
+  const uint8_t* head_pool = p.int2_pool + static_cast<int64_t>(kv_head) * geo.head_segment_bytes;
+
   auto load = [&](int start, Tile& tile) {
+    if (aligned && start + kTileTokens <= c1) {
+      // Full tile in one block: unconditional loads at immediate offsets from three pointers.
+      const int pos = first + start;
+      const int slot0 = pos & (geo.tokens - 1);
+      const uint8_t* seg =
+          head_pool + static_cast<int64_t>(__ldg(table + (pos >> log2_tokens))) * geo.block_bytes;
+      const uint8_t* kp = seg + (k_lane + slot0 * kRowBytes);
+      const uint8_t* vp = seg + (v_lane + slot0 * kRowBytes);
+      const uint8_t* mp = seg + (m_lane + slot0 * 4);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (kKWords == 2) {
+          const uint2 w = __ldg(reinterpret_cast<const uint2*>(kp + 8 * r * kRowBytes));
+          tile.k[r][0] = w.x;
+          tile.k[r][1] = w.y;
+        } else {
+          tile.k[r][0] = __ldg(reinterpret_cast<const uint32_t*>(kp + 8 * r * kRowBytes));
+        }
+        tile.k_meta[r] = __ldg(reinterpret_cast<const uint32_t*>(mp + 32 * r));
+        tile.v_meta[r] = __ldg(reinterpret_cast<const uint32_t*>(mp + vm_delta + 32 * r));
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* src = vp + ((c & 1) + 8 * (c >> 1)) * kRowBytes;
+        if constexpr (kD == 128) {
+          tile.v[c] = __ldg(reinterpret_cast<const uint32_t*>(src));
+        } else {
+          tile.v[c] = __ldg(reinterpret_cast<const uint16_t*>(src));
+        }
+      }
+      return;
+    }
+    // Partial or unaligned tile: every token looked up, absent tokens read as zero.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int i = start + g + 8 * r;
       if (i < c1) {
         const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
         const uint8_t* seg = p.int2_pool + a.segment;
-        const uint8_t* kc =
-            seg + geo.codes_offset[0] + a.slot * geo.code_bytes_per_row + t * (kD / 16);
+        const uint8_t* kc = seg + geo.codes_offset[0] + a.slot * kRowBytes + t * (kD / 16);
         if constexpr (kKWords == 2) {
           const uint2 w = __ldg(reinterpret_cast<const uint2*>(kc));
           tile.k[r][0] = w.x;
@@ -385,8 +440,8 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
       uint32_t w = 0u;
       if (i < c1) {
         const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
-        const uint8_t* vc = p.int2_pool + a.segment + geo.codes_offset[1] +
-                            a.slot * geo.code_bytes_per_row + g * (kD / 32);
+        const uint8_t* vc =
+            p.int2_pool + a.segment + geo.codes_offset[1] + a.slot * kRowBytes + g * (kD / 32);
         if constexpr (kD == 128) {
           w = __ldg(reinterpret_cast<const uint32_t*>(vc));
         } else {
@@ -397,20 +452,18 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
     }
   };
 
-  const int stride = kAttnWarps * kTileTokens;
-  int start = c0 + warp * kTileTokens;
-  Tile cur;
-  if (start < c1) load(start, cur);
-  for (; start < c1; start += stride) {
-    Tile next;
-    if (start + stride < c1) load(start + stride, next);
-
-    // S^T = K * Q^T over kKSteps k-steps of 16 dims.
-    float s[kNT][4];
+  auto compute = [&](const Tile& cur, int start) {
+    // S^T = K * Q^T over kKSteps k-steps of 16 dims; the hi and lo halves of the query go to
+    // two accumulators, two independent MMA chains.
+    float s_hi[kNT][4];
+    float s_lo[kNT][4];
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) s[nt][k] = 0.f;
+      for (int k = 0; k < 4; ++k) {
+        s_hi[nt][k] = 0.f;
+        s_lo[nt][k] = 0.f;
+      }
     }
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
@@ -423,8 +476,8 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
       for (int nt = 0; nt < kNT; ++nt) {
         const uint32_t hi[2] = {qb[nt][j][0][0], qb[nt][j][1][0]};
         const uint32_t lo[2] = {qb[nt][j][0][1], qb[nt][j][1][1]};
-        MmaF16(s[nt], a, hi);
-        MmaF16(s[nt], a, lo);
+        MmaF16(s_hi[nt], a, hi);
+        MmaF16(s_lo[nt], a, lo);
       }
     }
 
@@ -444,7 +497,7 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
       for (int cc = 0; cc < 2; ++cc) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float qc = s[nt][2 * r + cc] * gamma[nt][cc];
+          const float qc = (s_hi[nt][2 * r + cc] + s_lo[nt][2 * r + cc]) * gamma[nt][cc];
           logit[nt][cc][r] =
               row_valid[r] ? __fmaf_rn(qc, k_scale[r], k_min[r] * beta[nt][cc]) : kNegInf;
         }
@@ -475,7 +528,22 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) MmaF16(st.acc[nt][mi], a, pb[nt]);
     }
-    cur = next;
+  };
+
+  // Each warp takes every kAttnWarps-th tile of the chunk; the next tile's loads are in flight
+  // while the current one computes (two tile buffers, no copies).
+  const int stride = kAttnWarps * kTileTokens;
+  int start = c0 + warp * kTileTokens;
+  Tile t0, t1;
+  if (start < c1) load(start, t0);
+  while (start < c1) {
+    if (start + stride < c1) load(start + stride, t1);
+    compute(t0, start);
+    start += stride;
+    if (start >= c1) break;
+    if (start + stride < c1) load(start + stride, t0);
+    compute(t1, start);
+    start += stride;
   }
 
   float row_factor[kMTiles][2];
