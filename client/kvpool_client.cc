@@ -1,0 +1,548 @@
+#include "client/kvpool_client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace kvpool::client {
+namespace {
+
+std::chrono::system_clock::time_point DeadlineAfter(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
+}
+
+size_t DTypeBytes(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+    case v1::DTYPE_FP16:
+      return 2;
+    case v1::DTYPE_FP32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+absl::Status StreamOrderError(absl::string_view rpc, absl::string_view what) {
+  return absl::DataLossError(absl::StrCat(rpc, ": unexpected stream order: ", what));
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view rpc) {
+  if (status.ok()) return absl::OkStatus();
+  // absl::StatusCode and grpc::StatusCode share the canonical numbering.
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(rpc, ": ", status.error_message()));
+}
+
+std::vector<TokenChunk> PlanTokenChunks(uint32_t num_tokens, size_t token_bytes, size_t max_bytes) {
+  std::vector<TokenChunk> chunks;
+  if (num_tokens == 0) return chunks;
+  const size_t per_chunk =
+      token_bytes == 0 ? num_tokens : std::max<size_t>(1, max_bytes / token_bytes);
+  for (uint64_t offset = 0; offset < num_tokens; offset += per_chunk) {
+    const uint64_t count = std::min<uint64_t>(per_chunk, num_tokens - offset);
+    chunks.push_back({static_cast<uint32_t>(offset), static_cast<uint32_t>(count)});
+  }
+  return chunks;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AppendStream
+
+AppendStream::~AppendStream() {
+  if (!finished_) Cancel();
+}
+
+absl::Status AppendStream::Fail() {
+  // A failed write means the server has finished the call: collect its status.
+  if (!finished_) {
+    final_status_ = FromGrpcStatus(writer_->Finish(), "AppendKv");
+    if (final_status_.ok()) {
+      final_status_ = absl::InternalError("AppendKv: the server ended the stream early");
+    }
+    finished_ = true;
+  }
+  return final_status_;
+}
+
+absl::Status AppendStream::WriteLayer(int layer, uint32_t token_offset, uint32_t num_tokens,
+                                      absl::string_view k, absl::string_view v) {
+  if (finished_) {
+    return final_status_.ok() ? absl::FailedPreconditionError("AppendKv: stream already finished")
+                              : final_status_;
+  }
+  if (num_tokens == 0 || k.size() != v.size() || k.size() % num_tokens != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AppendKv: layer ", layer, ": k (", k.size(), " bytes) and v (", v.size(),
+                     " bytes) must be equal non-empty multiples of num_tokens (", num_tokens, ")"));
+  }
+  const size_t row_bytes = k.size() / num_tokens;
+  for (const TokenChunk& c : PlanTokenChunks(num_tokens, 2 * row_bytes, chunk_bytes_)) {
+    v1::KvChunk* chunk = message_.mutable_chunk();
+    chunk->set_layer(layer);
+    chunk->set_token_offset(token_offset + c.offset);
+    chunk->set_num_tokens(c.count);
+    chunk->set_k(k.data() + c.offset * row_bytes, c.count * row_bytes);
+    chunk->set_v(v.data() + c.offset * row_bytes, c.count * row_bytes);
+    if (!writer_->Write(message_)) return Fail();
+    bytes_sent_ += 2 * c.count * row_bytes;
+    ++messages_sent_;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AppendStream::WriteRaw(const v1::AppendKvRequest& request) {
+  if (finished_) {
+    return final_status_.ok() ? absl::FailedPreconditionError("AppendKv: stream already finished")
+                              : final_status_;
+  }
+  if (!writer_->Write(request)) return Fail();
+  ++messages_sent_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::AppendKvResponse> AppendStream::Finish() {
+  if (!finished_) {
+    writer_->WritesDone();
+    final_status_ = FromGrpcStatus(writer_->Finish(), "AppendKv");
+    finished_ = true;
+  }
+  if (!final_status_.ok()) return final_status_;
+  return response_;
+}
+
+void AppendStream::Cancel() {
+  if (finished_) return;
+  context_->TryCancel();
+  final_status_ = FromGrpcStatus(writer_->Finish(), "AppendKv");
+  if (final_status_.ok()) final_status_ = absl::CancelledError("AppendKv: cancelled");
+  finished_ = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// KvpoolClient
+
+absl::StatusOr<std::unique_ptr<KvpoolClient>> KvpoolClient::Connect(const std::string& target,
+                                                                    const ClientOptions& options) {
+  if (target.empty()) return absl::InvalidArgumentError("empty target (expected host:port)");
+  if (options.chunk_bytes < 64) return absl::InvalidArgumentError("chunk_bytes must be >= 64");
+  auto client = std::unique_ptr<KvpoolClient>(new KvpoolClient());
+  client->target_ = target;
+  client->options_ = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
+  args.SetMaxSendMessageSize(-1);  // the server enforces its own limit, with a clear status
+  // Each client gets its own connection (no sharing of subchannels between clients).
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  client->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  client->health_ = grpc::health::v1::Health::NewStub(client->channel_);
+  client->models_ = v1::ModelService::NewStub(client->channel_);
+  client->sequences_ = v1::SequenceService::NewStub(client->channel_);
+  client->reads_ = v1::ReadService::NewStub(client->channel_);
+  client->attention_ = v1::AttentionService::NewStub(client->channel_);
+  client->stats_ = v1::StatsService::NewStub(client->channel_);
+  return client;
+}
+
+std::unique_ptr<grpc::ClientContext> KvpoolClient::NewContext() const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(DeadlineAfter(options_.deadline));
+  context->set_wait_for_ready(options_.wait_for_ready);
+  return context;
+}
+
+absl::StatusOr<KvpoolClient::ServingStatus> KvpoolClient::Health(const std::string& service) const {
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  auto context = NewContext();
+  const grpc::Status s = health_->Check(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "Health");
+  return response.status();
+}
+
+absl::Status KvpoolClient::WaitForServing(absl::Duration timeout) const {
+  const absl::Time give_up = absl::Now() + timeout;
+  absl::Status last = absl::UnavailableError("not tried");
+  while (true) {
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    grpc::ClientContext context;
+    const absl::Duration left = give_up - absl::Now();
+    context.set_deadline(
+        DeadlineAfter(std::max(absl::Milliseconds(50), std::min(left, absl::Seconds(2)))));
+    context.set_wait_for_ready(true);
+    const grpc::Status s = health_->Check(&context, request, &response);
+    if (s.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return absl::OkStatus();
+    }
+    last = s.ok()
+               ? absl::UnavailableError(absl::StrCat(
+                     "Health: status ",
+                     grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())))
+               : FromGrpcStatus(s, "Health");
+    if (absl::Now() >= give_up) {
+      return absl::DeadlineExceededError(absl::StrCat(target_, " not SERVING after ",
+                                                      absl::FormatDuration(timeout),
+                                                      " (last: ", last.ToString(), ")"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+absl::StatusOr<v1::RegisterModelResponse> KvpoolClient::RegisterModel(
+    v1::ModelSpec spec, absl::string_view rotation_file) const {
+  if (!rotation_file.empty()) spec.set_upload_size(rotation_file.size());
+  auto context = NewContext();
+  v1::RegisterModelResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::RegisterModelRequest>> writer =
+      models_->RegisterModel(context.get(), &response);
+  v1::RegisterModelRequest request;
+  *request.mutable_spec() = std::move(spec);
+  bool ok = writer->Write(request);
+  for (size_t at = 0; ok && at < rotation_file.size(); at += options_.chunk_bytes) {
+    const size_t n = std::min(options_.chunk_bytes, rotation_file.size() - at);
+    request.set_rotation_file_chunk(rotation_file.data() + at, n);
+    ok = writer->Write(request);
+  }
+  if (ok) writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s, "RegisterModel");
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::ModelInfo>> KvpoolClient::ListModels() const {
+  auto context = NewContext();
+  v1::ListModelsResponse response;
+  const grpc::Status s = models_->ListModels(context.get(), v1::ListModelsRequest(), &response);
+  if (!s.ok()) return FromGrpcStatus(s, "ListModels");
+  return std::vector<v1::ModelInfo>(response.models().begin(), response.models().end());
+}
+
+absl::StatusOr<ModelDescription> KvpoolClient::DescribeModel(const std::string& model_id,
+                                                             bool include_rotation) const {
+  v1::DescribeModelRequest request;
+  request.set_model_id(model_id);
+  request.set_include_rotation(include_rotation);
+  auto context = NewContext();
+  std::unique_ptr<grpc::ClientReader<v1::DescribeModelResponse>> reader =
+      models_->DescribeModel(context.get(), request);
+  ModelDescription out;
+  bool have_model = false;
+  v1::DescribeModelResponse message;
+  absl::Status order;
+  while (reader->Read(&message)) {
+    if (!order.ok()) continue;  // drain
+    if (message.has_model()) {
+      if (have_model) order = StreamOrderError("DescribeModel", "a second model message");
+      out.info = message.model();
+      have_model = true;
+    } else if (message.has_rotation()) {
+      if (!have_model || message.rotation().layer() != static_cast<int>(out.rotation.size())) {
+        order = StreamOrderError("DescribeModel", "rotation layers out of order");
+      }
+      out.rotation.push_back(message.rotation());
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) return FromGrpcStatus(s, "DescribeModel");
+  if (!order.ok()) return order;
+  if (!have_model) return StreamOrderError("DescribeModel", "no model message");
+  return out;
+}
+
+absl::StatusOr<v1::DeleteModelResponse> KvpoolClient::DeleteModel(const std::string& model_id,
+                                                                  bool force) const {
+  v1::DeleteModelRequest request;
+  request.set_model_id(model_id);
+  request.set_force(force);
+  auto context = NewContext();
+  v1::DeleteModelResponse response;
+  const grpc::Status s = models_->DeleteModel(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "DeleteModel");
+  return response;
+}
+
+absl::StatusOr<v1::CreateSequenceResponse> KvpoolClient::CreateSequence(
+    const v1::CreateSequenceRequest& request) const {
+  auto context = NewContext();
+  v1::CreateSequenceResponse response;
+  const grpc::Status s = sequences_->CreateSequence(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "CreateSequence");
+  return response;
+}
+
+absl::StatusOr<v1::CreateSequenceResponse> KvpoolClient::CreateSequence(
+    const std::string& model_id, const std::string& sequence_id) const {
+  v1::CreateSequenceRequest request;
+  request.set_model_id(model_id);
+  request.set_sequence_id(sequence_id);
+  return CreateSequence(request);
+}
+
+absl::StatusOr<std::unique_ptr<AppendStream>> KvpoolClient::OpenAppend(
+    const v1::AppendKvHeader& header) const {
+  auto stream = std::unique_ptr<AppendStream>(new AppendStream());
+  stream->chunk_bytes_ = options_.chunk_bytes;
+  stream->context_ = NewContext();
+  stream->writer_ = sequences_->AppendKv(stream->context_.get(), &stream->response_);
+  v1::AppendKvRequest request;
+  *request.mutable_header() = header;
+  if (!stream->writer_->Write(request)) return stream->Fail();
+  ++stream->messages_sent_;
+  return stream;
+}
+
+absl::StatusOr<v1::AppendKvResponse> KvpoolClient::AppendKv(
+    const v1::AppendKvHeader& header, absl::Span<const LayerKv> layers) const {
+  absl::StatusOr<std::unique_ptr<AppendStream>> stream = OpenAppend(header);
+  if (!stream.ok()) return stream.status();
+  for (const LayerKv& l : layers) {
+    absl::Status s = (*stream)->WriteLayer(l.layer, 0, header.num_tokens(), l.k, l.v);
+    if (!s.ok()) {
+      (*stream)->Cancel();
+      return s;
+    }
+  }
+  return (*stream)->Finish();
+}
+
+absl::StatusOr<v1::AppendDecodeResponse> KvpoolClient::AppendDecode(
+    const v1::AppendDecodeRequest& request) const {
+  auto context = NewContext();
+  v1::AppendDecodeResponse response;
+  const grpc::Status s = sequences_->AppendDecode(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "AppendDecode");
+  return response;
+}
+
+absl::StatusOr<v1::SequenceInfo> KvpoolClient::SealSequence(const std::string& sequence_id) const {
+  v1::SealSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  auto context = NewContext();
+  v1::SealSequenceResponse response;
+  const grpc::Status s = sequences_->SealSequence(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "SealSequence");
+  return response.sequence();
+}
+
+absl::StatusOr<v1::ReleaseSequenceResponse> KvpoolClient::ReleaseSequence(
+    const std::string& sequence_id) const {
+  v1::ReleaseSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  auto context = NewContext();
+  v1::ReleaseSequenceResponse response;
+  const grpc::Status s = sequences_->ReleaseSequence(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "ReleaseSequence");
+  return response;
+}
+
+absl::StatusOr<v1::SequenceInfo> KvpoolClient::DescribeSequence(
+    const std::string& sequence_id) const {
+  v1::DescribeSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  auto context = NewContext();
+  v1::SequenceInfo response;
+  const grpc::Status s = sequences_->DescribeSequence(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "DescribeSequence");
+  return response;
+}
+
+absl::StatusOr<v1::LookupPrefixResponse> KvpoolClient::LookupPrefix(
+    const std::string& model_id, absl::Span<const uint32_t> token_ids) const {
+  v1::LookupPrefixRequest request;
+  request.set_model_id(model_id);
+  request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  auto context = NewContext();
+  v1::LookupPrefixResponse response;
+  const grpc::Status s = sequences_->LookupPrefix(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "LookupPrefix");
+  return response;
+}
+
+absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest& request) const {
+  constexpr absl::string_view kRpc = "ReadBlocks";
+  auto context = NewContext();
+  std::unique_ptr<grpc::ClientReader<v1::ReadBlocksResponse>> reader =
+      reads_->ReadBlocks(context.get(), request);
+  BlocksRead out;
+  bool have_header = false;
+  size_t row_bytes = 0;
+  int current = -1;  // index into out.layers
+  absl::Status order;
+  v1::ReadBlocksResponse message;
+
+  // Moves `current` forward to the entry for `layer` (layers without data are skipped).
+  auto seek = [&](int layer) -> bool {
+    if (current >= 0 && out.layers[current].layer == layer) return true;
+    for (size_t i = current + 1; i < out.layers.size(); ++i) {
+      if (out.layers[i].layer == layer) {
+        current = static_cast<int>(i);
+        return true;
+      }
+    }
+    return false;
+  };
+
+  while (reader->Read(&message)) {
+    if (!order.ok()) continue;  // drain the stream, report the first problem
+    if (message.has_header()) {
+      if (have_header) {
+        order = StreamOrderError(kRpc, "a second header");
+        continue;
+      }
+      out.header = message.header();
+      have_header = true;
+      row_bytes = static_cast<size_t>(out.header.block_layout().kv_heads()) *
+                  out.header.block_layout().head_dim() * 2;
+      for (int layer : out.header.layers())
+        out.layers.push_back(LayerBlocks{layer, {}, {}, {}, {}, {}});
+      continue;
+    }
+    if (!have_header) {
+      order = StreamOrderError(kRpc, "data before the header");
+      continue;
+    }
+    if (message.has_rows()) {
+      const v1::Bf16Rows& rows = message.rows();
+      if (!seek(rows.layer())) {
+        order = StreamOrderError(kRpc, absl::StrCat("rows of unexpected layer ", rows.layer()));
+        continue;
+      }
+      LayerBlocks& l = out.layers[current];
+      const bool recent = rows.tier() == v1::BF16_TIER_RECENT;
+      std::string& k = recent ? l.recent_k : l.sink_k;
+      std::string& v = recent ? l.recent_v : l.sink_v;
+      const uint64_t have_tokens = row_bytes == 0 ? 0 : k.size() / row_bytes;
+      const uint64_t expect_start =
+          recent ? out.header.sink_tokens() + out.header.history_tokens() + have_tokens
+                 : have_tokens;
+      if (rows.token_start() != expect_start || rows.k().size() != rows.num_tokens() * row_bytes ||
+          rows.v().size() != rows.num_tokens() * row_bytes) {
+        order = StreamOrderError(
+            kRpc, absl::StrCat("rows of layer ", rows.layer(), " at token ", rows.token_start()));
+        continue;
+      }
+      k += rows.k();
+      v += rows.v();
+    } else if (message.has_blocks()) {
+      for (const v1::KvBlock& b : message.blocks().blocks()) {
+        if (!seek(b.layer())) {
+          order = StreamOrderError(kRpc, absl::StrCat("block of unexpected layer ", b.layer()));
+          break;
+        }
+        LayerBlocks& l = out.layers[current];
+        if (b.block_index() != l.blocks.size() ||
+            b.data().size() != out.header.block_layout().block_bytes()) {
+          order = StreamOrderError(
+              kRpc, absl::StrCat("block ", b.block_index(), " of layer ", b.layer()));
+          break;
+        }
+        l.blocks.push_back(b);
+      }
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) return FromGrpcStatus(s, kRpc);
+  if (!order.ok()) return order;
+  if (!have_header) return StreamOrderError(kRpc, "no header");
+  const uint32_t bt = out.header.block_layout().tokens();
+  const size_t blocks = bt == 0 ? 0 : (out.header.history_tokens() + bt - 1) / bt;
+  for (const LayerBlocks& l : out.layers) {
+    if (l.sink_k.size() != out.header.sink_tokens() * row_bytes ||
+        l.recent_k.size() != out.header.recent_tokens() * row_bytes || l.blocks.size() != blocks) {
+      return StreamOrderError(kRpc, absl::StrCat("layer ", l.layer, " is incomplete"));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<KvRead> KvpoolClient::ReadKv(const v1::ReadKvRequest& request) const {
+  constexpr absl::string_view kRpc = "ReadKv";
+  auto context = NewContext();
+  std::unique_ptr<grpc::ClientReader<v1::ReadKvResponse>> reader =
+      reads_->ReadKv(context.get(), request);
+  KvRead out;
+  bool have_header = false;
+  size_t row_bytes = 0;
+  int current = -1;
+  absl::Status order;
+  v1::ReadKvResponse message;
+  while (reader->Read(&message)) {
+    if (!order.ok()) continue;
+    if (message.has_header()) {
+      if (have_header) {
+        order = StreamOrderError(kRpc, "a second header");
+        continue;
+      }
+      out.header = message.header();
+      have_header = true;
+      row_bytes = static_cast<size_t>(out.header.shape().kv_heads()) *
+                  out.header.shape().head_dim() * DTypeBytes(out.header.dtype());
+      for (int layer : out.header.layers()) out.layers.push_back(LayerRows{layer, {}, {}});
+      if (row_bytes == 0) order = StreamOrderError(kRpc, "header with an empty row shape");
+      continue;
+    }
+    if (!have_header || !message.has_rows()) {
+      order = StreamOrderError(kRpc, "data before the header");
+      continue;
+    }
+    const v1::KvRows& rows = message.rows();
+    // Rows of one layer arrive in token order; a new layer starts at header.token_start.
+    if (current < 0 || out.layers[current].layer != rows.layer() ||
+        out.layers[current].k.size() == out.header.num_tokens() * row_bytes) {
+      ++current;
+    }
+    if (current >= static_cast<int>(out.layers.size()) ||
+        out.layers[current].layer != rows.layer()) {
+      order = StreamOrderError(kRpc, absl::StrCat("rows of unexpected layer ", rows.layer()));
+      continue;
+    }
+    LayerRows& l = out.layers[current];
+    if (rows.token_start() != out.header.token_start() + l.k.size() / row_bytes ||
+        rows.k().size() != rows.num_tokens() * row_bytes ||
+        rows.v().size() != rows.num_tokens() * row_bytes) {
+      order = StreamOrderError(
+          kRpc, absl::StrCat("rows of layer ", rows.layer(), " at token ", rows.token_start()));
+      continue;
+    }
+    l.k += rows.k();
+    l.v += rows.v();
+  }
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) return FromGrpcStatus(s, kRpc);
+  if (!order.ok()) return order;
+  if (!have_header) return StreamOrderError(kRpc, "no header");
+  for (const LayerRows& l : out.layers) {
+    if (l.k.size() != out.header.num_tokens() * row_bytes) {
+      return StreamOrderError(kRpc, absl::StrCat("layer ", l.layer, " is incomplete"));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<v1::AttendResponse> KvpoolClient::Attend(const v1::AttendRequest& request) const {
+  auto context = NewContext();
+  v1::AttendResponse response;
+  const grpc::Status s = attention_->Attend(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "Attend");
+  return response;
+}
+
+absl::StatusOr<v1::GetStatsResponse> KvpoolClient::GetStats(bool include_sequences) const {
+  v1::GetStatsRequest request;
+  request.set_include_sequences(include_sequences);
+  auto context = NewContext();
+  v1::GetStatsResponse response;
+  const grpc::Status s = stats_->GetStats(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, "GetStats");
+  return response;
+}
+
+}  // namespace kvpool::client
