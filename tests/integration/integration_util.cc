@@ -1,0 +1,192 @@
+#include "tests/integration/integration_util.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "tests/support/test_data.h"
+
+namespace kvpool::integration {
+
+std::unique_ptr<LocalDaemon> DaemonTest::daemon_;
+
+std::string KvpooldPath() { return KVPOOL_KVPOOLD_PATH; }
+
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags) {
+  client::LocalDaemonOptions options;
+  options.binary = KvpooldPath();
+  const bool has_level = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
+    return absl::StartsWith(f, "--log_level");
+  });
+  if (!has_level) flags.push_back("--log_level=warn");
+  options.flags = std::move(flags);
+  options.startup_timeout = absl::Seconds(180);
+  return LocalDaemon::Start(options);
+}
+
+std::vector<std::string> DaemonTest::DefaultFlags() {
+  return {"--pool_bytes=268435456", "--worker_threads=2", "--shutdown_grace_ms=10000"};
+}
+
+void DaemonTest::StartSuiteDaemon(std::vector<std::string> flags) {
+  absl::StatusOr<std::unique_ptr<LocalDaemon>> d = StartDaemon(std::move(flags));
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = *std::move(d);
+}
+
+void DaemonTest::TearDownTestSuite() {
+  if (daemon_ == nullptr) return;
+  const absl::Status stopped = daemon_->Stop(absl::Seconds(120));
+  EXPECT_TRUE(stopped.ok()) << stopped;
+  daemon_.reset();
+}
+
+void DaemonTest::SetUp() {
+  ASSERT_NE(daemon_, nullptr) << "kvpoold did not start";
+  client::ClientOptions options;
+  options.deadline = absl::Seconds(300);
+  auto c = KvpoolClient::Connect(daemon_->target(), options);
+  ASSERT_TRUE(c.ok()) << c.status();
+  client_ = *std::move(c);
+}
+
+absl::StatusOr<v1::ModelInfo> RegisterDataFree(const KvpoolClient& c, const std::string& id,
+                                               const Shape& shape, v1::RotationKind kind,
+                                               uint64_t seed, const v1::QuantConfig& quant) {
+  v1::ModelSpec spec;
+  spec.set_model_id(id);
+  spec.mutable_shape()->set_num_layers(shape.num_layers);
+  spec.mutable_shape()->set_q_heads(shape.q_heads);
+  spec.mutable_shape()->set_kv_heads(shape.kv_heads);
+  spec.mutable_shape()->set_head_dim(shape.head_dim);
+  spec.mutable_data_free()->set_kind(kind);
+  spec.mutable_data_free()->set_seed(seed);
+  *spec.mutable_quant() = quant;
+  absl::StatusOr<v1::RegisterModelResponse> r = c.RegisterModel(spec);
+  if (!r.ok()) return r.status();
+  return r->model();
+}
+
+std::vector<Bf16> RealLikeKeys(int tokens, int kv_heads, int head_dim, uint64_t seed) {
+  return testing::ToBf16(testing::RealLikeRows(tokens * kv_heads, head_dim, seed));
+}
+
+std::vector<Bf16> GaussianBf16(size_t n, uint64_t seed, float stddev) {
+  return testing::ToBf16(testing::GaussianValues(n, seed, stddev));
+}
+
+std::vector<Bf16> Bf16FromBytes(absl::string_view bytes) {
+  std::vector<Bf16> out(bytes.size() / sizeof(Bf16));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(Bf16));
+  return out;
+}
+
+std::vector<float> FloatFromBytes(absl::string_view bytes) {
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  return out;
+}
+
+SequenceKv MakeSequenceKv(const Shape& shape, int tokens, uint64_t seed) {
+  SequenceKv kv;
+  kv.tokens = tokens;
+  const size_t n = static_cast<size_t>(tokens) * shape.kv_heads * shape.head_dim;
+  for (int l = 0; l < shape.num_layers; ++l) {
+    kv.k.push_back(RealLikeKeys(tokens, shape.kv_heads, shape.head_dim, seed * 1000 + 2 * l));
+    std::vector<Bf16> v = GaussianBf16(n, seed * 1000 + 2 * l + 1);
+    for (size_t i = 3; i < n; i += shape.head_dim) v[i] = Bf16::FromFloat(v[i].ToFloat() * 5.0f);
+    kv.v.push_back(std::move(v));
+  }
+  return kv;
+}
+
+absl::StatusOr<v1::AppendKvResponse> CreateAndAppend(const KvpoolClient& c,
+                                                     const std::string& model_id,
+                                                     const std::string& id, const SequenceKv& kv,
+                                                     bool end_of_prefill,
+                                                     const std::vector<uint32_t>& token_ids) {
+  absl::StatusOr<v1::CreateSequenceResponse> created = c.CreateSequence(model_id, id);
+  if (!created.ok()) return created.status();
+  v1::AppendKvHeader header;
+  header.set_sequence_id(id);
+  header.set_token_start(0);
+  header.set_num_tokens(kv.tokens);
+  header.set_dtype(v1::DTYPE_BF16);
+  header.set_end_of_prefill(end_of_prefill);
+  header.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+  std::vector<client::LayerKv> layers;
+  for (size_t l = 0; l < kv.k.size(); ++l) {
+    layers.push_back({static_cast<int>(l), AsBytes(kv.k[l]), AsBytes(kv.v[l])});
+  }
+  return c.AppendKv(header, layers);
+}
+
+QuantConfig KernelQuant(const v1::QuantConfig& q) {
+  QuantConfig k;
+  k.bits = q.bits();
+  k.group_size = q.group_size();
+  k.method = q.method() == v1::QUANT_METHOD_BYPASS      ? QuantMethod::kBypass
+             : q.method() == v1::QUANT_METHOD_LLOYD_MAX ? QuantMethod::kLloydMax
+                                                        : QuantMethod::kUniform;
+  k.scale_dtype = q.scale_dtype() == v1::SCALE_DTYPE_BF16 ? ScaleDtype::kBf16 : ScaleDtype::kFp16;
+  k.clip_ratio_k = q.clip_ratio_k();
+  k.clip_ratio_v = q.clip_ratio_v();
+  k.block_tokens = q.block_tokens();
+  k.sink_tokens = q.sink_tokens();
+  k.recent_tokens = q.recent_tokens();
+  k.demotion_batch = q.demotion_batch();
+  return k;
+}
+
+BlockLayout KernelLayout(const v1::BlockLayoutDescriptor& d) {
+  BlockLayout l;
+  l.tokens = d.tokens();
+  l.kv_heads = d.kv_heads();
+  l.head_dim = d.head_dim();
+  l.group_size = d.group_size();
+  l.bits = d.bits();
+  return l;
+}
+
+absl::StatusOr<RotationSet> KernelRotation(const v1::ModelInfo& m) {
+  const int layers = m.shape().num_layers(), dim = m.shape().head_dim();
+  switch (m.rotation_kind()) {
+    case v1::ROTATION_KIND_IDENTITY:
+      return RotationSet::Identity(layers, dim);
+    case v1::ROTATION_KIND_HADAMARD:
+      return RotationSet::Hadamard(layers, dim);
+    case v1::ROTATION_KIND_RANDOMIZED_HADAMARD:
+      return RotationSet::RandomizedHadamard(layers, dim, m.rotation_seed());
+    default:
+      return absl::UnimplementedError("KernelRotation: data-free kinds only");
+  }
+}
+
+absl::StatusOr<std::string> PoolFingerprint(const KvpoolClient& c) {
+  absl::StatusOr<v1::GetStatsResponse> s = c.GetStats(/*include_sequences=*/true);
+  if (!s.ok()) return s.status();
+  const v1::PoolStats& p = s->pool();
+  std::string out = absl::StrCat("pool used=", p.used_bytes(), " cached=", p.cached_bytes(),
+                                 " shared=", p.shared_bytes(), " units=", p.prefix_units(),
+                                 " slabs=", p.slabs_in_use(), "\n");
+  for (const v1::PageClassStats& cl : p.classes()) {
+    absl::StrAppend(&out, "class ", cl.page_bytes(), ": ", cl.pages_in_use(), "\n");
+  }
+  for (const v1::ModelStats& m : s->models()) {
+    absl::StrAppend(&out, "model ", m.model_id(), " ", m.codec_version().substr(0, 16),
+                    " seqs=", m.sequences(), " sink=", m.sink_tokens(),
+                    " hist=", m.history_tokens(), " recent=", m.recent_tokens(),
+                    " bytes=", m.pool_bytes(), "\n");
+  }
+  std::vector<std::string> seqs;
+  for (const v1::SequenceStats& q : s->sequences()) {
+    seqs.push_back(absl::StrCat("seq ", q.sequence_id(), " ", q.model_id(),
+                                " tokens=", q.total_tokens(), " bytes=", q.pool_bytes(), "\n"));
+  }
+  std::sort(seqs.begin(), seqs.end());
+  for (const std::string& q : seqs) out += q;
+  return out;
+}
+
+}  // namespace kvpool::integration

@@ -1,0 +1,116 @@
+// Shared pieces of the integration tests: a gtest fixture that runs one real kvpoold process per
+// test suite (LocalDaemon, built binary path from the build), model registration helpers,
+// synthetic K/V, and a fingerprint of the pool's accounting to prove "unchanged".
+//
+//   class MyTest : public DaemonTest {};      // kvpoold with DaemonTest's default flags
+//   TEST_F(MyTest, Works) {
+//     KvpoolClient& c = client();
+//     ASSERT_OK_AND_ASSIGN_KV(v1::ModelInfo m, RegisterDataFree(c, "m", Shape{...}, ...));
+//   }
+//
+// Deadlines are generous and nothing is timed: the tests run on loaded 2-core machines.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/kvpool_client.h"
+#include "client/local_daemon.h"
+#include "gtest/gtest.h"
+#include "kernels/bf16.h"
+#include "kernels/block_layout.h"
+#include "kernels/codec_config.h"
+#include "kernels/rotation.h"
+
+namespace kvpool::integration {
+
+namespace v1 = ::kvpool::v1;
+using client::KvpoolClient;
+using client::LocalDaemon;
+
+#define KV_ASSERT_OK(expr)                                    \
+  do {                                                        \
+    const ::absl::Status kv_assert_status_ = (expr);          \
+    ASSERT_TRUE(kv_assert_status_.ok()) << kv_assert_status_; \
+  } while (false)
+
+// Path of the kvpoold binary built with these tests.
+std::string KvpooldPath();
+
+// Starts kvpoold with `flags` (plus --log_level=warn unless given), waits for SERVING.
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags);
+
+// A test suite with one daemon shared by its tests. Override DaemonFlags() for other limits.
+class DaemonTest : public ::testing::Test {
+ protected:
+  static void StartSuiteDaemon(std::vector<std::string> flags);
+  static void SetUpTestSuite() { StartSuiteDaemon(DefaultFlags()); }
+  // Stops with SIGTERM and checks exit status 0.
+  static void TearDownTestSuite();
+  static std::vector<std::string> DefaultFlags();
+
+  void SetUp() override;
+  KvpoolClient& client() { return *client_; }
+  LocalDaemon& daemon() { return *daemon_; }
+
+  static std::unique_ptr<LocalDaemon> daemon_;
+  std::unique_ptr<KvpoolClient> client_;
+};
+
+struct Shape {
+  int num_layers = 2;
+  int q_heads = 8;
+  int kv_heads = 2;
+  int head_dim = 64;
+};
+
+// Registers a data-free model. `quant` fields not set take the OSCAR defaults.
+absl::StatusOr<v1::ModelInfo> RegisterDataFree(const KvpoolClient& c, const std::string& id,
+                                               const Shape& shape, v1::RotationKind kind,
+                                               uint64_t seed, const v1::QuantConfig& quant = {});
+
+// Real-like K/V of one layer: [tokens][kv_heads][head_dim] BF16 (keys with outlier channels,
+// values Gaussian with one strong channel). Deterministic per seed.
+std::vector<Bf16> RealLikeKeys(int tokens, int kv_heads, int head_dim, uint64_t seed);
+std::vector<Bf16> GaussianBf16(size_t n, uint64_t seed, float stddev = 1.0f);
+
+inline absl::string_view AsBytes(const std::vector<Bf16>& v) {
+  return absl::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(Bf16));
+}
+inline absl::string_view AsBytes(const std::vector<float>& v) {
+  return absl::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+std::vector<Bf16> Bf16FromBytes(absl::string_view bytes);
+std::vector<float> FloatFromBytes(absl::string_view bytes);
+
+// A sequence's KV as pushed: per layer BF16 [tokens][kv_heads][head_dim] of K and V.
+struct SequenceKv {
+  int tokens = 0;
+  std::vector<std::vector<Bf16>> k, v;
+};
+SequenceKv MakeSequenceKv(const Shape& shape, int tokens, uint64_t seed);
+
+// Creates `id` and appends `kv` in one AppendKv stream (layer by layer), with `token_ids` when
+// not empty, `end_of_prefill` as given.
+absl::StatusOr<v1::AppendKvResponse> CreateAndAppend(const KvpoolClient& c,
+                                                     const std::string& model_id,
+                                                     const std::string& id, const SequenceKv& kv,
+                                                     bool end_of_prefill,
+                                                     const std::vector<uint32_t>& token_ids = {});
+
+// The kernels' view of a registered model: its quant config (from the effective one the server
+// reports), its block layout (from the descriptor) and its rotation (data-free kinds only).
+QuantConfig KernelQuant(const v1::QuantConfig& q);
+BlockLayout KernelLayout(const v1::BlockLayoutDescriptor& d);
+absl::StatusOr<RotationSet> KernelRotation(const v1::ModelInfo& m);
+
+// Everything GetStats says about what the pool holds (bytes, pages per class, cached and shared
+// bytes, prefix units, per-model token and byte totals, every sequence), as one string, so two
+// fingerprints are equal exactly when the pool's contents and accounting are unchanged.
+absl::StatusOr<std::string> PoolFingerprint(const KvpoolClient& c);
+
+}  // namespace kvpool::integration
