@@ -48,6 +48,7 @@ struct AttentionParams {
   int32_t bf16_chunk_tokens;  // multiple of 64
   float* out;                 // [num_seqs][q_heads][D] fp32, original basis
   float* lse;                 // [num_seqs][q_heads], natural log
+  int32_t use_pdl;            // 1: kernels 2-4 are programmatic dependent launches
 };
 
 // Enqueues the whole decode step (query rotation, BF16 tiers, INT2 history, merge and output
@@ -55,5 +56,10 @@ struct AttentionParams {
 // cudaError_t value.
 template <int kD, int kGroupTiles>
 int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream);
+
+// Resident CTAs per SM of the INT2 history kernel (which = 0) or the BF16 tier kernel (1), from
+// the occupancy calculator; a negative cudaError_t value on failure.
+template <int kD, int kGroupTiles>
+int AttentionCtasPerSm(int which);
 
 }  // namespace kvpool::cuda::internal

@@ -5,8 +5,11 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -23,6 +26,8 @@ using internal::MakeGeometry;
 
 constexpr int kChunkQuantum = 64;  // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)
 constexpr int kMaxGroup = 16;
+constexpr int kMaxParts = 256;     // decode_attention.cuh kMaxParts (merge kernel)
+constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
 
 struct Plan {
   int group = 0;
@@ -85,6 +90,69 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
   return absl::OkStatus();
 }
 
+// Resident CTAs per SM of one attention kernel (0: INT2 history, 1: BF16 tiers), cached.
+absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, int which) {
+  static std::atomic<int> cache[2][2][2] = {};
+  std::atomic<int>& slot = cache[d == 128 ? 1 : 0][two_tiles ? 1 : 0][which];
+  int n = slot.load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  if (d == 64) {
+    n = two_tiles ? internal::AttentionCtasPerSm<64, 2>(which)
+                  : internal::AttentionCtasPerSm<64, 1>(which);
+  } else {
+    n = two_tiles ? internal::AttentionCtasPerSm<128, 2>(which)
+                  : internal::AttentionCtasPerSm<128, 1>(which);
+  }
+  if (n < 0) return CudaStatus(-n, "occupancy");
+  n = std::max(n, 1);
+  slot.store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// Split of `tokens` per (sequence, KV head) pair into chunks (multiples of kChunkQuantum, at
+// least min_chunk, at most max_chunks of them) for `pairs` pairs on `cap` resident CTA slots:
+// minimizes waves * (chunk + per-CTA overhead) + a small cost per part for the merge, i.e. the
+// length of the longest CTA queue, so that the last wave is not a partial one (the first H200
+// run had 1.45 waves at batch 32: every SM ran two rounds for 1.45 rounds of work).
+struct Split {
+  int chunks = 0;
+  int chunk_tokens = kChunkQuantum;
+};
+
+Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int max_chunks) {
+  constexpr double kCtaOverheadTokens = 256;  // prologue + partial write, in token-equivalents
+  constexpr double kPartCostTokens = 2;       // merge work per part
+  Split best;
+  if (tokens <= 0) return best;
+  double best_cost = 0;
+  const int64_t c_max = std::max<int64_t>(
+      1, std::min<int64_t>(max_chunks, (tokens + kChunkQuantum - 1) / kChunkQuantum));
+  for (int64_t c = 1; c <= c_max; ++c) {
+    const int chunk = std::max(min_chunk, RoundUp((tokens + c - 1) / c, kChunkQuantum));
+    const int64_t actual = (tokens + chunk - 1) / chunk;
+    if (actual > max_chunks) continue;
+    const int64_t waves = (pairs * actual + cap - 1) / cap;
+    const double cost = static_cast<double>(waves) * (chunk + kCtaOverheadTokens) +
+                        static_cast<double>(actual) * kPartCostTokens;
+    if (best.chunks == 0 || cost < best_cost) {
+      best.chunks = static_cast<int>(actual);
+      best.chunk_tokens = chunk;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+bool LegacySplit() {
+  const char* v = std::getenv("KVPOOL_ATTN_SPLIT");
+  return v != nullptr && std::string_view(v) == "legacy";
+}
+
+bool UsePdl() {
+  const char* v = std::getenv("KVPOOL_ATTN_PDL");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
 absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   KVPOOL_RETURN_IF_ERROR(CheckShape(s));
   int device = 0;
@@ -93,20 +161,45 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   KVPOOL_RETURN_IF_ERROR(
       CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count"));
   const int kv_heads = s.history_pool.layout.kv_heads;
+  const int head_dim = s.history_pool.layout.head_dim;
   Plan p;
   p.group = s.q_heads / kv_heads;
-  // About four CTAs per SM in the history launch; chunks of at least 128 tokens.
   const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
-  const int64_t per_seq = std::max<int64_t>(1, (4 * static_cast<int64_t>(sms) + pairs - 1) / pairs);
-  if (s.max_history_tokens > 0) {
-    p.history_chunk_tokens = std::max(
-        2 * kChunkQuantum, RoundUp((s.max_history_tokens + per_seq - 1) / per_seq, kChunkQuantum));
-    p.history_chunks = (s.max_history_tokens + p.history_chunk_tokens - 1) / p.history_chunk_tokens;
-  }
-  if (s.max_bf16_tokens > 0) {
-    p.bf16_chunk_tokens = std::max(
-        kChunkQuantum, RoundUp((s.max_bf16_tokens + per_seq - 1) / per_seq, kChunkQuantum));
-    p.bf16_chunks = (s.max_bf16_tokens + p.bf16_chunk_tokens - 1) / p.bf16_chunk_tokens;
+  if (LegacySplit()) {
+    // The first version: about four CTAs per SM; chunks of at least 128 tokens.
+    const int64_t per_seq =
+        std::max<int64_t>(1, (4 * static_cast<int64_t>(sms) + pairs - 1) / pairs);
+    if (s.max_bf16_tokens > 0) {
+      p.bf16_chunk_tokens = std::max(
+          kChunkQuantum, RoundUp((s.max_bf16_tokens + per_seq - 1) / per_seq, kChunkQuantum));
+      p.bf16_chunks = (s.max_bf16_tokens + p.bf16_chunk_tokens - 1) / p.bf16_chunk_tokens;
+    }
+    if (s.max_history_tokens > 0) {
+      const int min_chunk = std::max<int>(
+          2 * kChunkQuantum, RoundUp((s.max_history_tokens + kMaxParts - p.bf16_chunks - 1) /
+                                         (kMaxParts - p.bf16_chunks),
+                                     kChunkQuantum));
+      p.history_chunk_tokens = std::max(
+          min_chunk, RoundUp((s.max_history_tokens + per_seq - 1) / per_seq, kChunkQuantum));
+      p.history_chunks =
+          (s.max_history_tokens + p.history_chunk_tokens - 1) / p.history_chunk_tokens;
+    }
+  } else {
+    const bool two_tiles = p.group > 8;
+    if (s.max_bf16_tokens > 0) {
+      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, 1));
+      const Split b = ChooseSplit(s.max_bf16_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+                                  kChunkQuantum, kMaxBf16Parts);
+      p.bf16_chunks = b.chunks;
+      p.bf16_chunk_tokens = b.chunk_tokens;
+    }
+    if (s.max_history_tokens > 0) {
+      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, 0));
+      const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+                                  2 * kChunkQuantum, kMaxParts - p.bf16_chunks);
+      p.history_chunks = h.chunks;
+      p.history_chunk_tokens = h.chunk_tokens;
+    }
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
   const size_t rows = static_cast<size_t>(s.num_seqs) * s.q_heads;
@@ -199,6 +292,7 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.bf16_chunk_tokens = plan.bf16_chunk_tokens;
   p.out = io.out;
   p.lse = io.lse;
+  p.use_pdl = UsePdl() ? 1 : 0;
   const bool two_tiles = plan.group > 8;
   int err = 0;
   if (d == 64) {

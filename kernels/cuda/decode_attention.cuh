@@ -34,6 +34,7 @@ inline constexpr int kAttnWarps = 4;
 inline constexpr int kAttnThreads = kAttnWarps * kWarpSize;
 inline constexpr int kTileTokens = 16;
 inline constexpr int kChunkQuantum = kAttnWarps * kTileTokens;  // chunk sizes are multiples
+inline constexpr int kPrefetchTiles = 6;  // L2 prefetch distance of the INT2 history, in tiles
 inline constexpr float kNegInf = -__builtin_huge_valf();
 
 // Byte offset, from the pool base, of a token's segment start for (block table, head): the
@@ -78,54 +79,85 @@ __device__ __forceinline__ void SplitHalf2(float x0, float x1, uint32_t& hi, uin
   lo = PackHalf2(x0 - back.x, x1 - back.y);
 }
 
+// Programmatic dependent launch (PDL): kernels 2-4 are launched with programmatic stream
+// serialization, so each can be scheduled while its predecessor still runs. Every CTA of every
+// kernel executes GridDependencyWait() before it touches anything a predecessor writes (and
+// before it exits), which keeps the chain transitive: kernel k+1 waits for kernel k, which
+// waited for kernel k-1. Both are no-ops when the kernel was launched without the attribute.
+__device__ __forceinline__ void GridDependencyWait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void LaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
-// 1. Query rotation. Grid (kv_heads, num_seqs), kD threads; thread j computes dim j of every
-// query of the group.
+// 1. Query rotation. Grid (kv_heads, num_seqs), kRotSlices * kD threads: thread (slice, j)
+// sums q[n][i] * M[i][j] over its quarter of i for every query n of the group (all its loads of
+// M issued back to back), the slices are added in a fixed order through shared memory.
+inline constexpr int kRotSlices = 4;
+
 template <int kD>
-__global__ void __launch_bounds__(kD) RotateQueriesKernel(const AttentionParams p) {
-  __shared__ float q_in[16][kD];
-  __shared__ float q_out[16][kD];
+__global__ void __launch_bounds__(kRotSlices* kD) RotateQueriesKernel(const AttentionParams p) {
+  constexpr int kSpan = kD / kRotSlices;
+  __shared__ __align__(16) float q_in[16][kD];
+  __shared__ float red[kRotSlices][16][kD];
+  LaunchDependents();
   const int b = blockIdx.y;
   const int head0 = blockIdx.x * p.group;
-  const int j = threadIdx.x;
-  for (int n = 0; n < p.group; ++n) {
-    q_in[n][j] = p.queries[(static_cast<int64_t>(b) * p.q_heads + head0 + n) * kD + j];
+  const int slice = threadIdx.x / kD;
+  const int j = threadIdx.x % kD;
+  const int64_t row0 = static_cast<int64_t>(b) * p.q_heads + head0;
+  for (int idx = threadIdx.x; idx < p.group * kD; idx += kRotSlices * kD) {
+    q_in[idx / kD][idx % kD] = __ldg(p.queries + row0 * kD + idx);
   }
   __syncthreads();
-  float acc[16];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) acc[n] = 0.f;
   if (p.rotation_k != nullptr) {
-    for (int i = 0; i < kD; ++i) {
-      const float m = __ldg(p.rotation_k + i * kD + j);
+    const int i0 = slice * kSpan;
+    float m[kSpan];
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        if (n < p.group) acc[n] = __fmaf_rn(q_in[n][i], m, acc[n]);
+    for (int i = 0; i < kSpan; ++i) m[i] = __ldg(p.rotation_k + (i0 + i) * kD + j);
+    for (int n = 0; n < p.group; ++n) {
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < kSpan; i += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(&q_in[n][i0 + i]);
+        acc = __fmaf_rn(q.x, m[i], acc);
+        acc = __fmaf_rn(q.y, m[i + 1], acc);
+        acc = __fmaf_rn(q.z, m[i + 2], acc);
+        acc = __fmaf_rn(q.w, m[i + 3], acc);
       }
-    }
-  } else {
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      if (n < p.group) acc[n] = q_in[n][j];
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    if (n < p.group) {
-      q_out[n][j] = acc[n];
-      p.q_rot[(static_cast<int64_t>(b) * p.q_heads + head0 + n) * kD + j] = acc[n];
+      red[slice][n][j] = acc;
     }
   }
   __syncthreads();
+  // Thread (slice, j) finishes dim j of queries slice, slice + kRotSlices, ...
+  for (int n = slice; n < p.group; n += kRotSlices) {
+    float v = q_in[n][j];
+    if (p.rotation_k != nullptr) {
+      v = red[0][n][j];
+#pragma unroll
+      for (int s = 1; s < kRotSlices; ++s) v += red[s][n][j];
+    }
+    red[0][n][j] = v;
+  }
+  __syncthreads();
+  // Before the first global write: a previous decode step may still read this workspace only
+  // when this launch is itself programmatic (it is not; the wait keeps the rule uniform).
+  GridDependencyWait();
+  for (int idx = threadIdx.x; idx < p.group * kD; idx += kRotSlices * kD) {
+    p.q_rot[row0 * kD + idx] = red[0][idx / kD][idx % kD];
+  }
   // Sum and scale of each query: warp w reduces queries w, w + warps, ...
-  const int warp = j / kWarpSize;
-  const int lane = j % kWarpSize;
-  for (int n = warp; n < p.group; n += kD / kWarpSize) {
+  constexpr int kWarps = kRotSlices * kD / kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  for (int n = warp; n < p.group; n += kWarps) {
     float sum = 0.f;
     float max_abs = 0.f;
     for (int i = lane; i < kD; i += kWarpSize) {
-      sum += q_out[n][i];
-      max_abs = fmaxf(max_abs, fabsf(q_out[n][i]));
+      sum += red[0][n][i];
+      max_abs = fmaxf(max_abs, fabsf(red[0][n][i]));
     }
     for (int o = 16; o >= 1; o >>= 1) {
       sum += __shfl_xor_sync(kFullMask, sum, o);
@@ -138,9 +170,8 @@ __global__ void __launch_bounds__(kD) RotateQueriesKernel(const AttentionParams 
         frexpf(max_abs, &e);  // max_abs < 2^e
         scale = ldexpf(1.f, min(14 - e, 100));
       }
-      const int64_t at = static_cast<int64_t>(b) * p.q_heads + head0 + n;
-      p.q_sum[at] = sum;
-      p.q_scale[at] = scale;
+      p.q_sum[row0 + n] = sum;
+      p.q_scale[row0 + n] = scale;
     }
   }
 }
@@ -318,45 +349,6 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
   const int c1 = min(count, c0 + p.history_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
 
-  // Query operands: code i of a K word is an fp16 c * 2^(CodePos(i) - 24), so dim d of the
-  // query carries 2^-CodePos(i) and the logit 2^24.
-  uint32_t qb[kNT][kKSteps][2][2];  // [..][reg][hi, lo]
-  float gamma[kNT][2];
-  float beta[kNT][2];
-#pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) {
-    const int n = nt * 8 + g;
-    const bool valid = n < p.group;
-    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + n;
-    const float* qv = p.q_rot + qrow * kD;
-    const float qs = valid ? p.q_scale[qrow] : 0.f;
-#pragma unroll
-    for (int j = 0; j < kKSteps; ++j) {
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int r = 2 * j + s;
-        const int w = r / 8;
-        const int i = r % 8;
-        const int dim = t * (kD / 4) + w * 16 + i;
-        const float f = qs / static_cast<float>(1 << CodePos(i));
-        qb[nt][j][s][0] = 0u;
-        qb[nt][j][s][1] = 0u;
-        if (valid) SplitHalf2(qv[dim] * f, qv[dim + 8] * f, qb[nt][j][s][0], qb[nt][j][s][1]);
-      }
-    }
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc) {
-      const int nq = nt * 8 + 2 * t + cc;
-      const bool v = nq < p.group;
-      const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + nq;
-      gamma[nt][cc] = v ? 16777216.f * p.softmax_scale_log2 / p.q_scale[row] : 0.f;
-      beta[nt][cc] = v ? p.q_sum[row] * p.softmax_scale_log2 : 0.f;
-    }
-  }
-
-  WarpState<kD, kNT> st;
-  st.Init();
-
   struct Tile {
     uint32_t k[2][kKWords];
     uint32_t k_meta[2];
@@ -452,6 +444,72 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
     }
   };
 
+  // Issue the warp's first tile and the L2 prefetches of the next ones before waiting for the
+  // query rotation (the pool was written by earlier, fully completed stream work).
+  const int stride = kAttnWarps * kTileTokens;
+  int start = c0 + warp * kTileTokens;
+  Tile t0, t1;
+  if (start < c1) load(start, t0);
+  const bool prefetch = aligned && (reinterpret_cast<uintptr_t>(p.int2_pool) & 15u) == 0;
+  // Bulk L2 prefetch (one instruction per range, lanes 0..3: K codes, V codes, K meta, V meta)
+  // of the tile at `at`, so that the loads of later tiles find it in L2: more bytes in flight
+  // per SM than the register double buffer alone allows.
+  auto prefetch_tile = [&](int at) {
+    if (!prefetch || at >= c1 || lane >= 4) return;
+    const int pos = first + at;
+    const int slot0 = pos & (geo.tokens - 1);
+    const uint8_t* seg =
+        head_pool + static_cast<int64_t>(__ldg(table + (pos >> log2_tokens))) * geo.block_bytes;
+    const int64_t off = lane < 2 ? geo.codes_offset[lane] + slot0 * kRowBytes
+                                 : geo.meta_offset[lane - 2] + slot0 * 4;
+    const uint32_t bytes = lane < 2 ? kTileTokens * kRowBytes : kTileTokens * 4;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(seg + off), "r"(bytes)
+                 : "memory");
+  };
+#pragma unroll 1
+  for (int d = 1; d < kPrefetchTiles; ++d) prefetch_tile(start + d * stride);
+  GridDependencyWait();
+  LaunchDependents();
+
+  // Query operands: code i of a K word is an fp16 c * 2^(CodePos(i) - 24), so dim d of the
+  // query carries 2^-CodePos(i) and the logit 2^24.
+  uint32_t qb[kNT][kKSteps][2][2];  // [..][reg][hi, lo]
+  float gamma[kNT][2];
+  float beta[kNT][2];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    const int n = nt * 8 + g;
+    const bool valid = n < p.group;
+    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + n;
+    const float* qv = p.q_rot + qrow * kD;
+    const float qs = valid ? p.q_scale[qrow] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int r = 2 * j + s;
+        const int w = r / 8;
+        const int i = r % 8;
+        const int dim = t * (kD / 4) + w * 16 + i;
+        const float f = qs / static_cast<float>(1 << CodePos(i));
+        qb[nt][j][s][0] = 0u;
+        qb[nt][j][s][1] = 0u;
+        if (valid) SplitHalf2(qv[dim] * f, qv[dim + 8] * f, qb[nt][j][s][0], qb[nt][j][s][1]);
+      }
+    }
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const int nq = nt * 8 + 2 * t + cc;
+      const bool v = nq < p.group;
+      const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + nq;
+      gamma[nt][cc] = v ? 16777216.f * p.softmax_scale_log2 / p.q_scale[row] : 0.f;
+      beta[nt][cc] = v ? p.q_sum[row] * p.softmax_scale_log2 : 0.f;
+    }
+  }
+
+  WarpState<kD, kNT> st;
+  st.Init();
+
   auto compute = [&](const Tile& cur, int start) {
     // S^T = K * Q^T over kKSteps k-steps of 16 dims; the hi and lo halves of the query go to
     // two accumulators, two independent MMA chains.
@@ -531,17 +589,16 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
   };
 
   // Each warp takes every kAttnWarps-th tile of the chunk; the next tile's loads are in flight
-  // while the current one computes (two tile buffers, no copies).
-  const int stride = kAttnWarps * kTileTokens;
-  int start = c0 + warp * kTileTokens;
-  Tile t0, t1;
-  if (start < c1) load(start, t0);
+  // while the current one computes (two tile buffers, no copies), and the tile kPrefetchTiles
+  // ahead is on its way into L2.
   while (start < c1) {
     if (start + stride < c1) load(start + stride, t1);
+    prefetch_tile(start + kPrefetchTiles * stride);
     compute(t0, start);
     start += stride;
     if (start >= c1) break;
     if (start + stride < c1) load(start + stride, t0);
+    prefetch_tile(start + kPrefetchTiles * stride);
     compute(t1, start);
     start += stride;
   }
@@ -581,6 +638,8 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
   const int c0 = chunk * p.bf16_chunk_tokens;
   const int c1 = min(total, c0 + p.bf16_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
+  LaunchDependents();
+  GridDependencyWait();
 
   // Lane (g, t) K side: dims t * kD/4 + [0, kD/4) as bf16 pairs; k-step j uses pairs 2j, 2j+1.
   uint32_t qb[kNT][kKSteps][2][2];  // [..][reg][hi, lo]
@@ -725,82 +784,177 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
 }
 
 // ---------------------------------------------------------------------------------------------
-// 4. Merge of all parts and un-rotation. Grid (kv_heads, num_seqs), kD threads.
+// 4. Merge of all parts and un-rotation. Grid (kv_heads, num_seqs), kMergeThreads threads.
+//   a. warp n < group: max and weights w_k = exp2(lse_k - max) / sum of query n's parts;
+//   b. thread (slice, item): item = (query, 4 dims), sums w_k * part_k over parts
+//      k = slice, slice + slices, ... (independent 16-byte loads), slices added in order;
+//   c. thread (sub, j): out[n][j] = sum_i o'[n][i] * M_V[j][i] for queries n = sub + k * subs.
+inline constexpr int kMergeThreads = 512;
+inline constexpr int kMaxParts = 256;  // cuda_attention.cc keeps num_parts at or below this
+
 template <int kD>
-__global__ void __launch_bounds__(kD) MergeKernel(const AttentionParams p) {
-  __shared__ float o_rot[16][kD];
+__global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionParams p) {
+  constexpr int kVec = kD / 4;  // float4 columns per query
+  constexpr int kSubs = kMergeThreads / kD;
+  constexpr int kQPerThread = 16 / kSubs;
+  __shared__ float wts[16][kMaxParts];
+  __shared__ float4 part_acc[kMergeThreads];
+  __shared__ __align__(16) float o_rot[16][kD];
   const int b = blockIdx.y;
   const int head0 = blockIdx.x * p.group;
-  const int j = threadIdx.x;
-  for (int n = 0; n < p.group; ++n) {
-    const int64_t row = static_cast<int64_t>(b) * p.q_heads + head0 + n;
-    const float* lse = p.part_lse + row * p.num_parts;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int parts = p.num_parts;
+  const int64_t row0 = static_cast<int64_t>(b) * p.q_heads + head0;
+  GridDependencyWait();
+  if (warp < p.group) {
+    const float* lse = p.part_lse + (row0 + warp) * parts;
     float m_all = kNegInf;
-    for (int k = 0; k < p.num_parts; ++k) m_all = fmaxf(m_all, lse[k]);
-    float o = 0.f;
-    float total_lse = kNegInf;
-    if (m_all != kNegInf) {
-      float l = 0.f;
-      for (int k = 0; k < p.num_parts; ++k) {
-        const float e = exp2f(lse[k] - m_all);
-        if (e > 0.f) {
-          o = __fmaf_rn(e, p.part_out[(row * p.num_parts + k) * kD + j], o);
-          l += e;
-        }
-      }
-      o = o / l;
-      total_lse = (m_all + log2f(l)) * 0.69314718055994531f;
+    for (int k = lane; k < parts; k += kWarpSize) m_all = fmaxf(m_all, lse[k]);
+    for (int o = 16; o >= 1; o >>= 1) m_all = fmaxf(m_all, __shfl_xor_sync(kFullMask, m_all, o));
+    float l = 0.f;
+    for (int k = lane; k < parts; k += kWarpSize) {
+      const float e = m_all == kNegInf ? 0.f : exp2f(lse[k] - m_all);
+      wts[warp][k] = e;
+      l += e;
     }
-    o_rot[n][j] = o;
-    if (j == 0) p.lse[row] = total_lse;
+    for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    __syncwarp();
+    for (int k = lane; k < parts; k += kWarpSize) wts[warp][k] *= inv;
+    if (lane == 0) {
+      p.lse[row0 + warp] = m_all == kNegInf ? kNegInf : (m_all + log2f(l)) * 0.69314718055994531f;
+    }
   }
   __syncthreads();
-  float acc[16];
+  const int items = p.group * kVec;
+  const int slices = kMergeThreads / items;
+  const int slice = threadIdx.x / items;
+  const int item = threadIdx.x % items;
+  if (slice < slices) {
+    const int n = item / kVec;
+    const float4* src =
+        reinterpret_cast<const float4*>(p.part_out + (row0 + n) * parts * kD) + item % kVec;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int k = slice; k < parts; k += slices) {
+      const float w = wts[n][k];
+      const float4 v = __ldg(src + static_cast<int64_t>(k) * kVec);
+      acc.x = __fmaf_rn(w, v.x, acc.x);
+      acc.y = __fmaf_rn(w, v.y, acc.y);
+      acc.z = __fmaf_rn(w, v.z, acc.z);
+      acc.w = __fmaf_rn(w, v.w, acc.w);
+    }
+    part_acc[threadIdx.x] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x < items) {
+    float4 o = part_acc[threadIdx.x];
+    for (int s = 1; s < slices; ++s) {
+      const float4 v = part_acc[s * items + threadIdx.x];
+      o.x += v.x;
+      o.y += v.y;
+      o.z += v.z;
+      o.w += v.w;
+    }
+    *reinterpret_cast<float4*>(&o_rot[item / kVec][4 * (item % kVec)]) = o;
+  }
+  __syncthreads();
+  const int sub = threadIdx.x / kD;
+  const int j = threadIdx.x % kD;
+  float acc[kQPerThread];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) acc[n] = 0.f;
+  for (int q = 0; q < kQPerThread; ++q) acc[q] = 0.f;
   if (p.rotation_v != nullptr) {
     // o = o' * M_V^T: o[j] = sum_i o'[i] * M_V[j][i].
     const float* mrow = p.rotation_v + static_cast<int64_t>(j) * kD;
+#pragma unroll 8
     for (int i = 0; i < kD; i += 4) {
       const float4 m = __ldg(reinterpret_cast<const float4*>(mrow + i));
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
+      for (int q = 0; q < kQPerThread; ++q) {
+        const int n = sub + q * kSubs;
         if (n < p.group) {
-          float a = acc[n];
-          a = __fmaf_rn(o_rot[n][i], m.x, a);
-          a = __fmaf_rn(o_rot[n][i + 1], m.y, a);
-          a = __fmaf_rn(o_rot[n][i + 2], m.z, a);
-          a = __fmaf_rn(o_rot[n][i + 3], m.w, a);
-          acc[n] = a;
+          const float4 o = *reinterpret_cast<const float4*>(&o_rot[n][i]);
+          float a = acc[q];
+          a = __fmaf_rn(o.x, m.x, a);
+          a = __fmaf_rn(o.y, m.y, a);
+          a = __fmaf_rn(o.z, m.z, a);
+          a = __fmaf_rn(o.w, m.w, a);
+          acc[q] = a;
         }
       }
     }
   } else {
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      if (n < p.group) acc[n] = o_rot[n][j];
+    for (int q = 0; q < kQPerThread; ++q) {
+      const int n = sub + q * kSubs;
+      if (n < p.group) acc[q] = o_rot[n][j];
     }
   }
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    if (n < p.group) p.out[(static_cast<int64_t>(b) * p.q_heads + head0 + n) * kD + j] = acc[n];
+  for (int q = 0; q < kQPerThread; ++q) {
+    const int n = sub + q * kSubs;
+    if (n < p.group) p.out[(row0 + n) * kD + j] = acc[q];
   }
+}
+
+// Launches `kernel` on `grid`; with `pdl`, as a programmatic dependent of the previous kernel on
+// the stream (it may start while that one runs; GridDependencyWait orders the data).
+template <typename Kernel>
+cudaError_t LaunchAttentionKernel(Kernel kernel, dim3 grid, int threads, bool pdl,
+                                  const AttentionParams& p, CUstream_st* stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelEx(&config, kernel, p);
+  if (err != cudaSuccess && pdl) {
+    // Should a stream or driver refuse programmatic serialization, launch plainly.
+    (void)cudaGetLastError();
+    config.numAttrs = 0;
+    err = cudaLaunchKernelEx(&config, kernel, p);
+  }
+  return err;
 }
 
 template <int kD, int kGroupTiles>
 int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
   const dim3 groups(p.kv_heads, p.num_seqs);
-  RotateQueriesKernel<kD><<<groups, kD, 0, stream>>>(p);
-  if (p.bf16_chunks > 0) {
-    Bf16TierKernel<kD, kGroupTiles>
-        <<<dim3(p.bf16_chunks, p.kv_heads, p.num_seqs), kAttnThreads, 0, stream>>>(p);
+  const bool pdl = p.use_pdl != 0;
+  cudaError_t err = LaunchAttentionKernel(RotateQueriesKernel<kD>, groups, kRotSlices * kD,
+                                          /*pdl=*/false, p, stream);
+  if (err == cudaSuccess && p.bf16_chunks > 0) {
+    err = LaunchAttentionKernel(Bf16TierKernel<kD, kGroupTiles>,
+                                dim3(p.bf16_chunks, p.kv_heads, p.num_seqs), kAttnThreads, pdl, p,
+                                stream);
   }
-  if (p.history_chunks > 0) {
-    Int2HistoryKernel<kD, kGroupTiles>
-        <<<dim3(p.history_chunks, p.kv_heads, p.num_seqs), kAttnThreads, 0, stream>>>(p);
+  if (err == cudaSuccess && p.history_chunks > 0) {
+    err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>,
+                                dim3(p.history_chunks, p.kv_heads, p.num_seqs), kAttnThreads, pdl,
+                                p, stream);
   }
-  MergeKernel<kD><<<groups, kD, 0, stream>>>(p);
+  if (err == cudaSuccess) {
+    err = LaunchAttentionKernel(MergeKernel<kD>, groups, kMergeThreads, pdl, p, stream);
+  }
+  if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
+}
+
+template <int kD, int kGroupTiles>
+int AttentionCtasPerSm(int which) {
+  int n = 0;
+  const cudaError_t err = which == 0 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                           &n, Int2HistoryKernel<kD, kGroupTiles>, kAttnThreads, 0)
+                                     : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                           &n, Bf16TierKernel<kD, kGroupTiles>, kAttnThreads, 0);
+  return err == cudaSuccess ? n : -static_cast<int>(err);
 }
 
 }  // namespace kvpool::cuda::internal

@@ -177,8 +177,13 @@ struct Model {
 
 // One model's pools, filled once (32 sequences of 128K history tokens of capacity), shared by
 // all batch sizes and contexts of that model.
+// With `ab`, batch 1 x 8K and batch 32 x 128K also run as A/B variants of this version's
+// changes (environment knobs of cuda_attention.cc): "no_pdl" (no programmatic dependent launch)
+// and "legacy_split" (the first version's split of the work); those results are named
+// int2_decode_attention_variant.
 void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
-                    const std::vector<int>& batches, const std::vector<int>& contexts) {
+                    const std::vector<int>& batches, const std::vector<int>& contexts,
+                    bool ab = false) {
   constexpr int kSink = 64, kRecent = 256, kT = 16;
   constexpr int64_t kCapacityTokens = int64_t{32} * 128 * 1024;
   constexpr int kMaxSets = 32;
@@ -283,46 +288,61 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       shape.num_seqs = b;
       shape.max_history_tokens = hist;
       shape.max_bf16_tokens = kSink + kRecent;
-      auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
-      Check(ws_bytes.status(), "workspace");
-      uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
-      std::vector<cudaGraphExec_t> graphs(sets);
-      for (int s = 0; s < sets; ++s) {
-        const size_t off = static_cast<size_t>(s) * b;
-        const DecodeBatch batch{
-            DecodeTier{d_sink + off * 4, 4, d_zero, d_sink_n},
-            DecodeTier{d_hist + off * hist_blocks, hist_blocks, d_zero, d_hist_n},
-            DecodeTier{d_recent + off * 16, 16, d_zero, d_recent_n}};
-        const DecodeIo io{q + s * qn, mk, mv, out, lse};
-        cudaGraph_t graph;
-        Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-        Check(DecodeAttention(shape, batch, io, ws, *ws_bytes, stream), "attention");
-        Check(cudaStreamEndCapture(stream, &graph), "capture end");
-        Check(cudaGraphInstantiate(&graphs[s], graph, 0), "instantiate");
-        cudaGraphDestroy(graph);
+      std::vector<std::string> variants{""};
+      if (ab && ((b == 1 && ctx == 8192) || (b == 32 && ctx == 131072))) {
+        variants.push_back("no_pdl");
+        variants.push_back("legacy_split");
       }
-      const int iters = set_bytes > 1e9 ? 30 : 100;
-      const double us = TimeUs(stream, 10, iters, [&](int i) {
-        Check(cudaGraphLaunch(graphs[i % sets], stream), "graph launch");
-      });
-      const double bytes =
-          set_bytes + 2.0 * qn * sizeof(float) + 2.0 * m.head_dim * m.head_dim * sizeof(float);
-      const double floor_us = bytes / (copy_gbs * 1e9) * 1e6;
-      char params[256];
-      std::snprintf(params, sizeof(params),
-                    "{\"model\": \"%s\", \"Hq\": %d, \"Hkv\": %d, \"D\": %d, \"batch\": %d, "
-                    "\"context\": %d, \"history\": %d, \"sink\": %d, \"recent\": %d, "
-                    "\"bytes\": %.0f, \"input_sets\": %d}",
-                    m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, hist, kSink, kRecent, bytes,
-                    sets);
-      g_results.push_back(
-          {"int2_decode_attention", params, us, "us", "byte_floor_us", floor_us, us / floor_us});
-      std::printf("%-10s Hq=%-2d Hkv=%d D=%-3d B=%-2d ctx=%-6d %9.1f us  floor %8.1f us  (%.2fx)\n",
-                  m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, us, floor_us, us / floor_us);
-      std::fflush(stdout);
-      for (auto g : graphs) cudaGraphExecDestroy(g);
+      for (const std::string& variant : variants) {
+        if (variant == "no_pdl") setenv("KVPOOL_ATTN_PDL", "0", 1);
+        if (variant == "legacy_split") setenv("KVPOOL_ATTN_SPLIT", "legacy", 1);
+        auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
+        Check(ws_bytes.status(), "workspace");
+        uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
+        std::vector<cudaGraphExec_t> graphs(sets);
+        for (int s = 0; s < sets; ++s) {
+          const size_t off = static_cast<size_t>(s) * b;
+          const DecodeBatch batch{
+              DecodeTier{d_sink + off * 4, 4, d_zero, d_sink_n},
+              DecodeTier{d_hist + off * hist_blocks, hist_blocks, d_zero, d_hist_n},
+              DecodeTier{d_recent + off * 16, 16, d_zero, d_recent_n}};
+          const DecodeIo io{q + s * qn, mk, mv, out, lse};
+          cudaGraph_t graph;
+          Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+          Check(DecodeAttention(shape, batch, io, ws, *ws_bytes, stream), "attention");
+          Check(cudaStreamEndCapture(stream, &graph), "capture end");
+          Check(cudaGraphInstantiate(&graphs[s], graph, 0), "instantiate");
+          cudaGraphDestroy(graph);
+        }
+        const int iters = set_bytes > 1e9 ? 30 : 100;
+        const double us = TimeUs(stream, 10, iters, [&](int i) {
+          Check(cudaGraphLaunch(graphs[i % sets], stream), "graph launch");
+        });
+        const double bytes =
+            set_bytes + 2.0 * qn * sizeof(float) + 2.0 * m.head_dim * m.head_dim * sizeof(float);
+        const double floor_us = bytes / (copy_gbs * 1e9) * 1e6;
+        char params[512];
+        std::snprintf(params, sizeof(params),
+                      "{\"model\": \"%s\", \"Hq\": %d, \"Hkv\": %d, \"D\": %d, \"batch\": %d, "
+                      "\"context\": %d, \"history\": %d, \"sink\": %d, \"recent\": %d, "
+                      "\"bytes\": %.0f, \"input_sets\": %d, \"variant\": \"%s\"}",
+                      m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, hist, kSink, kRecent,
+                      bytes, sets, variant.c_str());
+        g_results.push_back(
+            {variant.empty() ? "int2_decode_attention" : "int2_decode_attention_variant", params,
+             us, "us", "byte_floor_us", floor_us, us / floor_us});
+        std::printf(
+            "%-10s Hq=%-2d Hkv=%d D=%-3d B=%-2d ctx=%-6d %9.1f us  floor %8.1f us  (%.2fx) %s\n",
+            m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, us, floor_us, us / floor_us,
+            variant.c_str());
+        std::fflush(stdout);
+        for (auto g : graphs) cudaGraphExecDestroy(g);
+        cudaFree(ws);
+        unsetenv("KVPOOL_ATTN_PDL");
+        unsetenv("KVPOOL_ATTN_SPLIT");
+      }
       for (void* p : std::vector<void*>{d_hist, d_sink, d_recent, d_zero, d_hist_n, d_sink_n,
-                                        d_recent_n, q, out, lse, ws}) {
+                                        d_recent_n, q, out, lse}) {
         cudaFree(p);
       }
     }
@@ -356,7 +376,8 @@ int Main(int argc, char** argv) {
       quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
   for (const Model& m :
        {Model{"llama70b", 64, 8, 128}, Model{"hq32", 32, 8, 128}, Model{"smollm2", 9, 3, 64}}) {
-    BenchAttention(stream, copy_gbs, m, batches, contexts);
+    BenchAttention(stream, copy_gbs, m, batches, contexts,
+                   /*ab=*/std::strcmp(m.name, "llama70b") == 0);
   }
   FILE* f = std::fopen(out_path.c_str(), "w");
   if (f == nullptr) Die("cannot write " + out_path);

@@ -76,7 +76,7 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
     --ours "$OUT/gpu-kernels.json" --out "$OUT/gpu.json"
   cp "$OUT/gpu.json" bench-results/gpu.json 2>/dev/null
   echo
-  sed -n '/^device /,$p' "$OUT/bench.log" | tail -n 45
+  sed -n '/^device /,$p' "$OUT/bench.log" | tail -n 60
 fi
 echo
 echo "step                               status       time"

@@ -77,7 +77,11 @@ def main():
     print()
     print(f"device {machine.get('gpu')}, copy bandwidth {machine.get('copy_bandwidth_GBs')} GB/s")
     for r in ours["results"]:
-        if r["name"] != "int2_decode_attention":
+        if r["name"] == "int2_decode_attention_variant":
+            p = r["params"]
+            print(f"A/B {p['variant']:13s} B={p['batch']:<2d} ctx={p['context']:<6d} "
+                  f"{r['value']:9.1f} us  ({r['ratio']:.2f}x floor)")
+        elif r["name"] != "int2_decode_attention":
             print(f"{r['name']:30s} {r['value']:9.1f} {r['unit']}  ({r['ratio']:.2f} of copy bw)")
     print(f"{'model':9s} {'Hq':>3s} {'Hkv':>3s} {'D':>4s} {'B':>3s} {'ctx':>7s} "
           f"{'int2 us':>9s} {'sdpa us':>9s} {'speedup':>8s} {'target':>7s} {'floor us':>9s} "
