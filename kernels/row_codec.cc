@@ -8,6 +8,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) || defined(__BMI2__)
+#include <immintrin.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
 
@@ -78,14 +82,57 @@ float HalvingSum(float* v, int n) {
 // least D - c keys are >= the candidate, so the result is the (D - c)-th largest key. The
 // counting loop vectorizes; at D = 128 this is >10x faster than std::nth_element (which
 // ClipThreshold uses on floats), and it costs the same for every ratio.
+#if defined(__AVX2__)
+// The AVX2 body of SelectMagnitudeBits for D = 16 * kRegs. Magnitudes are < 0x8000, so the
+// signed 16-bit compare orders them correctly; 16 keys per register, counted with movemask
+// (2 mask bits per key) and popcount. A compile-time register count keeps the loop unrolled.
+template <int kRegs>
+uint16_t SelectMagnitudeBitsAvx2(const uint16_t* words, int k, int top_bit) {
+  __m256i keys[kRegs];
+  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
+  for (int r = 0; r < kRegs; ++r) {
+    keys[r] = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16 * r)),
+                               abs_mask);
+  }
+  uint32_t v = 0;
+  for (int bit = top_bit; bit >= 0; --bit) {
+    const uint32_t candidate = v | (1u << bit);
+    // keys >= candidate  <=>  keys > candidate - 1
+    const __m256i below = _mm256_set1_epi16(static_cast<int16_t>(candidate - 1));
+    int count2 = 0;
+    for (int r = 0; r < kRegs; ++r) {
+      const __m256i ge = _mm256_cmpgt_epi16(keys[r], below);
+      count2 += __builtin_popcount(static_cast<uint32_t>(_mm256_movemask_epi8(ge)));
+    }
+    if (count2 >= 2 * k) v = candidate;
+  }
+  return static_cast<uint16_t>(v);
+}
+#endif
+
 uint16_t SelectMagnitudeBits(const uint16_t* words, int d, int c, uint16_t max_abs) {
   const int k = d - c;
+  const int top_bit = 31 - __builtin_clz(static_cast<uint32_t>(max_abs) | 1u);
+#if defined(__AVX2__)
+  switch (d) {
+    case 32:
+      return SelectMagnitudeBitsAvx2<2>(words, k, top_bit);
+    case 64:
+      return SelectMagnitudeBitsAvx2<4>(words, k, top_bit);
+    case 128:
+      return SelectMagnitudeBitsAvx2<8>(words, k, top_bit);
+    case 256:
+      return SelectMagnitudeBitsAvx2<16>(words, k, top_bit);
+    default:
+      break;
+  }
+#endif
   uint16_t keys[kMaxHeadDim];
   for (int j = 0; j < d; ++j) keys[j] = words[j] & 0x7fff;
   uint32_t v = 0;
-  for (int bit = 31 - __builtin_clz(static_cast<uint32_t>(max_abs) | 1u); bit >= 0; --bit) {
+  for (int bit = top_bit; bit >= 0; --bit) {
     const uint16_t candidate = static_cast<uint16_t>(v | (1u << bit));
-    uint16_t count = 0;  // <= 256
+    int count = 0;
     for (int j = 0; j < d; ++j) count += keys[j] >= candidate;
     if (count >= k) v = candidate;
   }
@@ -240,10 +287,20 @@ absl::Status EncodeRowBits(const QuantConfig& cfg, int d, int g, KvTensor t, con
   }
 
   if (cfg.bits == 2) {
+#if defined(__BMI2__)
+    // Eight 2-bit codes (one per byte) gathered into 16 bits in dim order.
+    for (int j = 0; j < d / 8; ++j) {
+      uint64_t w;
+      std::memcpy(&w, q + 8 * j, sizeof(w));
+      const uint16_t packed = static_cast<uint16_t>(_pext_u64(w, 0x0303030303030303ull));
+      std::memcpy(codes + 2 * j, &packed, sizeof(packed));
+    }
+#else
     for (int j = 0; j < d / 4; ++j) {
       codes[j] = static_cast<uint8_t>(q[4 * j] | (q[4 * j + 1] << 2) | (q[4 * j + 2] << 4) |
                                       (q[4 * j + 3] << 6));
     }
+#endif
   } else {
     for (int j = 0; j < d / 2; ++j) {
       codes[j] = static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
