@@ -682,8 +682,11 @@ int Main(int argc, char** argv) {
   if (!client.ok()) {
     status = client.status();
   } else {
-    const KvpoolClient& c = **client;
-    if (cmd == "health") {
+    KvpoolClient& c = **client;
+    if (cmd == "put" || cmd == "register") status = c.FitToServerLimits();
+    if (!status.ok()) {
+      // reported below
+    } else if (cmd == "health") {
       status = Health(c);
     } else if (cmd == "register") {
       status = Register(c);

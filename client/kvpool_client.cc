@@ -135,6 +135,7 @@ absl::StatusOr<std::unique_ptr<KvpoolClient>> KvpoolClient::Connect(const std::s
   auto client = std::unique_ptr<KvpoolClient>(new KvpoolClient());
   client->target_ = target;
   client->options_ = options;
+  client->chunk_bytes_ = options.chunk_bytes;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   args.SetMaxSendMessageSize(-1);  // the server enforces its own limit, with a clear status
@@ -155,6 +156,21 @@ std::unique_ptr<grpc::ClientContext> KvpoolClient::NewContext() const {
   context->set_deadline(DeadlineAfter(options_.deadline));
   context->set_wait_for_ready(options_.wait_for_ready);
   return context;
+}
+
+absl::Status KvpoolClient::FitToServerLimits() {
+  absl::StatusOr<v1::GetStatsResponse> stats = GetStats();
+  if (!stats.ok()) return stats.status();
+  const v1::ServerLimits& l = stats->limits();
+  size_t fit = chunk_bytes_.load();
+  // k and v are equal halves of a chunk's payload; leave room for the message's other fields.
+  if (l.max_chunk_bytes() > 0) fit = std::min<size_t>(fit, 2 * l.max_chunk_bytes());
+  if (l.max_message_bytes() > 0) {
+    fit = std::min<size_t>(
+        fit, l.max_message_bytes() - std::min<size_t>(l.max_message_bytes() / 2, size_t{4096}));
+  }
+  chunk_bytes_ = std::max<size_t>(fit, 64);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<KvpoolClient::ServingStatus> KvpoolClient::Health(const std::string& service) const {
@@ -206,8 +222,10 @@ absl::StatusOr<v1::RegisterModelResponse> KvpoolClient::RegisterModel(
   v1::RegisterModelRequest request;
   *request.mutable_spec() = std::move(spec);
   bool ok = writer->Write(request);
-  for (size_t at = 0; ok && at < rotation_file.size(); at += options_.chunk_bytes) {
-    const size_t n = std::min(options_.chunk_bytes, rotation_file.size() - at);
+  // A rotation-file chunk is bounded like one of k or v: half a K+V payload.
+  const size_t chunk = std::max<size_t>(chunk_bytes_.load() / 2, 64);
+  for (size_t at = 0; ok && at < rotation_file.size(); at += chunk) {
+    const size_t n = std::min(chunk, rotation_file.size() - at);
     request.set_rotation_file_chunk(rotation_file.data() + at, n);
     ok = writer->Write(request);
   }
@@ -289,7 +307,7 @@ absl::StatusOr<v1::CreateSequenceResponse> KvpoolClient::CreateSequence(
 absl::StatusOr<std::unique_ptr<AppendStream>> KvpoolClient::OpenAppend(
     const v1::AppendKvHeader& header) const {
   auto stream = std::unique_ptr<AppendStream>(new AppendStream());
-  stream->chunk_bytes_ = options_.chunk_bytes;
+  stream->chunk_bytes_ = chunk_bytes_.load();
   stream->context_ = NewContext();
   stream->writer_ = sequences_->AppendKv(stream->context_.get(), &stream->response_);
   v1::AppendKvRequest request;

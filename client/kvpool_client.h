@@ -33,6 +33,7 @@
 // has its own context). An AppendStream is used by one thread at a time.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -183,6 +184,14 @@ class KvpoolClient {
   // A context with the client's deadline and wait-for-ready setting.
   std::unique_ptr<grpc::ClientContext> NewContext() const;
 
+  // Asks the server for its limits (GetStats) and lowers the AppendKv and rotation-file chunk
+  // size so that every message fits them: k and v each at most limits.max_chunk_bytes, the
+  // whole message well under limits.max_message_bytes. Thread-safe; streams opened later use
+  // the new size. Returns GetStats' error, if any.
+  [[nodiscard]] absl::Status FitToServerLimits();
+  // The K+V payload bytes of one AppendKv message streams use now.
+  size_t chunk_bytes() const { return chunk_bytes_.load(); }
+
   // --- health (grpc.health.v1) ---
   // The serving status of `service` ("" = the whole server).
   [[nodiscard]] absl::StatusOr<ServingStatus> Health(const std::string& service = "") const;
@@ -240,6 +249,7 @@ class KvpoolClient {
 
   std::string target_;
   ClientOptions options_;
+  std::atomic<size_t> chunk_bytes_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   std::unique_ptr<v1::ModelService::Stub> models_;

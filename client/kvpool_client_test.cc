@@ -13,6 +13,12 @@
 namespace kvpool::client {
 namespace {
 
+#define KV_EXPECT_OK(expr)                                    \
+  do {                                                        \
+    const ::absl::Status kv_expect_status_ = (expr);          \
+    EXPECT_TRUE(kv_expect_status_.ok()) << kv_expect_status_; \
+  } while (false)
+
 TEST(PlanTokenChunksTest, CoversTheRangeWithinTheLimit) {
   for (uint32_t tokens : {1u, 7u, 100u, 4096u}) {
     for (size_t token_bytes : {size_t{1}, size_t{4096}, size_t{1} << 20}) {
@@ -54,8 +60,17 @@ TEST(FromGrpcStatusTest, KeepsTheCodeAndPrefixesTheRpc) {
 }
 
 // Records AppendKv streams and RegisterModel uploads; fails a stream on request.
-class FakeServices final : public v1::SequenceService::Service, public v1::ModelService::Service {
+class FakeServices final : public v1::SequenceService::Service,
+                           public v1::ModelService::Service,
+                           public v1::StatsService::Service {
  public:
+  grpc::Status GetStats(grpc::ServerContext* /*context*/, const v1::GetStatsRequest* /*request*/,
+                        v1::GetStatsResponse* response) override {
+    response->mutable_limits()->set_max_chunk_bytes(1000);
+    response->mutable_limits()->set_max_message_bytes(8192);
+    return grpc::Status::OK;
+  }
+
   grpc::Status AppendKv(grpc::ServerContext* /*context*/,
                         grpc::ServerReader<v1::AppendKvRequest>* reader,
                         v1::AppendKvResponse* response) override {
@@ -126,6 +141,7 @@ class ClientAgainstFakeTest : public ::testing::Test {
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(static_cast<v1::SequenceService::Service*>(&fake_));
     builder.RegisterService(static_cast<v1::ModelService::Service*>(&fake_));
+    builder.RegisterService(static_cast<v1::StatsService::Service*>(&fake_));
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ClientOptions options;
@@ -223,7 +239,28 @@ TEST_F(ClientAgainstFakeTest, RegisterModelUploadsTheFileInChunks) {
   EXPECT_EQ(r->model().model_id(), "m");
   EXPECT_EQ(r->model().shape().num_layers(), 10000) << "upload_size was set to the file size";
   EXPECT_EQ(fake_.uploaded(), file);
-  EXPECT_EQ(fake_.upload_chunks(), 3);  // 4096 + 4096 + 1808
+  EXPECT_EQ(fake_.upload_chunks(), 5);  // 4 x 2048 + 1808: half a K+V payload each
+}
+
+TEST_F(ClientAgainstFakeTest, FitToServerLimitsShrinksChunksBelowTheServersLimits) {
+  EXPECT_EQ(client_->chunk_bytes(), 4096u);
+  KV_EXPECT_OK(client_->FitToServerLimits());
+  EXPECT_EQ(client_->chunk_bytes(), 2000u);  // k and v at most max_chunk_bytes = 1000 each
+  v1::AppendKvHeader header;
+  header.set_sequence_id("s");
+  header.set_num_tokens(50);
+  const std::string kv(50 * 64, 'x');
+  const LayerKv layers[] = {{0, kv, kv}};
+  ASSERT_TRUE(client_->AppendKv(header, layers).ok());
+  const auto appends = fake_.appends();
+  ASSERT_FALSE(appends.empty());
+  int chunks = 0;
+  for (const v1::AppendKvRequest& m : appends.back()) {
+    if (!m.has_chunk()) continue;
+    EXPECT_LE(m.chunk().k().size(), 1000u);
+    ++chunks;
+  }
+  EXPECT_EQ(chunks, 4);  // 50 tokens of 64 bytes: 15 + 15 + 15 + 5
 }
 
 TEST(KvpoolClientTest, UnreachableServerIsUnavailable) {

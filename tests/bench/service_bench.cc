@@ -1,0 +1,401 @@
+// make bench-service: kvpoold over inline gRPC on loopback beside the codec and the attention
+// kernel alone, measured in the same run on the same data, written as bench-results/service.json
+// in design.md's form.
+//
+//   ingest             MB/s of BF16 K/V accepted, rotated and quantized by the daemon (AppendKv
+//                      streams of 8K tokens, 1 and 2 at once)   vs  RotateBf16 + EncodeIntoBlock
+//                      on the same rows in this process (1 and 2 threads)          target >= 70%
+//   remote attention   p50 / p99 ms of Attend, batch 1..16, context 4K..32K    vs  the kernels'
+//                      own time for the same work (AttendBf16Rows + AttendBlocks + merge on the
+//                      same blocks, read back from the daemon), ideally spread over the daemon's
+//                      worker threads
+//   small RPCs         GetStats and LookupPrefix calls/s and p99 (1 client, then 4)  vs  the
+//                      gRPC health check, the cheapest RPC
+//
+// The daemon and this process share the machine (on the 2-core machines: both cores). Nothing
+// here is a pass/fail assertion.
+//
+// Usage: kvpool-bench-service [--out bench-results/service.json] [--kvpoold PATH] [--quick]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/kvpool_client.h"
+#include "client/local_daemon.h"
+#include "kernels/attention.h"
+#include "kernels/block_layout.h"
+#include "kernels/common/status_macros.h"
+#include "kernels/rotation.h"
+#include "kernels/row_codec.h"
+#include "tests/bench/bench_report.h"
+#include "tests/support/test_data.h"
+
+namespace kvpool::bench {
+namespace {
+
+namespace v1 = ::kvpool::v1;
+using client::KvpoolClient;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kQHeads = 64, kKvHeads = 8, kHeadDim = 128;
+constexpr size_t kRow = size_t{kKvHeads} * kHeadDim;
+constexpr uint64_t kSeed = 4242;
+
+struct Options {
+  std::string out = "bench-results/service.json";
+  std::string kvpoold = KVPOOL_KVPOOLD_PATH;
+  bool quick = false;  // smaller sizes, for a smoke run
+};
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(std::ceil(p * v.size())) - 1);
+  return v[i];
+}
+
+double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
+
+absl::string_view Bytes(const std::vector<Bf16>& v, size_t start_row, size_t rows) {
+  return absl::string_view(reinterpret_cast<const char*>(v.data() + start_row * kRow),
+                           rows * kRow * sizeof(Bf16));
+}
+
+// One layer of K/V rows, [tokens][Hkv][D] BF16.
+struct LayerData {
+  int tokens = 0;
+  std::vector<Bf16> k, v;
+};
+
+LayerData MakeData(int tokens) {
+  LayerData d;
+  d.tokens = tokens;
+  d.k = testing::ToBf16(testing::RealLikeRows(tokens * kKvHeads, kHeadDim, 1));
+  std::vector<float> v = testing::GaussianValues(static_cast<size_t>(tokens) * kRow, 2);
+  for (size_t i = 7; i < v.size(); i += kHeadDim) v[i] *= 6.0f;
+  d.v = testing::ToBf16(v);
+  return d;
+}
+
+// Appends tokens [start, start + n) of `data` (cycled) to `id` as one non-final prefill:
+// everything after the sink is quantized to INT2, the heaviest ingest path.
+absl::Status Append(const KvpoolClient& c, const std::string& id, const LayerData& data,
+                    uint32_t token_start, int n) {
+  v1::AppendKvHeader header;
+  header.set_sequence_id(id);
+  header.set_token_start(token_start);
+  header.set_num_tokens(n);
+  header.set_dtype(v1::DTYPE_BF16);
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::AppendStream> stream, c.OpenAppend(header));
+  for (int at = 0; at < n;) {
+    const int take = std::min(n - at, data.tokens);
+    KVPOOL_RETURN_IF_ERROR(
+        stream->WriteLayer(0, at, take, Bytes(data.k, 0, take), Bytes(data.v, 0, take)));
+    at += take;
+  }
+  return stream->Finish().status();
+}
+
+// The codec alone: what the daemon does to every arriving history row (rotate to BF16, clip,
+// quantize into blocks), over `data`'s tokens [begin, end).
+absl::Status CodecIngest(const RotationSet& rot, const RowCodec& codec, const BlockLayout& layout,
+                         const LayerData& data, int begin, int end) {
+  const size_t n = static_cast<size_t>(end - begin) * kRow;
+  std::vector<Bf16> rk(n), rv(n);
+  KVPOOL_RETURN_IF_ERROR(rot.RotateBf16(
+      0, KvTensor::kKey, absl::MakeConstSpan(data.k).subspan(begin * kRow, n), absl::MakeSpan(rk)));
+  KVPOOL_RETURN_IF_ERROR(rot.RotateBf16(0, KvTensor::kValue,
+                                        absl::MakeConstSpan(data.v).subspan(begin * kRow, n),
+                                        absl::MakeSpan(rv)));
+  std::vector<uint8_t> block(layout.block_bytes());
+  for (int t = 0; t < end - begin; t += layout.tokens) {
+    const int m = std::min(layout.tokens, end - begin - t);
+    KVPOOL_RETURN_IF_ERROR(codec.EncodeIntoBlock(
+        KvTensor::kKey, layout, absl::MakeConstSpan(rk).subspan(t * kRow, m * kRow), 0,
+        block.data()));
+    KVPOOL_RETURN_IF_ERROR(codec.EncodeIntoBlock(
+        KvTensor::kValue, layout, absl::MakeConstSpan(rv).subspan(t * kRow, m * kRow), 0,
+        block.data()));
+  }
+  return absl::OkStatus();
+}
+
+// Runs `fn(i)` on `threads` threads at once; returns the wall time and the first error.
+absl::StatusOr<double> Parallel(int threads, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> status(threads);
+  std::vector<std::thread> pool;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < threads; ++i) pool.emplace_back([&, i] { status[i] = fn(i); });
+  for (std::thread& t : pool) t.join();
+  const double secs = Since(t0);
+  for (const absl::Status& s : status) KVPOOL_RETURN_IF_ERROR(s);
+  return secs;
+}
+
+absl::Status Run(const Options& opt) {
+  const int workers = std::max(1u, std::thread::hardware_concurrency());
+  const uint64_t pool_bytes = uint64_t{3} << 29;  // 1.5 GiB
+  client::LocalDaemonOptions dopt;
+  dopt.binary = opt.kvpoold;
+  dopt.flags = {absl::StrCat("--pool_bytes=", pool_bytes), "--log_level=warn",
+                absl::StrCat("--worker_threads=", workers)};
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::LocalDaemon> daemon,
+                          client::LocalDaemon::Start(dopt));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> c, KvpoolClient::Connect(daemon->target()));
+  std::cerr << "kvpoold on " << daemon->target() << " (" << workers << " workers)\n";
+
+  v1::ModelSpec spec;
+  spec.set_model_id("bench");
+  spec.mutable_shape()->set_num_layers(1);
+  spec.mutable_shape()->set_q_heads(kQHeads);
+  spec.mutable_shape()->set_kv_heads(kKvHeads);
+  spec.mutable_shape()->set_head_dim(kHeadDim);
+  spec.mutable_data_free()->set_kind(v1::ROTATION_KIND_RANDOMIZED_HADAMARD);
+  spec.mutable_data_free()->set_seed(kSeed);
+  KVPOOL_ASSIGN_OR_RETURN(v1::RegisterModelResponse reg, c->RegisterModel(spec));
+  KVPOOL_ASSIGN_OR_RETURN(RotationSet rot, RotationSet::RandomizedHadamard(1, kHeadDim, kSeed));
+  QuantConfig quant;  // the daemon's defaults: INT2 uniform, G = D, clip 0.96 / 0.92, 16 tokens
+  KVPOOL_ASSIGN_OR_RETURN(RowCodec codec, RowCodec::Create(quant, kHeadDim));
+  const BlockLayout layout = BlockLayout::ForModel(quant, kKvHeads, kHeadDim);
+  if (reg.model().block_layout().block_bytes() != layout.block_bytes()) {
+    return absl::InternalError("the daemon's block layout differs from the kernels' defaults");
+  }
+
+  const int ingest_tokens = opt.quick ? 2048 : 8192;
+  const LayerData data = MakeData(ingest_tokens);
+  const double stream_bytes = 2.0 * ingest_tokens * kRow * sizeof(Bf16);
+  BenchReport report("service");
+  const std::map<std::string, std::string> shape{
+      {"Hq", "64"},  {"Hkv", "8"},
+      {"D", "128"},  {"rotation", "randomized_hadamard"},
+      {"bits", "2"}, {"transport", "grpc_inline_loopback"}};
+  auto with = [&](std::map<std::string, std::string> extra) {
+    std::map<std::string, std::string> p = shape;
+    p.insert(extra.begin(), extra.end());
+    return p;
+  };
+
+  // --- ingest: the daemon vs the codec alone, same rows, alternating, best of 3 ---
+  int seq_counter = 0;
+  for (int streams : {1, 2}) {
+    std::vector<double> service_s, codec_s;
+    for (int rep = 0; rep < 3; ++rep) {
+      std::vector<std::string> ids;
+      for (int i = 0; i < streams; ++i) {
+        ids.push_back(absl::StrCat("ingest-", seq_counter++));
+        KVPOOL_RETURN_IF_ERROR(c->CreateSequence("bench", ids.back()).status());
+      }
+      KVPOOL_ASSIGN_OR_RETURN(double s, Parallel(streams, [&](int i) {
+                                return Append(*c, ids[i], data, 0, ingest_tokens);
+                              }));
+      service_s.push_back(s);
+      for (const std::string& id : ids) KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
+      // The codec: the same rows, `streams` copies over as many threads.
+      KVPOOL_ASSIGN_OR_RETURN(double cs, Parallel(streams, [&](int) {
+                                return CodecIngest(rot, codec, layout, data, 0, ingest_tokens);
+                              }));
+      codec_s.push_back(cs);
+    }
+    const double service_mbs =
+        streams * stream_bytes / *std::min_element(service_s.begin(), service_s.end()) / 1e6;
+    const double codec_mbs =
+        streams * stream_bytes / *std::min_element(codec_s.begin(), codec_s.end()) / 1e6;
+    report.Add({"ingest_grpc_inline",
+                with({{"streams", std::to_string(streams)},
+                      {"tokens_per_stream", std::to_string(ingest_tokens)},
+                      {"chunk_bytes", std::to_string(c->options().chunk_bytes)},
+                      {"codec_threads", std::to_string(streams)}}),
+                service_mbs,
+                "MB/s",
+                {"codec_rotate_clip_quantize_same_rows", codec_mbs}});
+    std::cerr << "ingest, " << streams << " stream(s): " << service_mbs << " MB/s vs codec "
+              << codec_mbs << " MB/s\n";
+  }
+
+  // --- remote attention latency: 16 sequences grown 4K -> 8K -> 16K -> 32K ---
+  const std::vector<int> contexts =
+      opt.quick ? std::vector<int>{4096} : std::vector<int>{4096, 8192, 16384, 32768};
+  const std::vector<int> batches = {1, 2, 4, 8, 16};
+  const int num_seqs = batches.back();
+  const int reps = opt.quick ? 5 : 15;
+  std::vector<std::string> ids;
+  for (int i = 0; i < num_seqs; ++i) {
+    ids.push_back(absl::StrCat("ctx-", i));
+    KVPOOL_RETURN_IF_ERROR(c->CreateSequence("bench", ids.back()).status());
+  }
+  const AttentionShape ashape{kQHeads, kKvHeads, kHeadDim};
+  std::vector<float> q = testing::GaussianValues(size_t{kQHeads} * kHeadDim, 9, 0.5f);
+  int length = 0;
+  for (int context : contexts) {
+    const int grow = context - length;
+    // Grow every sequence (two streams at a time, as the cores allow).
+    KVPOOL_RETURN_IF_ERROR(Parallel(2, [&](int half) {
+                             for (int i = half; i < num_seqs; i += 2) {
+                               KVPOOL_RETURN_IF_ERROR(Append(*c, ids[i], data, length, grow));
+                             }
+                             return absl::OkStatus();
+                           }).status());
+    length = context;
+
+    // The kernels' own time on the same storage, one thread, one sequence.
+    v1::ReadBlocksRequest rb;
+    rb.set_sequence_id(ids[0]);
+    KVPOOL_ASSIGN_OR_RETURN(client::BlocksRead read, c->ReadBlocks(rb));
+    const client::LayerBlocks& lb = read.layers[0];
+    std::vector<const uint8_t*> blocks;
+    for (const v1::KvBlock& b : lb.blocks) {
+      blocks.push_back(reinterpret_cast<const uint8_t*>(b.data().data()));
+    }
+    std::vector<Bf16> sink_k(lb.sink_k.size() / 2), sink_v(lb.sink_v.size() / 2);
+    std::memcpy(sink_k.data(), lb.sink_k.data(), lb.sink_k.size());
+    std::memcpy(sink_v.data(), lb.sink_v.data(), lb.sink_v.size());
+    std::vector<double> kernel_s;
+    for (int rep = 0; rep < 7; ++rep) {
+      const auto t0 = Clock::now();
+      std::vector<float> q_rot(q.size()), out(q.size());
+      KVPOOL_RETURN_IF_ERROR(rot.Rotate(0, KvTensor::kKey, q, absl::MakeSpan(q_rot)));
+      AttentionOutput acc =
+          AttendBf16Rows(ashape, q_rot, sink_k, sink_v, read.header.sink_tokens());
+      MergeAttention(
+          ashape, AttendBlocks(ashape, codec, layout, blocks, read.header.history_tokens(), q_rot),
+          &acc);
+      KVPOOL_RETURN_IF_ERROR(rot.Unrotate(0, KvTensor::kValue, acc.out, absl::MakeSpan(out)));
+      kernel_s.push_back(Since(t0));
+    }
+    const double kernel_ms = 1e3 * Median(kernel_s);
+
+    for (int batch : batches) {
+      v1::AttendRequest request;
+      request.set_model_id("bench");
+      request.set_layer(0);
+      request.set_dtype(v1::DTYPE_FP32);
+      for (int i = 0; i < batch; ++i) {
+        v1::SequenceQuery* sq = request.add_queries();
+        sq->set_sequence_id(ids[i]);
+        sq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
+      }
+      KVPOOL_RETURN_IF_ERROR(c->Attend(request).status());  // warm-up
+      std::vector<double> ms;
+      for (int rep = 0; rep < reps; ++rep) {
+        const auto t0 = Clock::now();
+        KVPOOL_ASSIGN_OR_RETURN(v1::AttendResponse r, c->Attend(request));
+        ms.push_back(1e3 * Since(t0));
+        if (r.results(0).attended_tokens() != static_cast<uint32_t>(context)) {
+          return absl::InternalError("attended the wrong number of tokens");
+        }
+      }
+      // The kernels' time for the batch, ideally spread over the daemon's workers.
+      const double ideal_ms = kernel_ms * std::ceil(double(batch) / workers);
+      const auto params = with({{"batch", std::to_string(batch)},
+                                {"context", std::to_string(context)},
+                                {"workers", std::to_string(workers)},
+                                {"reps", std::to_string(reps)}});
+      report.Add({"remote_attention_p50",
+                  params,
+                  Percentile(ms, 0.5),
+                  "ms",
+                  {"kernel_ideal_over_workers", ideal_ms}});
+      report.Add({"remote_attention_p99",
+                  params,
+                  Percentile(ms, 0.99),
+                  "ms",
+                  {"kernel_ideal_over_workers", ideal_ms}});
+      std::cerr << "attend batch " << batch << " context " << context << ": p50 "
+                << Percentile(ms, 0.5) << " ms, p99 " << Percentile(ms, 0.99)
+                << " ms (kernel ideal " << ideal_ms << " ms)\n";
+    }
+  }
+  for (const std::string& id : ids) KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
+
+  // --- small RPCs: GetStats and LookupPrefix vs the health check ---
+  std::vector<uint32_t> prompt(256);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<uint32_t>(i * 7 + 1);
+  const int calls = opt.quick ? 300 : 2000;
+  struct SmallRpc {
+    std::string name;
+    std::function<absl::Status(const KvpoolClient&)> call;
+  };
+  const std::vector<SmallRpc> rpcs = {
+      {"health_check", [](const KvpoolClient& k) { return k.Health().status(); }},
+      {"get_stats", [](const KvpoolClient& k) { return k.GetStats().status(); }},
+      {"lookup_prefix_256",
+       [&](const KvpoolClient& k) { return k.LookupPrefix("bench", prompt).status(); }},
+  };
+  for (int clients : {1, 4}) {
+    double health_rate = 0, health_p99 = 0;
+    for (const SmallRpc& rpc : rpcs) {
+      std::vector<std::unique_ptr<KvpoolClient>> conns;
+      for (int i = 0; i < clients; ++i) {
+        KVPOOL_ASSIGN_OR_RETURN(auto k, KvpoolClient::Connect(daemon->target()));
+        KVPOOL_RETURN_IF_ERROR(rpc.call(*k));  // connect and warm up
+        conns.push_back(std::move(k));
+      }
+      std::vector<std::vector<double>> lat(clients);
+      KVPOOL_ASSIGN_OR_RETURN(double secs, Parallel(clients, [&](int i) {
+                                for (int n = 0; n < calls / clients; ++n) {
+                                  const auto t0 = Clock::now();
+                                  KVPOOL_RETURN_IF_ERROR(rpc.call(*conns[i]));
+                                  lat[i].push_back(1e6 * Since(t0));
+                                }
+                                return absl::OkStatus();
+                              }));
+      std::vector<double> all;
+      for (const auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+      const double rate = all.size() / secs, p99 = Percentile(all, 0.99);
+      if (rpc.name == "health_check") {
+        health_rate = rate;
+        health_p99 = p99;
+      }
+      const auto params = std::map<std::string, std::string>{{"clients", std::to_string(clients)},
+                                                             {"calls", std::to_string(all.size())}};
+      report.Add({rpc.name + "_rate", params, rate, "calls/s", {"health_check_rate", health_rate}});
+      report.Add({rpc.name + "_p99", params, p99, "us", {"health_check_p99", health_p99}});
+      std::cerr << rpc.name << ", " << clients << " client(s): " << rate << " calls/s, p99 " << p99
+                << " us\n";
+    }
+  }
+
+  KVPOOL_RETURN_IF_ERROR(daemon->Stop());
+  report.PrintTable(std::cout);
+  KVPOOL_RETURN_IF_ERROR(report.WriteJson(opt.out));
+  std::cout << "wrote " << opt.out << "\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace kvpool::bench
+
+int main(int argc, char** argv) {
+  kvpool::bench::Options opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) {
+      opt.out = argv[++i];
+    } else if (a == "--kvpoold" && i + 1 < argc) {
+      opt.kvpoold = argv[++i];
+    } else if (a == "--quick") {
+      opt.quick = true;
+    } else {
+      std::cerr << "usage: kvpool-bench-service [--out FILE] [--kvpoold PATH] [--quick]\n";
+      return 2;
+    }
+  }
+  const absl::Status s = kvpool::bench::Run(opt);
+  if (!s.ok()) {
+    std::cerr << "kvpool-bench-service: " << s << "\n";
+    return 1;
+  }
+  return 0;
+}
