@@ -10,7 +10,7 @@ VENV ?= .venv
 CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run test bench-cpu format clean venv fidelity
+.PHONY: all deps configure build run test bench-cpu bench-transport format clean venv fidelity
 
 all: build
 
@@ -38,8 +38,14 @@ bench-cpu: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-cpu --out bench-results/cpu.json
 
+# The UCX data plane (loopback, shared memory and tcp) beside ucx_perftest in the same run:
+# ingest MB/s, remote-attention round trip (gRPC vs UCX vs compute), layer-wise overlap.
+bench-transport: build
+	@mkdir -p bench-results
+	UCX_NET_DEVICES=lo $(BUILD)/bin/kvpool-bench-transport --out bench-results/transport.json
+
 # Capture SmolLM2-135M's Q/K/V on the calibration texts (kept between runs), fit the OSCAR
-# rotations and clip ratios (kvpool-calibrate), fit two ablations, then evaluate every row of
+# rotations and clip ratios (kvpool-calibrate), fit three ablations, then evaluate every row of
 # issue 4's table through the C++ codec: prints it and writes bench-results/fidelity.json.
 fidelity: build venv
 	@mkdir -p bench-results $(CALIB)
@@ -53,11 +59,15 @@ fidelity: build venv
 	$(BUILD)/bin/kvpool-calibrate --quiet --captures=$(CALIB)/captures --fit_clip=false \
 	  --key_target=ktk --value_target=vtv --out=$(CALIB)/ablation-ktk-vtv.safetensors \
 	  > $(CALIB)/ablation-ktk-vtv.log
+	$(BUILD)/bin/kvpool-calibrate --quiet --captures=$(CALIB)/captures \
+	  --key_target=ktk --value_target=vtv --out=$(CALIB)/ablation-ktk-vtv-fitted.safetensors \
+	  > $(CALIB)/ablation-ktk-vtv-fitted.log
 	$(BUILD)/bin/kvpool-calibrate --quiet --captures=$(CALIB)/captures --fit_clip=false \
 	  --composition=u --out=$(CALIB)/ablation-u.safetensors > $(CALIB)/ablation-u.log
 	$(VENV)/bin/python calibration/fidelity.py --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so \
 	  --rotation $(CALIB)/smollm2-135m-instruct.rotation.safetensors \
 	  --ablation "oscar_ktk_vtv=OSCAR ablation: K^T K / V^T V targets:$(CALIB)/ablation-ktk-vtv.safetensors" \
+	  --ablation "oscar_ktk_vtv_fitted=OSCAR ablation: K^T K / V^T V, fitted:$(CALIB)/ablation-ktk-vtv-fitted.safetensors" \
 	  --ablation "oscar_u_only=OSCAR ablation: U only (no H):$(CALIB)/ablation-u.safetensors" \
 	  --out bench-results/fidelity.json
 

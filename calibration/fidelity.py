@@ -12,7 +12,8 @@ Rows: BF16; naive INT2 (no rotation, no clip); Hadamard INT2 with clip 0.96/0.92
 KIVI-2 (keys per channel over 32-token groups, values per token in 32-dim groups, a 128-token
 full-precision residual, fp16 scale and zero; numpy, since kvpool has no KIVI mode; it keeps the
 same BF16 sink); INT4 per token (G = D, no rotation); OSCAR with the uniform and the Lloyd-Max
-quantizer at 0.96/0.92; OSCAR with the fitted clip ratios; any ablation rotation files given.
+quantizer at 0.96/0.92; OSCAR with the fitted clip ratios; Hadamard INT2 with those fitted ratios
+(a diagnostic that separates the rotation from the clip); any ablation rotation files given.
 
     python calibration/fidelity.py --codec-lib build/lib/libkvpool_eval_codec.so \
         --rotation build/calibration/smollm2.rotation.safetensors --out bench-results/fidelity.json
@@ -207,6 +208,13 @@ def make_configs(args, lib, cfg_model) -> list:
                       use_file_quant=True)
             c = rows[-1]["codec"]
             rows[-1]["label"] = f"OSCAR uniform, fitted clip {c.clip_k:.4g}/{c.clip_v:.4g}"
+        if wanted("hadamard_fitted"):
+            # Diagnostic: the data-free rotation with OSCAR's fitted clip ratios, to separate
+            # what the calibrated rotation brings from what the fitted clip brings.
+            fit = Codec(lib, args.rotation, nl, d, use_file_quant=True)
+            codec_row("hadamard_fitted",
+                      f"Hadamard INT2, fitted clip {fit.clip_k:.4g}/{fit.clip_v:.4g} (diag.)",
+                      "hadamard", clip_k=fit.clip_k, clip_v=fit.clip_v)
     for spec in args.ablation or []:
         name, _, rest = spec.partition("=")
         label, _, path = rest.rpartition(":")
@@ -272,17 +280,18 @@ def evaluate(model, tokens: np.ndarray, rows: list, sink: int, recent: int, log=
             res["top1"] = float((ref_lp.argmax(axis=1) == lp.argmax(axis=1)).mean())
         res["seconds"] = time.time() - t0
         results.append(res)
-        log(f"  {row['label']:<44s} KL {res['kl']:.5f}  top-1 {res['top1']:.4f}  "
+        log(f"  {row['label']:<56s} KL {res['kl']:.5f}  top-1 {res['top1']:.4f}  "
             f"ppl {res['ppl']:.3f}  ({res['seconds']:.0f} s)")
     return results
 
 
 def format_table(results: list, positions: int) -> str:
-    lines = [f"{'configuration':<46s} {'bits/elem':>9s} {'KL vs BF16':>11s} {'top-1':>7s} "
+    w = max(46, max(len(r["label"]) for r in results) + 1)
+    lines = [f"{'configuration':<{w}s} {'bits/elem':>9s} {'KL vs BF16':>11s} {'top-1':>7s} "
              f"{'ppl':>8s}",
-             "-" * 86]
+             "-" * (w + 40)]
     for r in results:
-        lines.append(f"{r['label']:<46s} {r['bpe']:>9.3f} {r['kl']:>11.5f} {r['top1']:>7.4f} "
+        lines.append(f"{r['label']:<{w}s} {r['bpe']:>9.3f} {r['kl']:>11.5f} {r['top1']:>7.4f} "
                      f"{r['ppl']:>8.3f}")
     lines.append(f"({positions} positions)")
     return "\n".join(lines)
