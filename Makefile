@@ -10,7 +10,7 @@ VENV ?= .venv
 CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run test bench-cpu bench-transport format clean venv fidelity
+.PHONY: all deps configure build run test bench-cpu bench-service bench-transport format clean venv fidelity
 
 all: build
 
@@ -25,8 +25,11 @@ configure: deps $(BUILD)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The service demo: kvpoold on the CPU, a 70B-class model, KV pushed over gRPC, remote attention,
+# a summary. Without the service (-DKVPOOL_BUILD_SERVICE=OFF) the codec demo runs instead.
 run: build
-	$(BUILD)/bin/kvpool-codec-demo
+	@if [ -x $(BUILD)/bin/kvpool-service-demo ]; then $(BUILD)/bin/kvpool-service-demo; \
+	else $(BUILD)/bin/kvpool-codec-demo; fi
 
 venv: deps
 	@./calibration/setup_env.sh $(VENV)
@@ -37,6 +40,12 @@ test: build venv
 bench-cpu: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-cpu --out bench-results/cpu.json
+
+# kvpoold over inline gRPC on loopback beside the codec and the attention kernel in the same run:
+# ingest MB/s, remote attention p50/p99 (batch 1..16, context 4K..32K), small-RPC rate and p99.
+bench-service: build
+	@mkdir -p bench-results
+	$(BUILD)/bin/kvpool-bench-service --out bench-results/service.json
 
 # The UCX data plane (loopback, shared memory and tcp) beside ucx_perftest in the same run:
 # ingest MB/s, remote-attention round trip (gRPC vs UCX vs compute), layer-wise overlap.
