@@ -30,7 +30,7 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvpoold address (host:port)");
 ABSL_FLAG(int32_t, timeout_s, 300, "Deadline of each call in seconds");
-ABSL_FLAG(int64_t, chunk_bytes, 1 << 20, "Largest K+V payload of one AppendKv message");
+ABSL_FLAG(int64_t, chunk_bytes, 256 << 10, "Largest K+V payload of one AppendKv message");
 
 ABSL_FLAG(std::string, service, "", "health: service name ('' = the whole server)");
 ABSL_FLAG(std::string, model, "", "Model id");
