@@ -157,16 +157,16 @@ absl::StatusOr<std::vector<int>> ParseLayers(const std::string& text) {
   return layers;
 }
 
-std::string QuantText(const v1::QuantConfig& q) {
+std::string QuantText(const v1::QuantConfig& q, int head_dim) {
   const char* method = q.method() == v1::QUANT_METHOD_BYPASS      ? "bypass"
                        : q.method() == v1::QUANT_METHOD_LLOYD_MAX ? "lloyd_max"
                                                                   : "uniform";
   return absl::StrFormat(
       "%s %d-bit, group %d, %s scale/min, clip K %g V %g, block %d, sink %d, recent %d, "
       "demotion %d",
-      method, q.bits(), q.group_size(), q.scale_dtype() == v1::SCALE_DTYPE_BF16 ? "bf16" : "fp16",
-      q.clip_ratio_k(), q.clip_ratio_v(), q.block_tokens(), q.sink_tokens(), q.recent_tokens(),
-      q.demotion_batch());
+      method, q.bits(), q.group_size() == 0 ? head_dim : q.group_size(),
+      q.scale_dtype() == v1::SCALE_DTYPE_BF16 ? "bf16" : "fp16", q.clip_ratio_k(), q.clip_ratio_v(),
+      q.block_tokens(), q.sink_tokens(), q.recent_tokens(), q.demotion_batch());
 }
 
 const char* RotationText(v1::RotationKind k) {
@@ -208,7 +208,7 @@ void PrintModel(const v1::ModelInfo& m) {
   }
   if (!m.objective().empty()) std::printf(", objective %s", m.objective().c_str());
   std::printf("%s\n", m.v_prerotated() ? ", V pre-rotated" : "");
-  std::printf("quant          %s\n", QuantText(m.quant()).c_str());
+  std::printf("quant          %s\n", QuantText(m.quant(), m.shape().head_dim()).c_str());
   std::printf("codec version  %s\n", m.codec_version().c_str());
   std::printf(
       "block layout   format %d, %d tokens x %d heads x D %d, %d-bit, group %d: %llu "
