@@ -294,11 +294,11 @@ absl::Status Run() {
 
   std::printf("\n== kvpool service demo: summary ==\n");
   std::printf(
-      "tokens stored         %llu per layer (%llu x %d layers): sink %llu + INT2 history "
-      "%llu + recent %llu\n",
-      static_cast<unsigned long long>(stored_tokens),
-      static_cast<unsigned long long>(stored_tokens), layers, static_cast<unsigned long long>(sink),
-      static_cast<unsigned long long>(history), static_cast<unsigned long long>(recent));
+      "tokens stored         %llu tokens in %d sequences, each in %d layers: sink %llu + "
+      "INT2 history %llu + recent %llu\n",
+      static_cast<unsigned long long>(stored_tokens), num_seqs, layers,
+      static_cast<unsigned long long>(sink), static_cast<unsigned long long>(history),
+      static_cast<unsigned long long>(recent));
   std::printf(
       "pool bytes            %s in the pool vs %s as BF16: %.2fx smaller (pool used %s "
       "of %s)\n",
