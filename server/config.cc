@@ -40,6 +40,22 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 ABSL_FLAG(int32_t, shutdown_grace_ms, 5000,
           "On SIGTERM/SIGINT, how long in-flight calls may finish before being cancelled");
+ABSL_FLAG(std::string, transports, "ucx",
+          "Data-plane transports offered in TransportService.Negotiate besides grpc_inline "
+          "(comma list: ucx; '' = grpc_inline only)");
+ABSL_FLAG(std::string, ucx_tls, "",
+          "UCX transports of the daemon's worker (UCX_TLS syntax, e.g. posix,sysv,cma or tcp); "
+          "'' = the UCX_TLS environment variable or UCX's default");
+ABSL_FLAG(std::string, ucx_net_devices, "",
+          "UCX network devices (UCX_NET_DEVICES syntax, e.g. lo); '' = environment/default");
+ABSL_FLAG(uint64_t, transport_staging_bytes, uint64_t{64} << 20,
+          "Registered staging memory for UCX pushes, shared by all sessions");
+ABSL_FLAG(uint64_t, transport_message_bytes, uint64_t{4} << 20,
+          "Largest K+V payload of one UCX LAYER_DATA message (one staging slot)");
+ABSL_FLAG(int32_t, transport_idle_timeout_ms, 30000,
+          "A UCX push with no progress for this long is rolled back");
+ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
+          "UCX keepalive interval: how fast a vanished peer is noticed");
 
 namespace kvpool::server {
 
@@ -71,6 +87,18 @@ absl::Status ServerConfig::Validate() const {
   }
   if (max_append_tokens < 1) return absl::InvalidArgumentError("--max_append_tokens must be >= 1");
   if (shutdown_grace_ms < 0) return absl::InvalidArgumentError("--shutdown_grace_ms must be >= 0");
+  if (transports != "" && transports != "ucx") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--transports must be '' or 'ucx', got '", transports, "'"));
+  }
+  if (transport_message_bytes < 4096 || transport_staging_bytes < transport_message_bytes) {
+    return absl::InvalidArgumentError(
+        "--transport_message_bytes must be >= 4096 and at most --transport_staging_bytes");
+  }
+  if (transport_idle_timeout_ms < 1 || transport_keepalive_ms < 1) {
+    return absl::InvalidArgumentError(
+        "--transport_idle_timeout_ms and --transport_keepalive_ms must be >= 1");
+  }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error"};
   bool level_ok = false;
   for (const char* l : kLevels) level_ok |= log_level == l;
@@ -192,6 +220,13 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.port_file = absl::GetFlag(FLAGS_port_file);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
+  c.transports = absl::GetFlag(FLAGS_transports);
+  c.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
+  c.ucx_net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
+  c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
+  c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
+  c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);
+  c.transport_keepalive_ms = absl::GetFlag(FLAGS_transport_keepalive_ms);
   if (absl::Status s = c.Validate(); !s.ok()) return s;
   return c;
 }

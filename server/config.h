@@ -37,6 +37,15 @@ struct ServerConfig {
   std::string port_file;
   std::string log_level = "info";
   int shutdown_grace_ms = 5000;
+  // Data plane (server/transport/): transports offered besides grpc_inline, UCX settings,
+  // staging memory and timeouts.
+  std::string transports = "ucx";
+  std::string ucx_tls;
+  std::string ucx_net_devices;
+  size_t transport_staging_bytes = 64u << 20;
+  size_t transport_message_bytes = 4u << 20;
+  int transport_idle_timeout_ms = 30000;
+  int transport_keepalive_ms = 1000;
 
   // InvalidArgument naming the first bad setting.
   absl::Status Validate() const;

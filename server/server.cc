@@ -9,6 +9,9 @@
 #include "server/read_service.h"
 #include "server/sequence_service.h"
 #include "server/stats_service.h"
+#include "server/transport/grpc_inline/grpc_inline_transport.h"
+#include "server/transport/transport_service.h"
+#include "server/transport/ucx/ucx_transport.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
@@ -16,7 +19,8 @@ namespace {
 
 constexpr const char* kServiceNames[] = {"kvpool.v1.ModelService", "kvpool.v1.SequenceService",
                                          "kvpool.v1.ReadService", "kvpool.v1.AttentionService",
-                                         "kvpool.v1.StatsService"};
+                                         "kvpool.v1.StatsService",
+                                         "kvpool.v1.TransportService"};
 
 void SetHealth(grpc::Server* server, bool serving) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
@@ -50,11 +54,27 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   ctx.store = s->store_.get();
   ctx.workers = s->workers_.get();
   ctx.attention = s->attention_.get();
+  s->transports_.push_back(std::make_unique<GrpcInlineTransport>());
+  if (config.transports == "ucx") {
+    absl::StatusOr<std::unique_ptr<UcxTransport>> ucx =
+        UcxTransport::Create(&ctx, UcxTransportOptionsFromConfig(config));
+    if (ucx.ok()) {
+      spdlog::info("data plane: UCX ({}), {} MiB staging in {} KiB messages",
+                   (*ucx)->Stats().transports, config.transport_staging_bytes >> 20,
+                   config.transport_message_bytes >> 10);
+      s->transports_.push_back(*std::move(ucx));
+    } else {
+      spdlog::warn("data plane: UCX unavailable, offering grpc_inline only: {}",
+                   ucx.status().ToString());
+    }
+  }
+  for (const auto& t : s->transports_) ctx.transports.push_back(t.get());
   s->model_service_ = std::make_unique<ModelServiceImpl>(&ctx);
   s->sequence_service_ = std::make_unique<SequenceServiceImpl>(&ctx);
   s->read_service_ = std::make_unique<ReadServiceImpl>(&ctx);
   s->attention_service_ = std::make_unique<AttentionServiceImpl>(&ctx);
   s->stats_service_ = std::make_unique<StatsServiceImpl>(&ctx);
+  s->transport_service_ = std::make_unique<TransportServiceImpl>(&ctx);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -67,6 +87,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   builder.RegisterService(s->read_service_.get());
   builder.RegisterService(s->attention_service_.get());
   builder.RegisterService(s->stats_service_.get());
+  builder.RegisterService(s->transport_service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(
@@ -88,6 +109,7 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
     shut_down_ = true;
   }
   SetHealth(server_.get(), false);
+  for (const auto& t : transports_) t->Shutdown();  // rolls back open pushes
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   workers_->Shutdown();
 }

@@ -1,6 +1,7 @@
 // KvpoolServer: assembles kvpoold from a ServerConfig — backend, block pool, prefix index, model
-// registry, sequence store, worker pool, attention engine, the five kvpool.v1 services, gRPC's
-// health service (grpc.health.v1) and reflection — and runs the gRPC server.
+// registry, sequence store, worker pool, attention engine, the data-plane transports
+// (server/transport/: grpc_inline always, UCX unless --transports=''), the six kvpool.v1
+// services, gRPC's health service (grpc.health.v1) and reflection — and runs the gRPC server.
 //
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolServer> server, KvpoolServer::Start(config));
 //   std::cout << "port " << server->port();
@@ -13,6 +14,7 @@
 
 #include <chrono>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -27,6 +29,8 @@ class SequenceServiceImpl;
 class ReadServiceImpl;
 class AttentionServiceImpl;
 class StatsServiceImpl;
+class TransportServiceImpl;
+class Transport;
 
 class KvpoolServer {
  public:
@@ -59,12 +63,14 @@ class KvpoolServer {
   std::unique_ptr<SequenceStore> store_;
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
+  std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;
   std::unique_ptr<ModelServiceImpl> model_service_;
   std::unique_ptr<SequenceServiceImpl> sequence_service_;
   std::unique_ptr<ReadServiceImpl> read_service_;
   std::unique_ptr<AttentionServiceImpl> attention_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
+  std::unique_ptr<TransportServiceImpl> transport_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   absl::Mutex shutdown_mu_;

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
@@ -26,6 +27,8 @@
 #include "server/worker_pool.h"
 
 namespace kvpool::server {
+
+class Transport;  // server/transport/transport.h
 
 struct ServiceCounters {
   std::atomic<uint64_t> ingested_bytes{0};   // BF16-equivalent bytes committed by appends
@@ -43,6 +46,8 @@ struct ServiceContext {
   SequenceStore* store = nullptr;
   WorkerPool* workers = nullptr;
   AttentionEngine* attention = nullptr;
+  // Data-plane transports offered in TransportService.Negotiate (grpc_inline first).
+  std::vector<Transport*> transports;
   ServiceCounters counters;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };

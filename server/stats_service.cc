@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "server/transport/transport.h"
+
 namespace kvpool::server {
 
 const char* KvpoolVersion() { return "kvpoold 0.1.0"; }
@@ -67,6 +69,24 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   l->set_max_rotation_file_bytes(cfg.max_rotation_file_bytes);
   l->set_max_attention_batch(cfg.max_attention_batch);
   l->set_max_append_tokens(cfg.max_append_tokens);
+
+  v1::TransportStats* t = response->mutable_transport();
+  for (const Transport* tr : ctx_->transports) {
+    t->add_available(std::string(tr->name()));
+    const TransportStats ts = tr->Stats();
+    if (tr->capabilities().kind == TransportKind::kUcx) t->set_ucx_transports(ts.transports);
+    t->set_sessions(t->sessions() + ts.sessions);
+    t->set_open_pushes(t->open_pushes() + ts.open_pushes);
+    t->set_staging_bytes_in_use(t->staging_bytes_in_use() + ts.staging_bytes_in_use);
+    t->set_staging_capacity_bytes(t->staging_capacity_bytes() + ts.staging_capacity_bytes);
+    t->set_pending_messages(t->pending_messages() + ts.pending_messages);
+    t->set_pushes_committed(t->pushes_committed() + ts.pushes_committed);
+    t->set_pushes_aborted(t->pushes_aborted() + ts.pushes_aborted);
+    t->set_peer_errors(t->peer_errors() + ts.peer_errors);
+    t->set_timeouts(t->timeouts() + ts.timeouts);
+    t->set_bytes_received(t->bytes_received() + ts.bytes_received);
+    t->set_attention_calls(t->attention_calls() + ts.attention_calls);
+  }
 
   if (request->include_sequences()) {
     for (const SequenceInfo& info : ctx_->store->List(tenant)) {

@@ -1,0 +1,503 @@
+#include "client/transport/ucx_channel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/transport/ucx/ucx_wire.h"
+
+namespace kvpool::client {
+
+namespace v1 = ::kvpool::v1;
+namespace wire = ::kvpool::ucx::wire;
+
+struct UcxLayerPush::State {
+  std::set<int> stored;
+  absl::Status status;  // the push's first error
+  bool done = false;    // PUSH_DONE received (or the push failed)
+  UcxPushResult result;
+};
+
+struct UcxChannel::Call {
+  bool done = false;
+  absl::Status status;
+  wire::AttendDoneHeader header{};
+  std::string payload;
+};
+
+namespace {
+
+absl::Status FromWire(int32_t code, std::string message) {
+  if (code == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+ucx::AmMessage Message(std::string header, std::string payload = {}, uint32_t flags = 0) {
+  ucx::AmMessage m;
+  m.header = std::move(header);
+  m.payload = std::move(payload);
+  m.flags = flags;
+  return m;
+}
+
+}  // namespace
+
+// --- UcxChannel ---
+
+absl::StatusOr<std::unique_ptr<UcxChannel>> UcxChannel::Connect(
+    std::shared_ptr<grpc::Channel> grpc_channel, const UcxChannelOptions& options) {
+  auto ch = std::unique_ptr<UcxChannel>(new UcxChannel());
+  if (absl::Status s = ch->Init(std::move(grpc_channel), options); !s.ok()) return s;
+  return ch;
+}
+
+absl::Status UcxChannel::Init(std::shared_ptr<grpc::Channel> grpc_channel,
+                              const UcxChannelOptions& options) {
+  options_ = options;
+  absl::StatusOr<std::unique_ptr<ucx::UcxRuntime>> rt = ucx::UcxRuntime::Create(options.runtime);
+  if (!rt.ok()) return absl::UnavailableError(absl::StrCat("UCX: ", rt.status().message()));
+  rt_ = *std::move(rt);
+  absl::Status s = rt_->SetAmHandler(
+      wire::kLayerDone, [this](const void* h, size_t hl, void*, size_t,
+                               const ucp_am_recv_param_t*) { return OnLayerDone(h, hl); });
+  if (s.ok()) {
+    s = rt_->SetAmHandler(wire::kPushDone,
+                          [this](const void* h, size_t hl, void* d, size_t l,
+                                 const ucp_am_recv_param_t*) { return OnPushDone(h, hl, d, l); });
+  }
+  if (s.ok()) {
+    s = rt_->SetAmHandler(wire::kAttendDone, [this](const void* h, size_t hl, void* d, size_t l,
+                                                    const ucp_am_recv_param_t* p) {
+      return OnAttendDone(h, hl, d, l, p);
+    });
+  }
+  if (!s.ok()) return s;
+  rt_->Start([this] {
+    if (watch_daemon_ && ucx::ProcessGone(daemon_)) OnPeerError(UCS_ERR_CONNECTION_RESET);
+  });
+
+  stub_ = v1::TransportService::NewStub(grpc_channel);
+  v1::NegotiateRequest req;
+  req.set_client_name(options.client_name);
+  v1::TransportOffer* ucx_offer = req.add_offers();
+  ucx_offer->set_kind(v1::TRANSPORT_KIND_UCX);
+  ucx_offer->set_ucx_worker_address(rt_->address());
+  ucx_offer->set_ucx_transports(rt_->transports());
+  const ucx::ProcessIdentity self = ucx::SelfProcess();
+  ucx_offer->set_pid(self.pid);
+  ucx_offer->set_process_start_time(self.start_time);
+  ucx_offer->set_boot_id(self.boot_id);
+  req.add_offers()->set_kind(v1::TRANSPORT_KIND_GRPC_INLINE);
+  v1::NegotiateResponse resp;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options.deadline));
+  grpc::Status gs = stub_->Negotiate(&context, req, &resp);
+  if (!gs.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(gs.error_code()),
+                        absl::StrCat("Negotiate: ", gs.error_message()));
+  }
+  if (resp.kind() != v1::TRANSPORT_KIND_UCX) {
+    return absl::FailedPreconditionError(
+        "kvpoold chose grpc_inline (no UCX there): use AppendKv and Attend");
+  }
+  session_ = resp.ucx();
+  if (session_.wire_version() != wire::kWireVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("kvpoold speaks UCX wire version ",
+                                                      session_.wire_version(), ", this client ",
+                                                      wire::kWireVersion));
+  }
+  on_error_ = [this](ucs_status_t st) { OnPeerError(st); };
+  peer_error_handling_ = !ucx::SharedMemoryOnly(rt_->transports());
+  absl::StatusOr<ucp_ep_h> ep = absl::InternalError("not run");
+  if (absl::Status run = rt_->RunSync([&] {
+        daemon_ = ucx::ProcessIdentity{session_.boot_id(), session_.daemon_pid(),
+                                       session_.daemon_start_time()};
+        watch_daemon_ = ucx::CanWatch(daemon_);
+        ep = ucx::ConnectEndpoint(rt_.get(), session_.worker_address(), peer_error_handling_,
+                                  &on_error_);
+        if (ep.ok()) ep_ = *ep;
+      });
+      !run.ok()) {
+    return run;
+  }
+  if (!ep.ok()) return absl::UnavailableError(absl::StrCat("UCX connect: ", ep.status().message()));
+  return absl::OkStatus();
+}
+
+UcxChannel::~UcxChannel() {
+  if (rt_ == nullptr) return;
+  if (stub_ != nullptr && session_.session_id() != 0 && health().ok()) {
+    v1::CloseSessionRequest req;
+    req.set_session_id(session_.session_id());
+    v1::CloseSessionResponse resp;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    (void)stub_->CloseSession(&context, req, &resp);  // best effort: the daemon also notices
+  }
+  (void)rt_->RunSync([this] {
+    ucx::CloseEndpoint(rt_.get(), ep_, /*force=*/!health().ok() && peer_error_handling_);
+    ep_ = nullptr;
+  });
+  rt_->Stop(absl::Milliseconds(100));
+}
+
+absl::Status UcxChannel::health() const {
+  absl::MutexLock lock(&mu_);
+  return health_;
+}
+
+void UcxChannel::FailAll(const absl::Status& why) {
+  for (auto& [id, p] : pushes_) {
+    if (p->status.ok()) p->status = why;
+    p->done = true;
+  }
+  for (auto& [id, c] : calls_) {
+    if (!c->done) {
+      c->status = why;
+      c->done = true;
+    }
+  }
+}
+
+void UcxChannel::OnPeerError(ucs_status_t status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!health_.ok()) return;
+    health_ = absl::UnavailableError(
+        absl::StrCat("UCX connection to kvpoold failed: ", ucs_status_string(status)));
+    FailAll(health_);
+  }
+  rt_->Post([this] {
+    ucx::CloseEndpoint(rt_.get(), ep_, /*force=*/peer_error_handling_);
+    ep_ = nullptr;
+  });
+}
+
+absl::Status UcxChannel::Send(uint16_t id, ucx::AmMessage msg,
+                              std::function<void(absl::Status)> done) {
+  const bool posted = rt_->Post([this, id, msg = std::move(msg), done]() mutable {
+    if (ep_ == nullptr) {
+      if (done) done(absl::UnavailableError("UCX endpoint closed"));
+      return;
+    }
+    ucx::SendAm(rt_.get(), ep_, id, std::move(msg), std::move(done));
+  });
+  if (!posted) return absl::UnavailableError("UCX channel stopped");
+  return absl::OkStatus();
+}
+
+ucs_status_t UcxChannel::OnLayerDone(const void* header, size_t header_length) {
+  const std::optional<wire::LayerDoneHeader> h =
+      wire::Decode<wire::LayerDoneHeader>(header, header_length);
+  if (!h) return UCS_OK;
+  absl::MutexLock lock(&mu_);
+  auto it = pushes_.find(h->push_id);
+  if (it != pushes_.end()) it->second->stored.insert(h->layer);
+  return UCS_OK;
+}
+
+ucs_status_t UcxChannel::OnPushDone(const void* header, size_t header_length, void* data,
+                                    size_t length) {
+  const std::optional<wire::PushDoneHeader> h =
+      wire::Decode<wire::PushDoneHeader>(header, header_length);
+  if (!h) return UCS_OK;
+  absl::MutexLock lock(&mu_);
+  auto it = pushes_.find(h->push_id);
+  if (it == pushes_.end() || it->second->done) return UCS_OK;
+  UcxLayerPush::State& st = *it->second;
+  st.done = true;
+  if (h->status_code != 0) {
+    if (st.status.ok()) {
+      st.status = FromWire(h->status_code, std::string(static_cast<const char*>(data), length));
+    }
+    return UCS_OK;
+  }
+  st.result.total_tokens = h->total_tokens;
+  st.result.to_sink = h->to_sink;
+  st.result.to_history = h->to_history;
+  st.result.to_recent = h->to_recent;
+  st.result.pool_bytes = h->pool_bytes;
+  return UCS_OK;
+}
+
+ucs_status_t UcxChannel::OnAttendDone(const void* header, size_t header_length, void* data,
+                                      size_t length, const ucp_am_recv_param_t* param) {
+  const std::optional<wire::AttendDoneHeader> h =
+      wire::Decode<wire::AttendDoneHeader>(header, header_length);
+  if (!h) return UCS_OK;
+  std::shared_ptr<Call> call;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = calls_.find(h->call_id);
+    if (it == calls_.end() || it->second->done) return UCS_OK;
+    call = it->second;
+  }
+  call->header = *h;
+  call->payload.resize(length);
+  return ucx::ReceiveAm(
+      rt_.get(), data, length, ucx::IsRendezvous(param), /*in_handler=*/true, call->payload.data(),
+      nullptr, [this, call](absl::Status s) {
+        absl::MutexLock lock(&mu_);
+        if (call->done) return;
+        call->status = s.ok()
+                           ? FromWire(call->header.status_code,
+                                      call->header.status_code == 0 ? std::string() : call->payload)
+                           : s;
+        call->done = true;
+      });
+}
+
+absl::StatusOr<std::unique_ptr<UcxLayerPush>> UcxChannel::BeginPush(UcxPushSpec spec) {
+  if (spec.num_tokens < 1) return absl::InvalidArgumentError("num_tokens must be >= 1");
+  if (!spec.token_ids.empty() && spec.token_ids.size() != spec.num_tokens) {
+    return absl::InvalidArgumentError("token_ids must be empty or num_tokens long");
+  }
+  auto state = std::make_shared<UcxLayerPush::State>();
+  uint64_t id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!health_.ok()) return health_;
+    id = next_id_++;
+    pushes_[id] = state;
+  }
+  wire::PushBeginHeader h{};
+  h.session_id = session_.session_id();
+  h.push_id = id;
+  h.token_start = spec.token_start;
+  h.num_tokens = spec.num_tokens;
+  h.flags = spec.end_of_prefill ? wire::kEndOfPrefill : 0;
+  h.sequence_id_bytes = static_cast<uint32_t>(spec.sequence_id.size());
+  h.num_token_ids = static_cast<uint32_t>(spec.token_ids.size());
+  std::string payload = spec.sequence_id;
+  payload.append(reinterpret_cast<const char*>(spec.token_ids.data()),
+                 spec.token_ids.size() * sizeof(uint32_t));
+  absl::Status s =
+      Send(wire::kPushBegin, Message(wire::Encode(h), std::move(payload), UCP_AM_SEND_FLAG_EAGER),
+           [this, state](absl::Status st) {
+             if (st.ok()) return;
+             absl::MutexLock lock(&mu_);
+             if (state->status.ok()) state->status = st;
+           });
+  if (!s.ok()) {
+    absl::MutexLock lock(&mu_);
+    pushes_.erase(id);
+    return s;
+  }
+  return std::unique_ptr<UcxLayerPush>(new UcxLayerPush(this, id, std::move(state)));
+}
+
+absl::Status UcxChannel::Attend(const std::string& model_id, int layer, size_t query_values,
+                                const std::vector<UcxSequenceQuery>& batch,
+                                std::vector<UcxAttentionResult>* out) {
+  if (batch.empty()) return absl::InvalidArgumentError("empty attention batch");
+  wire::AttendHeader h{};
+  h.session_id = session_.session_id();
+  h.layer = layer;
+  h.batch = static_cast<uint32_t>(batch.size());
+  h.model_id_bytes = static_cast<uint32_t>(model_id.size());
+  size_t total_queries = 0;
+  size_t ids_bytes = 0;
+  for (const UcxSequenceQuery& q : batch) {
+    total_queries += q.num_queries;
+    ids_bytes += q.sequence_id.size();
+  }
+  std::string payload;
+  payload.reserve(model_id.size() + batch.size() * sizeof(wire::SequenceQueryMeta) + ids_bytes +
+                  total_queries * query_values * sizeof(float));
+  payload.append(model_id);
+  for (const UcxSequenceQuery& q : batch) {
+    wire::SequenceQueryMeta m{static_cast<uint32_t>(q.sequence_id.size()), q.num_queries};
+    payload.append(reinterpret_cast<const char*>(&m), sizeof(m));
+  }
+  for (const UcxSequenceQuery& q : batch) payload.append(q.sequence_id);
+  for (const UcxSequenceQuery& q : batch) {
+    payload.append(reinterpret_cast<const char*>(q.q), q.num_queries * query_values * 4);
+  }
+  auto call = std::make_shared<Call>();
+  {
+    absl::MutexLock lock(&mu_);
+    if (!health_.ok()) return health_;
+    h.call_id = next_id_++;
+    calls_[h.call_id] = call;
+  }
+  const uint64_t call_id = h.call_id;
+  absl::Status sent = Send(wire::kAttend, Message(wire::Encode(h), std::move(payload)),
+                           [this, call](absl::Status s) {
+                             if (s.ok()) return;
+                             absl::MutexLock lock(&mu_);
+                             if (!call->done) {
+                               call->status = s;
+                               call->done = true;
+                             }
+                           });
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    if (sent.ok()) {
+      auto ready = [&call]() { return call->done; };
+      if (!mu_.AwaitWithTimeout(absl::Condition(&ready), options_.deadline)) {
+        call->done = true;
+        call->status = absl::DeadlineExceededError("remote attention over UCX timed out");
+      }
+      status = call->status;
+    } else {
+      status = sent;
+    }
+    calls_.erase(call_id);
+  }
+  if (!status.ok()) return status;
+  // Parse: metas, outputs, LSEs.
+  const wire::AttendDoneHeader& d = call->header;
+  const size_t per_query = size_t{d.q_heads} * d.head_dim;
+  const std::string& p = call->payload;
+  if (d.batch != batch.size() || p.size() < d.batch * sizeof(wire::SequenceResultMeta)) {
+    return absl::InternalError("malformed ATTEND_DONE");
+  }
+  std::vector<wire::SequenceResultMeta> metas(d.batch);
+  std::memcpy(metas.data(), p.data(), metas.size() * sizeof(wire::SequenceResultMeta));
+  size_t pos = metas.size() * sizeof(wire::SequenceResultMeta);
+  size_t queries = 0;
+  for (const auto& m : metas) queries += m.num_queries;
+  if (p.size() != pos + queries * (per_query + d.q_heads) * sizeof(float)) {
+    return absl::InternalError("ATTEND_DONE payload size does not match its header");
+  }
+  out->assign(d.batch, UcxAttentionResult{});
+  for (size_t i = 0; i < metas.size(); ++i) {
+    (*out)[i].attended_tokens = metas[i].attended_tokens;
+    (*out)[i].out.resize(metas[i].num_queries * per_query);
+    std::memcpy((*out)[i].out.data(), p.data() + pos, (*out)[i].out.size() * sizeof(float));
+    pos += (*out)[i].out.size() * sizeof(float);
+  }
+  for (size_t i = 0; i < metas.size(); ++i) {
+    (*out)[i].lse.resize(size_t{metas[i].num_queries} * d.q_heads);
+    std::memcpy((*out)[i].lse.data(), p.data() + pos, (*out)[i].lse.size() * sizeof(float));
+    pos += (*out)[i].lse.size() * sizeof(float);
+  }
+  return absl::OkStatus();
+}
+
+// --- UcxLayerPush ---
+
+UcxLayerPush::~UcxLayerPush() {
+  if (!finished_) Abort();
+}
+
+absl::Status UcxLayerPush::PushLayer(int layer, uint32_t token_offset, uint32_t num_tokens,
+                                     absl::string_view k, absl::string_view v) {
+  if (finished_) return absl::FailedPreconditionError("push already finished");
+  if (num_tokens < 1 || k.size() != v.size() || k.empty() || k.size() % num_tokens != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PushLayer(layer ", layer, "): k and v must be equally long, a multiple of ",
+                     num_tokens, " tokens"));
+  }
+  const size_t token_bytes = k.size() / num_tokens;
+  const size_t max_message = channel_->session_.max_message_bytes();
+  const uint32_t per_message =
+      static_cast<uint32_t>(std::max<size_t>(1, max_message / (2 * token_bytes)));
+  const uint32_t max_inflight = std::max<uint32_t>(1, channel_->session_.max_inflight_messages());
+  for (uint32_t off = 0; off < num_tokens; off += per_message) {
+    const uint32_t count = std::min(per_message, num_tokens - off);
+    {
+      absl::MutexLock lock(&channel_->mu_);
+      UcxChannel* ch = channel_;
+      State* st = state_.get();
+      auto ready = [ch, st, max_inflight]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return ch->inflight_ < max_inflight || !st->status.ok() || st->done;
+      };
+      if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("PushLayer(layer ", layer, "): no staging freed up within the deadline"));
+      }
+      if (!state_->status.ok()) return state_->status;
+      if (state_->done) return absl::FailedPreconditionError("push already finished by kvpoold");
+      ++channel_->inflight_;
+    }
+    wire::LayerDataHeader h{};
+    h.session_id = channel_->session_.session_id();
+    h.push_id = id_;
+    h.layer = layer;
+    h.token_offset = token_offset + off;
+    h.num_tokens = count;
+    ucx::AmMessage msg;
+    msg.header = wire::Encode(h);
+    msg.borrowed = {{k.data() + off * token_bytes, count * token_bytes},
+                    {v.data() + off * token_bytes, count * token_bytes}};
+    msg.flags = UCP_AM_SEND_FLAG_RNDV;
+    ++messages_;
+    bytes_posted_ += 2 * count * token_bytes;
+    absl::Status s = channel_->Send(wire::kLayerData, std::move(msg),
+                                    [ch = channel_, st = state_](absl::Status status) {
+                                      absl::MutexLock lock(&ch->mu_);
+                                      --ch->inflight_;
+                                      if (!status.ok() && st->status.ok()) st->status = status;
+                                    });
+    if (!s.ok()) {
+      absl::MutexLock lock(&channel_->mu_);
+      --channel_->inflight_;
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxLayerPush::WaitLayer(int layer) {
+  absl::MutexLock lock(&channel_->mu_);
+  State* st = state_.get();
+  auto ready = [st, layer]() {
+    return st->stored.count(layer) > 0 || !st->status.ok() || st->done;
+  };
+  if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("layer ", layer, " not stored in time"));
+  }
+  if (st->stored.count(layer) > 0) return absl::OkStatus();
+  if (!st->status.ok()) return st->status;
+  return absl::FailedPreconditionError(absl::StrCat("push finished without layer ", layer));
+}
+
+std::set<int> UcxLayerPush::StoredLayers() const {
+  absl::MutexLock lock(&channel_->mu_);
+  return state_->stored;
+}
+
+absl::StatusOr<UcxPushResult> UcxLayerPush::Finish() {
+  if (finished_) return absl::FailedPreconditionError("push already finished");
+  finished_ = true;
+  wire::PushControlHeader h{channel_->session_.session_id(), id_, messages_};
+  absl::Status sent = channel_->Send(wire::kPushCommit,
+                                     Message(wire::Encode(h), {}, UCP_AM_SEND_FLAG_EAGER), nullptr);
+  absl::MutexLock lock(&channel_->mu_);
+  State* st = state_.get();
+  absl::Status status = sent;
+  if (status.ok()) {
+    auto ready = [st]() { return st->done || !st->status.ok(); };
+    if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
+      status = absl::DeadlineExceededError("push not committed within the deadline");
+    } else {
+      status = st->status;
+    }
+  }
+  channel_->pushes_.erase(id_);
+  if (!status.ok()) {
+    if (absl::IsDeadlineExceeded(status)) {
+      wire::PushControlHeader a{channel_->session_.session_id(), id_, messages_};
+      (void)channel_->Send(wire::kPushAbort, Message(wire::Encode(a), {}, UCP_AM_SEND_FLAG_EAGER),
+                           nullptr);
+    }
+    return status;
+  }
+  return st->result;
+}
+
+void UcxLayerPush::Abort() {
+  if (finished_) return;
+  finished_ = true;
+  wire::PushControlHeader h{channel_->session_.session_id(), id_, messages_};
+  (void)channel_->Send(wire::kPushAbort, Message(wire::Encode(h), {}, UCP_AM_SEND_FLAG_EAGER),
+                       nullptr);
+  absl::MutexLock lock(&channel_->mu_);
+  if (state_->status.ok()) state_->status = absl::CancelledError("push aborted");
+  channel_->pushes_.erase(id_);
+}
+
+}  // namespace kvpool::client

@@ -1,0 +1,200 @@
+#include "server/transport/testing/ucx_test_daemon.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/server_test_util.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::server::testing {
+
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, const char* rpc) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(rpc, ": ", s.error_message()));
+}
+
+void Deadline(grpc::ClientContext* ctx) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TestDaemon>> TestDaemon::Start(const TestDaemonOptions& o) {
+  ServerConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.pool_bytes = o.pool_bytes;
+  cfg.slab_bytes = o.slab_bytes;
+  cfg.worker_threads = o.worker_threads;
+  cfg.log_level = o.log_level;
+  cfg.transports = o.transports;
+  cfg.ucx_tls = o.ucx_tls;
+  cfg.ucx_net_devices = o.ucx_net_devices;
+  cfg.transport_staging_bytes = o.staging_bytes;
+  cfg.transport_message_bytes = o.message_bytes;
+  cfg.transport_idle_timeout_ms = o.idle_timeout_ms;
+  cfg.transport_keepalive_ms = o.keepalive_ms;
+  spdlog::set_level(spdlog::level::from_str(o.log_level));
+  auto d = std::unique_ptr<TestDaemon>(new TestDaemon());
+  absl::StatusOr<std::unique_ptr<KvpoolServer>> s = KvpoolServer::Start(cfg);
+  if (!s.ok()) return s.status();
+  d->server_ = *std::move(s);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  d->channel_ = grpc::CreateCustomChannel(d->target(), grpc::InsecureChannelCredentials(), args);
+  d->models_ = v1::ModelService::NewStub(d->channel_);
+  d->seqs_ = v1::SequenceService::NewStub(d->channel_);
+  d->reads_ = v1::ReadService::NewStub(d->channel_);
+  d->attn_ = v1::AttentionService::NewStub(d->channel_);
+  d->stats_ = v1::StatsService::NewStub(d->channel_);
+  return d;
+}
+
+TestDaemon::~TestDaemon() { Kill(); }
+
+void TestDaemon::Kill() {
+  if (server_ == nullptr) return;
+  server_->Shutdown(std::chrono::milliseconds(0));
+  server_->Wait();
+  server_.reset();
+}
+
+absl::Status TestDaemon::RegisterModel(const ModelShapeSpec& spec) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::RegisterModelResponse resp;
+  auto w = models_->RegisterModel(&ctx, &resp);
+  v1::RegisterModelRequest req;
+  v1::ModelSpec* m = req.mutable_spec();
+  m->set_model_id(spec.model_id);
+  m->mutable_shape()->set_num_layers(spec.num_layers);
+  m->mutable_shape()->set_q_heads(spec.q_heads);
+  m->mutable_shape()->set_kv_heads(spec.kv_heads);
+  m->mutable_shape()->set_head_dim(spec.head_dim);
+  m->mutable_data_free()->set_kind(spec.rotation);
+  v1::QuantConfig* q = m->mutable_quant();
+  q->set_method(spec.method);
+  q->set_block_tokens(spec.block_tokens);
+  q->set_sink_tokens(spec.sink_tokens);
+  q->set_recent_tokens(spec.recent_tokens);
+  q->set_demotion_batch(std::min(spec.block_tokens, 16));
+  w->Write(req);
+  w->WritesDone();
+  return FromGrpc(w->Finish(), "RegisterModel");
+}
+
+absl::Status TestDaemon::CreateSequence(const std::string& model_id, const std::string& id) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::CreateSequenceRequest req;
+  req.set_model_id(model_id);
+  req.set_sequence_id(id);
+  v1::CreateSequenceResponse resp;
+  return FromGrpc(seqs_->CreateSequence(&ctx, req, &resp), "CreateSequence");
+}
+
+absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
+    const std::string& id, uint32_t token_start, uint32_t tokens, bool end_of_prefill,
+    const std::vector<std::string>& k, const std::vector<std::string>& v, uint32_t chunk_tokens) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::AppendKvResponse resp;
+  auto w = seqs_->AppendKv(&ctx, &resp);
+  v1::AppendKvRequest req;
+  v1::AppendKvHeader* h = req.mutable_header();
+  h->set_sequence_id(id);
+  h->set_token_start(token_start);
+  h->set_num_tokens(tokens);
+  h->set_dtype(v1::DTYPE_BF16);
+  h->set_end_of_prefill(end_of_prefill);
+  bool ok = w->Write(req);
+  for (size_t layer = 0; layer < k.size() && ok; ++layer) {
+    const size_t token_bytes = k[layer].size() / tokens;
+    for (uint32_t off = 0; off < tokens && ok; off += chunk_tokens) {
+      const uint32_t n = std::min(chunk_tokens, tokens - off);
+      v1::AppendKvRequest c;
+      v1::KvChunk* ch = c.mutable_chunk();
+      ch->set_layer(static_cast<int>(layer));
+      ch->set_token_offset(off);
+      ch->set_num_tokens(n);
+      ch->set_k(k[layer].substr(off * token_bytes, n * token_bytes));
+      ch->set_v(v[layer].substr(off * token_bytes, n * token_bytes));
+      ok = w->Write(c);
+    }
+  }
+  w->WritesDone();
+  absl::Status s = FromGrpc(w->Finish(), "AppendKv");
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::Status TestDaemon::ReadAll(const std::string& id, std::vector<std::string>* k,
+                                 std::vector<std::string>* v) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::ReadKvRequest req;
+  req.set_sequence_id(id);
+  req.set_dtype(v1::DTYPE_BF16);
+  auto r = reads_->ReadKv(&ctx, req);
+  v1::ReadKvResponse msg;
+  k->clear();
+  v->clear();
+  while (r->Read(&msg)) {
+    if (!msg.has_rows()) continue;
+    const size_t layer = static_cast<size_t>(msg.rows().layer());
+    if (k->size() <= layer) {
+      k->resize(layer + 1);
+      v->resize(layer + 1);
+    }
+    (*k)[layer] += msg.rows().k();
+    (*v)[layer] += msg.rows().v();
+  }
+  return FromGrpc(r->Finish(), "ReadKv");
+}
+
+absl::StatusOr<v1::AttendResponse> TestDaemon::AttendInline(const v1::AttendRequest& request) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::AttendResponse resp;
+  absl::Status s = FromGrpc(attn_->Attend(&ctx, request, &resp), "Attend");
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::GetStatsResponse> TestDaemon::Stats() {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::GetStatsResponse resp;
+  absl::Status s = FromGrpc(stats_->GetStats(&ctx, v1::GetStatsRequest(), &resp), "GetStats");
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::SequenceInfo> TestDaemon::Describe(const std::string& id) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::DescribeSequenceRequest req;
+  req.set_sequence_id(id);
+  v1::SequenceInfo resp;
+  absl::Status s = FromGrpc(seqs_->DescribeSequence(&ctx, req, &resp), "DescribeSequence");
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::Status TestDaemon::Release(const std::string& id) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx);
+  v1::ReleaseSequenceRequest req;
+  req.set_sequence_id(id);
+  v1::ReleaseSequenceResponse resp;
+  return FromGrpc(seqs_->ReleaseSequence(&ctx, req, &resp), "ReleaseSequence");
+}
+
+std::string TestRowBytes(int tokens, size_t row_values, uint64_t seed) {
+  std::vector<Bf16> rows = TestRows(tokens, row_values, seed);
+  return std::string(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(Bf16));
+}
+
+}  // namespace kvpool::server::testing

@@ -1,0 +1,747 @@
+#include "server/transport/ucx/ucx_transport.h"
+
+#include <cstring>
+#include <random>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::server {
+
+namespace wire = ::kvpool::ucx::wire;
+
+struct UcxTransport::Push {
+  uint64_t id = 0;
+  std::shared_ptr<LayerwiseAppend> append;
+  absl::Time last_activity;
+  int outstanding = 0;    // LAYER_DATA pending, receiving or staging
+  uint64_t messages = 0;  // LAYER_DATA accepted
+  bool commit_requested = false;
+  uint64_t expected_messages = 0;
+  bool finished = false;  // committing, committed or failed: PUSH_DONE decided
+};
+
+struct UcxTransport::Session {
+  uint64_t id = 0;
+  TenantId tenant;
+  ucp_ep_h ep = nullptr;
+  bool peer_error_handling = true;  // else the client process is watched
+  bool watch = false;               // the client runs on this host: watch its process
+  ucx::ProcessIdentity peer;
+  bool dead = false;
+  absl::Time ended;
+  std::function<void(ucs_status_t)> on_error;  // UCX holds a pointer to it
+  std::map<uint64_t, std::shared_ptr<Push>> pushes;
+  uint32_t queued = 0;  // LAYER_DATA pending or receiving
+  std::set<std::shared_ptr<Receive>> receiving;
+};
+
+// A LAYER_DATA receive in flight into a staging slot.
+struct UcxTransport::Receive {
+  int slot = -1;
+  std::shared_ptr<Push> push;
+  bool abandoned = false;  // its session ended with the peer gone; the slot was reclaimed
+};
+
+struct UcxTransport::Pending {
+  std::shared_ptr<Session> session;
+  std::shared_ptr<Push> push;
+  wire::LayerDataHeader h;
+  void* data = nullptr;
+  size_t length = 0;
+  bool rndv = false;
+};
+
+namespace {
+
+class UcxRegisteredMemory final : public RegisteredMemory {
+ public:
+  explicit UcxRegisteredMemory(std::unique_ptr<ucx::UcxMemory> m) : m_(std::move(m)) {}
+  uint8_t* data() const override { return m_->data(); }
+  size_t size() const override { return m_->size(); }
+
+ private:
+  std::unique_ptr<ucx::UcxMemory> m_;
+};
+
+ucx::AmMessage Message(std::string header, std::string payload = {}) {
+  ucx::AmMessage m;
+  m.header = std::move(header);
+  m.payload = std::move(payload);
+  return m;
+}
+
+}  // namespace
+
+UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config) {
+  UcxTransportOptions o;
+  o.runtime.tls = config.ucx_tls;
+  o.runtime.net_devices = config.ucx_net_devices;
+  o.runtime.keepalive = absl::Milliseconds(config.transport_keepalive_ms);
+  o.runtime.name = "kvpoold";
+  o.staging_bytes = config.transport_staging_bytes;
+  o.message_bytes = config.transport_message_bytes;
+  o.idle_timeout = absl::Milliseconds(config.transport_idle_timeout_ms);
+  return o;
+}
+
+UcxTransport::UcxTransport(ServiceContext* ctx, const UcxTransportOptions& options)
+    : ctx_(ctx), options_(options) {}
+
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(
+    ServiceContext* ctx, const UcxTransportOptions& options) {
+  if (options.message_bytes < 4096 || options.staging_bytes < options.message_bytes) {
+    return absl::InvalidArgumentError(
+        "UCX staging must hold at least one message of at least 4096 bytes");
+  }
+  auto t = std::unique_ptr<UcxTransport>(new UcxTransport(ctx, options));
+  if (absl::Status s = t->Init(); !s.ok()) return s;
+  return t;
+}
+
+absl::Status UcxTransport::Init() {
+  absl::StatusOr<std::unique_ptr<ucx::UcxRuntime>> rt = ucx::UcxRuntime::Create(options_.runtime);
+  if (!rt.ok()) return rt.status();
+  rt_ = *std::move(rt);
+  slot_bytes_ = (options_.message_bytes + 4095) / 4096 * 4096;
+  num_slots_ = static_cast<int>(options_.staging_bytes / slot_bytes_);
+  max_inflight_ = options_.max_inflight_messages > 0 ? options_.max_inflight_messages
+                                                     : static_cast<uint32_t>(num_slots_);
+  absl::StatusOr<std::unique_ptr<ucx::UcxMemory>> staging =
+      ucx::UcxMemory::Allocate(rt_->context(), slot_bytes_ * num_slots_);
+  if (!staging.ok()) return staging.status();
+  staging_ = *std::move(staging);
+  for (int i = num_slots_ - 1; i >= 0; --i) free_slots_.push_back(i);
+
+  auto handler = [this](auto method) {
+    return [this, method](const void* h, size_t hl, void* d, size_t l,
+                          const ucp_am_recv_param_t* p) { return (this->*method)(h, hl, d, l, p); };
+  };
+  absl::Status s = rt_->SetAmHandler(wire::kPushBegin, handler(&UcxTransport::OnPushBegin));
+  if (s.ok()) s = rt_->SetAmHandler(wire::kLayerData, handler(&UcxTransport::OnLayerData));
+  if (s.ok()) s = rt_->SetAmHandler(wire::kAttend, handler(&UcxTransport::OnAttend));
+  if (s.ok()) {
+    s = rt_->SetAmHandler(wire::kPushCommit, [this](const void* h, size_t hl, void*, size_t,
+                                                    const ucp_am_recv_param_t*) {
+      return OnPushControl(true, h, hl);
+    });
+  }
+  if (s.ok()) {
+    s = rt_->SetAmHandler(wire::kPushAbort, [this](const void* h, size_t hl, void*, size_t,
+                                                   const ucp_am_recv_param_t*) {
+      return OnPushControl(false, h, hl);
+    });
+  }
+  if (!s.ok()) return s;
+  rt_->Start([this] { OnTick(); });
+  return absl::OkStatus();
+}
+
+UcxTransport::~UcxTransport() { Shutdown(); }
+
+const TransportCapabilities& UcxTransport::capabilities() const {
+  static const TransportCapabilities kCaps{.kind = TransportKind::kUcx,
+                                           .host_memory = true,
+                                           .device_memory = false,
+                                           .local_peers = true,
+                                           .remote_peers = true,
+                                           .zero_copy = true,
+                                           .layer_notifications = true,
+                                           .remote_attention = true};
+  return kCaps;
+}
+
+absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
+                                                      const TransportOffer& offer) {
+  if (shut_down_.load()) return absl::UnavailableError("kvpoold is shutting down");
+  if (offer.kind != TransportKind::kUcx) {
+    return absl::InvalidArgumentError("the UCX transport got an offer of another kind");
+  }
+  if (offer.peer_address.empty()) {
+    return absl::InvalidArgumentError("a UCX offer needs the client's ucx_worker_address");
+  }
+  absl::StatusOr<TransportSession> result = absl::InternalError("not run");
+  absl::Status run = rt_->RunSync([&] {
+    if (sessions_.size() >= static_cast<size_t>(options_.max_sessions)) {
+      result = absl::ResourceExhaustedError(
+          absl::StrCat("too many UCX sessions (", options_.max_sessions, ")"));
+      return;
+    }
+    auto session = std::make_shared<Session>();
+    static std::mt19937_64 rng{std::random_device{}()};
+    session->id = (rng() & ~uint64_t{0xffff}) | (next_session_++ & 0xffff);
+    session->tenant = tenant;
+    std::weak_ptr<Session> weak = session;
+    session->on_error = [this, weak](ucs_status_t status) {
+      std::shared_ptr<Session> s = weak.lock();
+      if (s == nullptr || s->dead) return;
+      ++peer_errors_;
+      spdlog::warn("ucx: session {:x}: peer failed ({}); rolling back its pushes", s->id,
+                   ucs_status_string(status));
+      rt_->Post([this, s, status] {
+        EndSession(s, ucx::UcsStatus(status, "UCX peer failed"), /*force=*/true);
+      });
+    };
+    session->peer = ucx::ProcessIdentity{offer.peer_process.boot_id, offer.peer_process.pid,
+                                         offer.peer_process.start_time};
+    session->watch = ucx::CanWatch(session->peer);
+    session->peer_error_handling = !ucx::SharedMemoryOnly(rt_->transports());
+    if (!session->peer_error_handling && !session->watch) {
+      result = absl::InvalidArgumentError(
+          "shared-memory UCX needs a client on this host whose process the daemon can watch");
+      return;
+    }
+    absl::StatusOr<ucp_ep_h> ep = ucx::ConnectEndpoint(
+        rt_.get(), offer.peer_address, session->peer_error_handling, &session->on_error);
+    if (!ep.ok()) {
+      result = absl::InvalidArgumentError(
+          absl::StrCat("cannot connect to the client's UCX worker: ", ep.status().message()));
+      return;
+    }
+    session->ep = *ep;
+    sessions_[session->id] = session;
+    ++sessions_count_;
+    TransportSession ts;
+    ts.kind = TransportKind::kUcx;
+    ts.session_id = session->id;
+    ts.local_address = rt_->address();
+    ts.wire_version = wire::kWireVersion;
+    ts.max_message_bytes = slot_bytes_;
+    ts.max_inflight_messages = max_inflight_;
+    ts.staging_bytes = slot_bytes_ * num_slots_;
+    ts.idle_timeout_ms = static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.idle_timeout));
+    ts.transports = rt_->transports();
+    const ucx::ProcessIdentity self = ucx::SelfProcess();
+    ts.daemon_process = PeerProcess{self.boot_id, self.pid, self.start_time};
+    ts.peer_error_handling = session->peer_error_handling;
+    result = ts;
+    spdlog::info("ucx: session {:x} for '{}' (client transports {})", session->id,
+                 offer.client_name, offer.peer_transports);
+  });
+  if (!run.ok()) return run;
+  return result;
+}
+
+absl::StatusOr<int> UcxTransport::Close(const TenantId& tenant, uint64_t session_id) {
+  absl::StatusOr<int> result = absl::NotFoundError(absl::StrCat("no UCX session ", session_id));
+  absl::Status run = rt_->RunSync([&] {
+    std::shared_ptr<Session> s = FindSession(session_id);
+    if (s == nullptr || s->tenant != tenant) return;
+    int open = 0;
+    for (const auto& [id, p] : s->pushes) open += p->finished ? 0 : 1;
+    EndSession(s, absl::CancelledError("UCX session closed"), /*force=*/false);
+    result = open;
+  });
+  if (!run.ok()) return run;
+  return result;
+}
+
+TransportStats UcxTransport::Stats() const {
+  TransportStats s;
+  s.sessions = sessions_count_.load();
+  s.open_pushes = open_pushes_.load();
+  s.staging_bytes_in_use = static_cast<size_t>(slots_in_use_.load()) * slot_bytes_;
+  s.staging_capacity_bytes = slot_bytes_ * num_slots_;
+  s.pending_messages = pending_count_.load();
+  s.pushes_committed = pushes_committed_.load();
+  s.pushes_aborted = pushes_aborted_.load();
+  s.peer_errors = peer_errors_.load();
+  s.timeouts = timeouts_.load();
+  s.bytes_received = bytes_received_.load();
+  s.attention_calls = attention_calls_.load();
+  s.transports = rt_ != nullptr ? rt_->transports() : "";
+  return s;
+}
+
+void UcxTransport::Shutdown() {
+  if (shut_down_.exchange(true) || rt_ == nullptr) return;
+  // Before Start (a failed Create) RunSync runs inline: there are no sessions then.
+  (void)rt_->RunSync([this] {
+    std::vector<std::shared_ptr<Session>> all;
+    for (auto& [id, s] : sessions_) all.push_back(s);
+    for (auto& s : all) {
+      EndSession(s, absl::UnavailableError("kvpoold is shutting down"), /*force=*/false);
+    }
+  });
+  rt_->Stop(absl::Milliseconds(300));
+}
+
+absl::StatusOr<std::unique_ptr<RegisteredMemory>> UcxTransport::RegisterMemory(size_t bytes) {
+  absl::StatusOr<std::unique_ptr<ucx::UcxMemory>> m =
+      ucx::UcxMemory::Allocate(rt_->context(), bytes);
+  if (!m.ok()) return m.status();
+  return std::unique_ptr<RegisteredMemory>(new UcxRegisteredMemory(*std::move(m)));
+}
+
+std::shared_ptr<UcxTransport::Session> UcxTransport::FindSession(uint64_t id) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second->dead) return nullptr;
+  return it->second;
+}
+
+// --- Pushes ---
+
+ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length, void* data,
+                                       size_t length, const ucp_am_recv_param_t* param) {
+  const std::optional<wire::PushBeginHeader> h =
+      wire::Decode<wire::PushBeginHeader>(header, header_length);
+  if (!h) return UCS_OK;
+  std::shared_ptr<Session> session = FindSession(h->session_id);
+  if (session == nullptr) return UCS_OK;
+  auto fail = [&](absl::Status s) {
+    SendPushDone(session, h->push_id, s);
+    return UCS_OK;  // drops a rendezvous payload too
+  };
+  if (ucx::IsRendezvous(param)) {
+    return fail(absl::InvalidArgumentError("PUSH_BEGIN must be sent eager"));
+  }
+  if (length != static_cast<size_t>(h->sequence_id_bytes) + size_t{4} * h->num_token_ids ||
+      (h->num_token_ids != 0 && h->num_token_ids != h->num_tokens)) {
+    return fail(absl::InvalidArgumentError("PUSH_BEGIN payload does not match its header"));
+  }
+  const int max_tokens = ctx_->config->max_append_tokens;
+  if (h->num_tokens < 1 || h->num_tokens > static_cast<uint32_t>(max_tokens) ||
+      h->token_start > static_cast<uint32_t>(INT32_MAX - max_tokens)) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("num_tokens must be in [1, ", max_tokens, "], got ", h->num_tokens)));
+  }
+  if (session->pushes.count(h->push_id) > 0) {
+    return fail(absl::InvalidArgumentError(absl::StrCat("push ", h->push_id, " already open")));
+  }
+  if (session->pushes.size() >= static_cast<size_t>(options_.max_pushes_per_session)) {
+    return fail(absl::ResourceExhaustedError(absl::StrCat("too many open pushes in one session (",
+                                                          options_.max_pushes_per_session, ")")));
+  }
+  const char* bytes = static_cast<const char*>(data);
+  const std::string sequence_id(bytes, h->sequence_id_bytes);
+  AppendSpec spec;
+  spec.token_start = static_cast<int>(h->token_start);
+  spec.num_tokens = static_cast<int>(h->num_tokens);
+  spec.kind = (h->flags & wire::kEndOfPrefill) ? AppendKind::kFinalPrefill : AppendKind::kPrefill;
+  spec.token_ids.resize(h->num_token_ids);
+  if (h->num_token_ids > 0) {
+    std::memcpy(spec.token_ids.data(), bytes + h->sequence_id_bytes, size_t{4} * h->num_token_ids);
+  }
+  absl::StatusOr<std::shared_ptr<LayerwiseAppend>> append =
+      LayerwiseAppend::Begin(ctx_, session->tenant, sequence_id, std::move(spec));
+  if (!append.ok()) return fail(append.status());
+  auto push = std::make_shared<Push>();
+  push->id = h->push_id;
+  push->append = *std::move(append);
+  push->last_activity = absl::Now();
+  session->pushes[push->id] = push;
+  ++open_pushes_;
+  return UCS_OK;
+}
+
+ucs_status_t UcxTransport::OnLayerData(const void* header, size_t header_length, void* data,
+                                       size_t length, const ucp_am_recv_param_t* param) {
+  const bool rndv = ucx::IsRendezvous(param);
+  const std::optional<wire::LayerDataHeader> h =
+      wire::Decode<wire::LayerDataHeader>(header, header_length);
+  if (!h) return UCS_OK;
+  std::shared_ptr<Session> session = FindSession(h->session_id);
+  if (session == nullptr) return UCS_OK;
+  auto it = session->pushes.find(h->push_id);
+  if (it == session->pushes.end()) return UCS_OK;  // failed or unknown: the sender completes
+  std::shared_ptr<Push> push = it->second;
+  const Model& m = push->append->model();
+  const uint64_t expected = uint64_t{h->num_tokens} * m.row_values() * sizeof(Bf16) * 2;
+  if (h->num_tokens == 0 || length != expected || length > slot_bytes_) {
+    FailPush(session, push,
+             absl::InvalidArgumentError(absl::StrCat(
+                 "LAYER_DATA of layer ", h->layer, ": ", length, " payload bytes for ",
+                 h->num_tokens, " tokens; expected ", expected, " and at most ", slot_bytes_)));
+    return UCS_OK;
+  }
+  if (session->queued >= max_inflight_) {
+    FailPush(session, push,
+             absl::ResourceExhaustedError(absl::StrCat(
+                 "more than ", max_inflight_, " LAYER_DATA messages in flight in one session")));
+    return UCS_OK;
+  }
+  push->last_activity = absl::Now();
+  ++push->outstanding;
+  ++push->messages;
+  ++session->queued;
+  bytes_received_ += length;
+  if (free_slots_.empty() || !pending_.empty()) {
+    pending_.push_back(Pending{session, push, *h, data, length, rndv});
+    ++pending_count_;
+    return UCS_INPROGRESS;  // kept: received when a slot frees (backpressure)
+  }
+  const int slot = free_slots_.back();
+  free_slots_.pop_back();
+  ucs_status_t ret = UCS_OK;
+  StartReceive(session, push, *h, data, length, rndv, /*in_handler=*/true, slot, &ret);
+  return ret;
+}
+
+void UcxTransport::StartReceive(const std::shared_ptr<Session>& session,
+                                const std::shared_ptr<Push>& push, const wire::LayerDataHeader& h,
+                                void* data, size_t length, bool rndv, bool in_handler, int slot,
+                                ucs_status_t* handler_status) {
+  ++slots_in_use_;
+  uint8_t* dst = staging_->data() + static_cast<size_t>(slot) * slot_bytes_;
+  auto receive = std::make_shared<Receive>(Receive{slot, push, false});
+  session->receiving.insert(receive);
+  *handler_status = ucx::ReceiveAm(
+      rt_.get(), data, length, rndv, in_handler, dst, staging_->memh(),
+      [this, session, push, h, slot, dst, receive](absl::Status s) {
+        if (receive->abandoned) return;  // EndSession reclaimed the slot
+        session->receiving.erase(receive);
+        --session->queued;
+        if (!s.ok() || push->finished) {
+          --push->outstanding;
+          ReleaseSlot(slot);
+          if (!s.ok()) FailPush(session, push, s);
+          return;
+        }
+        const size_t values = size_t{h.num_tokens} * push->append->model().row_values();
+        const Bf16* k = reinterpret_cast<const Bf16*>(dst);
+        push->append->Stage(
+            h.layer, static_cast<int>(h.token_offset), static_cast<int>(h.num_tokens), k,
+            k + values, [this, session, push, layer = h.layer, slot](absl::Status st, bool done) {
+              rt_->Post([this, session, push, layer, slot, st, done] {
+                OnChunkStaged(session, push, layer, slot, st, done);
+              });
+            });
+      });
+}
+
+void UcxTransport::OnChunkStaged(const std::shared_ptr<Session>& session,
+                                 const std::shared_ptr<Push>& push, int layer, int slot,
+                                 const absl::Status& status, bool layer_complete) {
+  --push->outstanding;
+  push->last_activity = absl::Now();
+  ReleaseSlot(slot);
+  if (!status.ok()) return FailPush(session, push, status);
+  if (push->finished) return;
+  if (layer_complete && !session->dead) {
+    wire::LayerDoneHeader d{push->id, layer, static_cast<uint32_t>(push->append->num_tokens())};
+    ucx::AmMessage msg = Message(wire::Encode(d));
+    msg.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucx::SendAm(rt_.get(), session->ep, wire::kLayerDone, std::move(msg), nullptr);
+  }
+  MaybeCommit(session, push);
+}
+
+void UcxTransport::ReleaseSlot(int slot) {
+  free_slots_.push_back(slot);
+  --slots_in_use_;
+  ServePending();
+}
+
+void UcxTransport::ServePending() {
+  while (!free_slots_.empty() && !pending_.empty()) {
+    Pending p = std::move(pending_.front());
+    pending_.pop_front();
+    --pending_count_;
+    if (p.session->dead || p.push->finished) {
+      ucx::DropAm(rt_.get(), p.data, p.rndv, /*in_handler=*/false);
+      --p.push->outstanding;
+      --p.session->queued;
+      continue;
+    }
+    const int slot = free_slots_.back();
+    free_slots_.pop_back();
+    ucs_status_t ignored;
+    StartReceive(p.session, p.push, p.h, p.data, p.length, p.rndv, /*in_handler=*/false, slot,
+                 &ignored);
+  }
+}
+
+void UcxTransport::FailPush(const std::shared_ptr<Session>& session,
+                            const std::shared_ptr<Push>& push, const absl::Status& why) {
+  if (push->finished) return;
+  push->finished = true;
+  push->append->Abort(why);
+  --open_pushes_;
+  ++pushes_aborted_;
+  session->pushes.erase(push->id);
+  if (!session->dead) SendPushDone(session, push->id, why);
+}
+
+void UcxTransport::MaybeCommit(const std::shared_ptr<Session>& session,
+                               const std::shared_ptr<Push>& push) {
+  if (push->finished || !push->commit_requested || push->outstanding > 0 ||
+      push->messages < push->expected_messages) {
+    return;
+  }
+  if (!push->append->Complete()) {
+    return FailPush(session, push,
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "PUSH_COMMIT of ", push->append->sequence_id(),
+                        " before every layer was sent: ", push->append->status().ToString())));
+  }
+  push->finished = true;
+  session->pushes.erase(push->id);
+  ctx_->workers->Submit([this, session, append = push->append, id = push->id] {
+    absl::StatusOr<AppendResult> r = append->Commit();
+    rt_->Post([this, session, id, r = std::move(r)] {
+      --open_pushes_;
+      if (r.ok()) {
+        ++pushes_committed_;
+      } else {
+        ++pushes_aborted_;
+      }
+      if (!session->dead) SendPushDone(session, id, r);
+    });
+  });
+}
+
+void UcxTransport::SendPushDone(const std::shared_ptr<Session>& session, uint64_t push_id,
+                                const absl::StatusOr<AppendResult>& result) {
+  if (session->dead || session->ep == nullptr) return;
+  wire::PushDoneHeader d{};
+  d.push_id = push_id;
+  d.status_code = static_cast<int32_t>(result.status().code());
+  std::string message;
+  if (result.ok()) {
+    d.total_tokens = static_cast<uint32_t>(result->info.total());
+    d.to_sink = static_cast<uint32_t>(result->to_sink);
+    d.to_history = static_cast<uint32_t>(result->to_history);
+    d.to_recent = static_cast<uint32_t>(result->to_recent);
+    d.pool_bytes = result->info.pool_bytes;
+  } else {
+    message = std::string(result.status().message());
+  }
+  ucx::AmMessage msg = Message(wire::Encode(d), std::move(message));
+  msg.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucx::SendAm(rt_.get(), session->ep, wire::kPushDone, std::move(msg), nullptr);
+}
+
+ucs_status_t UcxTransport::OnPushControl(bool commit, const void* header, size_t header_length) {
+  const std::optional<wire::PushControlHeader> h =
+      wire::Decode<wire::PushControlHeader>(header, header_length);
+  if (!h) return UCS_OK;
+  std::shared_ptr<Session> session = FindSession(h->session_id);
+  if (session == nullptr) return UCS_OK;
+  auto it = session->pushes.find(h->push_id);
+  if (it == session->pushes.end()) {
+    if (commit) {
+      SendPushDone(session, h->push_id,
+                   absl::NotFoundError(absl::StrCat("no open push ", h->push_id)));
+    }
+    return UCS_OK;
+  }
+  std::shared_ptr<Push> push = it->second;
+  push->last_activity = absl::Now();
+  if (!commit) {
+    FailPush(session, push, absl::CancelledError("push aborted by the client"));
+    return UCS_OK;
+  }
+  push->commit_requested = true;
+  push->expected_messages = h->layer_messages;
+  MaybeCommit(session, push);
+  return UCS_OK;
+}
+
+// --- Attention ---
+
+ucs_status_t UcxTransport::OnAttend(const void* header, size_t header_length, void* data,
+                                    size_t length, const ucp_am_recv_param_t* param) {
+  const std::optional<wire::AttendHeader> h =
+      wire::Decode<wire::AttendHeader>(header, header_length);
+  if (!h) return UCS_OK;
+  std::shared_ptr<Session> session = FindSession(h->session_id);
+  if (session == nullptr) return UCS_OK;
+  auto payload = std::make_shared<std::string>(length, '\0');
+  const wire::AttendHeader hdr = *h;
+  return ucx::ReceiveAm(rt_.get(), data, length, ucx::IsRendezvous(param), /*in_handler=*/true,
+                        payload->data(), nullptr, [this, session, hdr, payload](absl::Status s) {
+                          if (!s.ok()) return SendAttendError(session, hdr.call_id, s);
+                          RunAttention(session, hdr, *payload);
+                        });
+}
+
+void UcxTransport::RunAttention(const std::shared_ptr<Session>& session,
+                                const wire::AttendHeader& h, const std::string& payload) {
+  auto parse = [&]()
+      -> absl::StatusOr<std::pair<std::shared_ptr<const Model>, std::vector<AttentionQuery>>> {
+    if (h.batch < 1 || h.batch > static_cast<uint32_t>(ctx_->config->max_attention_batch)) {
+      return absl::InvalidArgumentError(absl::StrCat("batch of ", h.batch,
+                                                     " sequences; must be in [1, ",
+                                                     ctx_->config->max_attention_batch, "]"));
+    }
+    size_t pos = 0;
+    auto take = [&](size_t n) -> const char* {
+      if (payload.size() - pos < n) return nullptr;
+      const char* p = payload.data() + pos;
+      pos += n;
+      return p;
+    };
+    const char* model_id = take(h.model_id_bytes);
+    const char* metas = take(sizeof(wire::SequenceQueryMeta) * size_t{h.batch});
+    if (model_id == nullptr || metas == nullptr) {
+      return absl::InvalidArgumentError("ATTEND payload too short");
+    }
+    absl::StatusOr<std::shared_ptr<const Model>> model =
+        ctx_->registry->Get(session->tenant, std::string(model_id, h.model_id_bytes));
+    if (!model.ok()) return model.status();
+    const size_t per_query = static_cast<size_t>((*model)->q_heads) * (*model)->head_dim;
+    std::vector<AttentionQuery> queries(h.batch);
+    std::vector<wire::SequenceQueryMeta> meta(h.batch);
+    std::memcpy(meta.data(), metas, sizeof(wire::SequenceQueryMeta) * meta.size());
+    for (uint32_t i = 0; i < h.batch; ++i) {
+      const char* id = take(meta[i].id_bytes);
+      if (id == nullptr) return absl::InvalidArgumentError("ATTEND payload too short");
+      if (meta[i].num_queries < 1 || meta[i].num_queries > 1024) {
+        return absl::InvalidArgumentError("num_queries must be in [1, 1024]");
+      }
+      queries[i].sequence_id.assign(id, meta[i].id_bytes);
+      queries[i].num_queries = static_cast<int>(meta[i].num_queries);
+    }
+    for (AttentionQuery& q : queries) {
+      const size_t n = per_query * q.num_queries;
+      const char* src = take(n * sizeof(float));
+      if (src == nullptr) return absl::InvalidArgumentError("ATTEND payload too short");
+      q.q.resize(n);
+      std::memcpy(q.q.data(), src, n * sizeof(float));
+    }
+    if (pos != payload.size()) return absl::InvalidArgumentError("ATTEND payload too long");
+    return std::make_pair(*std::move(model), std::move(queries));
+  };
+  auto parsed = parse();
+  if (!parsed.ok()) return SendAttendError(session, h.call_id, parsed.status());
+  std::shared_ptr<const Model> model = parsed->first;
+  ++attention_calls_;
+  ctx_->counters.attention_calls++;
+  ctx_->counters.attention_sequences += h.batch;
+  const uint64_t call_id = h.call_id;
+  absl::Status started = ctx_->attention->Start(
+      session->tenant, model, h.layer, std::move(parsed->second),
+      [this, session, call_id, model](absl::StatusOr<std::vector<AttentionResult>> results) {
+        if (!results.ok()) {
+          absl::Status st = results.status();
+          rt_->Post([this, session, call_id, st] { SendAttendError(session, call_id, st); });
+          return;
+        }
+        wire::AttendDoneHeader d{};
+        d.call_id = call_id;
+        d.status_code = 0;
+        d.batch = static_cast<uint32_t>(results->size());
+        d.q_heads = static_cast<uint32_t>(model->q_heads);
+        d.head_dim = static_cast<uint32_t>(model->head_dim);
+        size_t floats = 0;
+        for (const AttentionResult& r : *results) floats += r.out.size() + r.lse.size();
+        std::string payload;
+        payload.reserve(results->size() * sizeof(wire::SequenceResultMeta) +
+                        floats * sizeof(float));
+        for (const AttentionResult& r : *results) {
+          const size_t per_query = static_cast<size_t>(model->q_heads) * model->head_dim;
+          wire::SequenceResultMeta m{static_cast<uint32_t>(r.attended_tokens),
+                                     static_cast<uint32_t>(r.out.size() / per_query)};
+          payload.append(reinterpret_cast<const char*>(&m), sizeof(m));
+        }
+        for (const AttentionResult& r : *results) {
+          payload.append(reinterpret_cast<const char*>(r.out.data()), r.out.size() * 4);
+        }
+        for (const AttentionResult& r : *results) {
+          payload.append(reinterpret_cast<const char*>(r.lse.data()), r.lse.size() * 4);
+        }
+        rt_->Post([this, session, d, payload = std::move(payload)]() mutable {
+          if (session->dead) return;
+          ucx::SendAm(rt_.get(), session->ep, wire::kAttendDone,
+                      Message(wire::Encode(d), std::move(payload)), nullptr);
+        });
+      });
+  if (!started.ok()) SendAttendError(session, call_id, started);
+}
+
+void UcxTransport::SendAttendError(const std::shared_ptr<Session>& session, uint64_t call_id,
+                                   const absl::Status& status) {
+  if (session->dead) return;
+  wire::AttendDoneHeader d{};
+  d.call_id = call_id;
+  d.status_code = static_cast<int32_t>(status.code());
+  ucx::AmMessage msg = Message(wire::Encode(d), std::string(status.message()));
+  msg.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucx::SendAm(rt_.get(), session->ep, wire::kAttendDone, std::move(msg), nullptr);
+}
+
+// --- Sessions and time ---
+
+void UcxTransport::EndSession(const std::shared_ptr<Session>& session, const absl::Status& why,
+                              bool force, bool peer_gone) {
+  if (session->dead) return;
+  std::vector<std::shared_ptr<Push>> pushes;
+  for (auto& [id, p] : session->pushes) pushes.push_back(p);
+  // A graceful end tells the client why its pushes failed; after a peer error nothing is sent.
+  if (force) session->dead = true;
+  for (auto& p : pushes) FailPush(session, p, why);
+  session->dead = true;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->session != session) {
+      ++it;
+      continue;
+    }
+    ucx::DropAm(rt_.get(), it->data, it->rndv, /*in_handler=*/false);
+    --it->push->outstanding;
+    --session->queued;
+    --pending_count_;
+    it = pending_.erase(it);
+  }
+  if (peer_gone) {
+    std::set<std::shared_ptr<Receive>> receiving;
+    receiving.swap(session->receiving);
+    for (const std::shared_ptr<Receive>& r : receiving) {
+      r->abandoned = true;
+      --r->push->outstanding;
+      --session->queued;
+      ReleaseSlot(r->slot);
+    }
+  }
+  ucx::CloseEndpoint(rt_.get(), session->ep, force && session->peer_error_handling);
+  session->ep = nullptr;
+  session->ended = absl::Now();
+  if (sessions_.erase(session->id) > 0) --sessions_count_;
+  ended_.push_back(session);
+  spdlog::info("ucx: session {:x} ended: {}", session->id, why.ToString());
+}
+
+void UcxTransport::OnTick() {
+  const absl::Time now = absl::Now();
+  while (!ended_.empty() && now - ended_.front()->ended > absl::Seconds(60)) {
+    ended_.erase(ended_.begin());
+  }
+  std::vector<std::pair<std::shared_ptr<Session>, std::shared_ptr<Push>>> idle;
+  std::vector<std::shared_ptr<Session>> stuck, gone;
+  for (auto& [sid, s] : sessions_) {
+    if (s->watch && ucx::ProcessGone(s->peer)) {
+      gone.push_back(s);
+      continue;
+    }
+    for (auto& [pid, p] : s->pushes) {
+      if (p->finished) continue;
+      const absl::Duration quiet = now - p->last_activity;
+      if (p->outstanding == 0 && quiet > options_.idle_timeout) {
+        idle.emplace_back(s, p);
+      } else if (p->outstanding > 0 && quiet > 2 * options_.idle_timeout) {
+        stuck.push_back(s);  // receives that never finish: the peer is unhealthy
+        break;
+      }
+    }
+  }
+  const std::string limit = absl::StrCat(absl::ToInt64Milliseconds(options_.idle_timeout), " ms");
+  for (auto& [s, p] : idle) {
+    ++timeouts_;
+    FailPush(s, p, absl::DeadlineExceededError("push made no progress for " + limit));
+  }
+  for (auto& s : gone) {
+    ++peer_errors_;
+    spdlog::warn("ucx: session {:x}: client process {} exited; rolling back its pushes", s->id,
+                 s->peer.pid);
+    EndSession(s, absl::UnavailableError(absl::StrCat("client process ", s->peer.pid, " exited")),
+               /*force=*/true, /*peer_gone=*/true);
+  }
+  for (auto& s : stuck) {
+    ++timeouts_;
+    EndSession(s, absl::DeadlineExceededError("UCX receives made no progress for 2 x " + limit),
+               /*force=*/true);
+  }
+}
+
+}  // namespace kvpool::server

@@ -1,0 +1,150 @@
+// UcxTransport: kvpoold's UCX data plane. Clients negotiate a session over gRPC
+// (TransportService.Negotiate -> Accept), then push BF16 K/V layer by layer and call remote
+// attention with ucp active messages (wire format: ucx_wire.h).
+//
+// Receiving: a LAYER_DATA message (always rendezvous) is pulled straight into a slot of the
+// staging memory, registered with UCX once at start (ucp_mem_map); when no slot is free the
+// message waits (the sender's request stays incomplete: backpressure, bounded by the sessions'
+// in-flight limits). A received chunk is handed to the worker pool, which rotates and quantizes
+// it into the push's SequenceStore transaction (LayerwiseAppend) and frees the slot; when a
+// layer is complete the client gets LAYER_DONE; PUSH_COMMIT commits atomically once every layer
+// is stored and answers PUSH_DONE.
+//
+// Faults: an endpoint error (UCX peer error handling; keepalive notices a killed process within
+// about --transport_keepalive_ms) ends the session; a push with no progress for idle_timeout is
+// rolled back (DEADLINE_EXCEEDED). Either way the transaction is dropped, so no half-written
+// sequence stays, and staging slots return when their receives finish or fail.
+//
+//   UcxTransportOptions options;
+//   options.runtime.tls = "posix,sysv,cma";
+//   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<UcxTransport> ucx,
+//                           UcxTransport::Create(&service_context, options));
+//   KVPOOL_ASSIGN_OR_RETURN(TransportSession s, ucx->Accept(tenant, offer));
+//   ...
+//   ucx->Shutdown();   // before the worker pool drains
+//
+// Thread-safe. All UCX work runs on one progress thread; codec math on the worker pool.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/service_context.h"
+#include "server/transport/layerwise_append.h"
+#include "server/transport/transport.h"
+#include "server/transport/ucx/ucx_runtime.h"
+#include "server/transport/ucx/ucx_wire.h"
+
+namespace kvpool::server {
+
+struct UcxTransportOptions {
+  ucx::UcxRuntimeOptions runtime;
+  // Registered staging memory, split into slots of message_bytes (the largest LAYER_DATA).
+  size_t staging_bytes = size_t{64} << 20;
+  size_t message_bytes = size_t{4} << 20;
+  // LAYER_DATA messages one session may have in flight (0: the number of slots).
+  uint32_t max_inflight_messages = 0;
+  // A push with no progress for this long is rolled back.
+  absl::Duration idle_timeout = absl::Seconds(30);
+  int max_sessions = 1024;
+  int max_pushes_per_session = 256;
+};
+
+// Options from the daemon's flags (--ucx_tls, --transport_*).
+UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config);
+
+class UcxTransport final : public Transport {
+ public:
+  // Starts UCX (Unavailable when it cannot: no usable transport) and the progress thread.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(
+      ServiceContext* ctx, const UcxTransportOptions& options);
+  ~UcxTransport() override;
+
+  const TransportCapabilities& capabilities() const override;
+  absl::StatusOr<TransportSession> Accept(const TenantId& tenant,
+                                          const TransportOffer& offer) override;
+  absl::StatusOr<int> Close(const TenantId& tenant, uint64_t session_id) override;
+  TransportStats Stats() const override;
+  void Shutdown() override;
+  absl::StatusOr<std::unique_ptr<RegisteredMemory>> RegisterMemory(size_t bytes) override;
+
+ private:
+  struct Push;
+  struct Session;
+  struct Pending;
+  struct Receive;
+
+  UcxTransport(ServiceContext* ctx, const UcxTransportOptions& options);
+  absl::Status Init();
+
+  // Progress thread only.
+  ucs_status_t OnPushBegin(const void* header, size_t header_length, void* data, size_t length,
+                           const ucp_am_recv_param_t* param);
+  ucs_status_t OnLayerData(const void* header, size_t header_length, void* data, size_t length,
+                           const ucp_am_recv_param_t* param);
+  ucs_status_t OnPushControl(bool commit, const void* header, size_t header_length);
+  ucs_status_t OnAttend(const void* header, size_t header_length, void* data, size_t length,
+                        const ucp_am_recv_param_t* param);
+  void StartReceive(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
+                    const ucx::wire::LayerDataHeader& h, void* data, size_t length, bool rndv,
+                    bool in_handler, int slot, ucs_status_t* handler_status);
+  void OnChunkStaged(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
+                     int layer, int slot, const absl::Status& status, bool layer_complete);
+  void ReleaseSlot(int slot);
+  void ServePending();
+  void FailPush(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
+                const absl::Status& why);
+  void MaybeCommit(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push);
+  void SendPushDone(const std::shared_ptr<Session>& session, uint64_t push_id,
+                    const absl::StatusOr<AppendResult>& result);
+  void RunAttention(const std::shared_ptr<Session>& session, const ucx::wire::AttendHeader& h,
+                    const std::string& payload);
+  void SendAttendError(const std::shared_ptr<Session>& session, uint64_t call_id,
+                       const absl::Status& status);
+  // Ends a session. `force`: the peer failed (no goodbye, forced close). `peer_gone`: its process
+  // has exited, so receives still in flight from it can never complete and their staging slots
+  // are reclaimed now (nothing can write into them any more).
+  void EndSession(const std::shared_ptr<Session>& session, const absl::Status& why, bool force,
+                  bool peer_gone = false);
+  void OnTick();
+  std::shared_ptr<Session> FindSession(uint64_t id);
+
+  ServiceContext* const ctx_;
+  const UcxTransportOptions options_;
+  std::unique_ptr<ucx::UcxRuntime> rt_;
+  std::unique_ptr<ucx::UcxMemory> staging_;
+  size_t slot_bytes_ = 0;
+  int num_slots_ = 0;
+  uint32_t max_inflight_ = 0;
+
+  // Progress thread only.
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_;
+  std::vector<int> free_slots_;
+  std::deque<Pending> pending_;
+  // Ended sessions, kept a while: UCX may still hold their error handlers.
+  std::vector<std::shared_ptr<Session>> ended_;
+  uint64_t next_session_ = 1;
+
+  std::atomic<bool> shut_down_{false};
+  std::atomic<uint32_t> sessions_count_{0};
+  std::atomic<uint32_t> open_pushes_{0};
+  std::atomic<uint32_t> slots_in_use_{0};
+  std::atomic<uint32_t> pending_count_{0};
+  std::atomic<uint64_t> pushes_committed_{0};
+  std::atomic<uint64_t> pushes_aborted_{0};
+  std::atomic<uint64_t> peer_errors_{0};
+  std::atomic<uint64_t> timeouts_{0};
+  std::atomic<uint64_t> bytes_received_{0};
+  std::atomic<uint64_t> attention_calls_{0};
+};
+
+}  // namespace kvpool::server
