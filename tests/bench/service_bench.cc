@@ -240,7 +240,7 @@ absl::Status Run(const Options& opt) {
                 service_mbs,
                 "MB/s",
                 {"codec_rotate_clip_quantize_same_rows", codec_mbs}});
-    report.Add({"ingest_grpc_inline_bypass_quantizer",
+    report.Add({"ingest_grpc_inline_no_quantizer",
                 params,
                 transport_mbs,
                 "MB/s",
