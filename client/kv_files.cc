@@ -141,6 +141,10 @@ absl::StatusOr<std::vector<uint32_t>> TokenIdsFromRaw(absl::string_view name, si
         std::memcpy(&x, bytes.data() + i * 4, 4);
         value = x;
       }
+    } else if (is_signed) {
+      int16_t x;
+      std::memcpy(&x, bytes.data() + i * 2, 2);
+      value = x;
     } else {
       uint16_t x;
       std::memcpy(&x, bytes.data() + i * 2, 2);
@@ -222,7 +226,6 @@ absl::StatusOr<KvHistory> LoadKvSafetensors(const std::string& path) {
         break;
       case SafetensorsDtype::kI16:
         elem = 2;
-        is_signed = false;
         break;
       default:
         return absl::InvalidArgumentError("token_ids must be I64, I32 or I16");
@@ -264,9 +267,11 @@ absl::StatusOr<std::vector<uint32_t>> TokenIdsFromNpy(const NpyArray& a) {
       return TokenIdsFromRaw("token_ids", 4, false, a.shape[0], a.data);
     case NpyDtype::kU16:
       return TokenIdsFromRaw("token_ids", 2, false, a.shape[0], a.data);
+    case NpyDtype::kI16:
+      return TokenIdsFromRaw("token_ids", 2, true, a.shape[0], a.data);
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("token ids must be i8, i4, u4 or u2, not ", NpyDescr(a.dtype)));
+          absl::StrCat("token ids must be i8, i4, u4, i2 or u2, not ", NpyDescr(a.dtype)));
   }
 }
 

@@ -45,7 +45,7 @@ struct KvHistory {
 [[nodiscard]] absl::StatusOr<KvHistory> LoadKvSafetensors(const std::string& path);
 [[nodiscard]] absl::StatusOr<KvHistory> LoadKvNpy(const std::string& k_path,
                                                   const std::string& v_path);
-// Token ids from a .npy of an integer type (i4, i8, u4, u2), one dimension, values in
+// Token ids from a .npy of an integer type (i8, i4, u4, i2, u2), one dimension, values in
 // [0, 2^32). InvalidArgument otherwise.
 [[nodiscard]] absl::StatusOr<std::vector<uint32_t>> TokenIdsFromNpy(const NpyArray& a);
 
