@@ -49,6 +49,8 @@ struct AttentionParams {
   float* out;                 // [num_seqs][q_heads][D] fp32, original basis
   float* lse;                 // [num_seqs][q_heads], natural log
   int32_t use_pdl;            // 1: kernels 2-4 are programmatic dependent launches
+  int32_t hist_v2;            // 1: INT2 history kernel version 2 (groups <= 8), chunks of 128
+  int32_t hist_bulk;          // 1: version 2 fills its ring with asynchronous copies
 };
 
 // Enqueues the whole decode step (query rotation, BF16 tiers, INT2 history, merge and output
@@ -57,8 +59,9 @@ struct AttentionParams {
 template <int kD, int kGroupTiles>
 int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream);
 
-// Resident CTAs per SM of the INT2 history kernel (which = 0) or the BF16 tier kernel (1), from
-// the occupancy calculator; a negative cudaError_t value on failure.
+// Resident CTAs per SM of the INT2 history kernel (which = 0), the BF16 tier kernel (1) or the
+// INT2 history kernel version 2 (2, kGroupTiles = 1 only), from the occupancy calculator; a
+// negative cudaError_t value on failure.
 template <int kD, int kGroupTiles>
 int AttentionCtasPerSm(int which);
 

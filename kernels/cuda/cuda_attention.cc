@@ -25,12 +25,14 @@ using internal::CudaStatus;
 using internal::MakeGeometry;
 
 constexpr int kChunkQuantum = 64;  // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)
+constexpr int kV2Quantum = 128;    // int2_history_v2.cuh kV2Quantum (4 warps x 32 tokens)
 constexpr int kMaxGroup = 16;
 constexpr int kMaxParts = 256;     // decode_attention.cuh kMaxParts (merge kernel)
 constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
 
 struct Plan {
   int group = 0;
+  bool hist_v2 = false;  // INT2 history kernel version 2
   int history_chunks = 0;
   int history_chunk_tokens = kChunkQuantum;
   int bf16_chunks = 0;
@@ -90,9 +92,10 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
   return absl::OkStatus();
 }
 
-// Resident CTAs per SM of one attention kernel (0: INT2 history, 1: BF16 tiers), cached.
+// Resident CTAs per SM of one attention kernel (0: INT2 history, 1: BF16 tiers, 2: INT2 history
+// version 2), cached.
 absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, int which) {
-  static std::atomic<int> cache[2][2][2] = {};
+  static std::atomic<int> cache[2][2][3] = {};
   std::atomic<int>& slot = cache[d == 128 ? 1 : 0][two_tiles ? 1 : 0][which];
   int n = slot.load(std::memory_order_relaxed);
   if (n > 0) return n;
@@ -119,16 +122,17 @@ struct Split {
   int chunk_tokens = kChunkQuantum;
 };
 
-Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int max_chunks) {
+Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int max_chunks,
+                  int quantum = kChunkQuantum) {
   constexpr double kCtaOverheadTokens = 256;  // prologue + partial write, in token-equivalents
   constexpr double kPartCostTokens = 2;       // merge work per part
   Split best;
   if (tokens <= 0) return best;
   double best_cost = 0;
-  const int64_t c_max = std::max<int64_t>(
-      1, std::min<int64_t>(max_chunks, (tokens + kChunkQuantum - 1) / kChunkQuantum));
+  const int64_t c_max =
+      std::max<int64_t>(1, std::min<int64_t>(max_chunks, (tokens + quantum - 1) / quantum));
   for (int64_t c = 1; c <= c_max; ++c) {
-    const int chunk = std::max(min_chunk, RoundUp((tokens + c - 1) / c, kChunkQuantum));
+    const int chunk = std::max(min_chunk, RoundUp((tokens + c - 1) / c, quantum));
     const int64_t actual = (tokens + chunk - 1) / chunk;
     if (actual > max_chunks) continue;
     const int64_t waves = (pairs * actual + cap - 1) / cap;
@@ -148,6 +152,19 @@ bool LegacySplit() {
   return v != nullptr && std::string_view(v) == "legacy";
 }
 
+// KVPOOL_ATTN_HIST=v1 selects the first INT2 history kernel for every group size.
+bool HistoryV1() {
+  const char* v = std::getenv("KVPOOL_ATTN_HIST");
+  return v != nullptr && std::string_view(v) == "v1";
+}
+
+// KVPOOL_ATTN_BULK=0 makes the version 2 history kernel fill its shared-memory ring with
+// ordinary loads instead of asynchronous copies (for A/B runs).
+bool UseBulkCopies() {
+  const char* v = std::getenv("KVPOOL_ATTN_BULK");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
 bool UsePdl() {
   const char* v = std::getenv("KVPOOL_ATTN_PDL");
   return v == nullptr || std::string_view(v) != "0";
@@ -164,6 +181,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   const int head_dim = s.history_pool.layout.head_dim;
   Plan p;
   p.group = s.q_heads / kv_heads;
+  p.hist_v2 = p.group <= 8 && !HistoryV1();
   const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
   if (LegacySplit()) {
     // The first version: about four CTAs per SM; chunks of at least 128 tokens.
@@ -181,6 +199,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
                                      kChunkQuantum));
       p.history_chunk_tokens = std::max(
           min_chunk, RoundUp((s.max_history_tokens + per_seq - 1) / per_seq, kChunkQuantum));
+      if (p.hist_v2) p.history_chunk_tokens = RoundUp(p.history_chunk_tokens, kV2Quantum);
       p.history_chunks =
           (s.max_history_tokens + p.history_chunk_tokens - 1) / p.history_chunk_tokens;
     }
@@ -194,9 +213,10 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
       p.bf16_chunk_tokens = b.chunk_tokens;
     }
     if (s.max_history_tokens > 0) {
-      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, 0));
+      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, p.hist_v2 ? 2 : 0));
       const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                  2 * kChunkQuantum, kMaxParts - p.bf16_chunks);
+                                  2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
+                                  p.hist_v2 ? kV2Quantum : kChunkQuantum);
       p.history_chunks = h.chunks;
       p.history_chunk_tokens = h.chunk_tokens;
     }
@@ -293,6 +313,19 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.out = io.out;
   p.lse = io.lse;
   p.use_pdl = UsePdl() ? 1 : 0;
+  p.hist_v2 = plan.hist_v2 ? 1 : 0;
+  {
+    // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment
+    // (K codes, V codes, K meta, V meta) is laid out exactly like a stage, 16-byte aligned.
+    const internal::BlockGeometry& g = p.int2_geo;
+    const int64_t row = g.head_dim / 4;
+    const bool stage_layout = g.tokens == 16 && g.head_segment_bytes == 32 * row + 128 &&
+                              g.codes_offset[0] == 0 && g.codes_offset[1] == 16 * row &&
+                              g.meta_offset[0] == 32 * row && g.meta_offset[1] == 32 * row + 64;
+    p.hist_bulk =
+        stage_layout && Aligned16(p.int2_pool) && g.block_bytes % 16 == 0 && UseBulkCopies() ? 1
+                                                                                             : 0;
+  }
   const bool two_tiles = plan.group > 8;
   int err = 0;
   if (d == 64) {

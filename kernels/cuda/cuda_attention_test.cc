@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -439,6 +440,44 @@ TEST_F(CudaAttentionTest, TensorCoresTakeSubnormalCodesAndTranspose) {
 TEST_F(CudaAttentionTest, MixedBatchHead128Group8) {
   Scenario sc;
   sc.seqs = {{64, 1000, 256}, {64, 37, 300}, {5, 0, 17}, {64, 2100, 263}};
+  RunScenario(sc);
+}
+
+// The selectable paths of the INT2 history (cuda_attention.cc): the first kernel
+// (KVPOOL_ATTN_HIST=v1) and version 2 filling its ring with ordinary loads (KVPOOL_ATTN_BULK=0);
+// the default (version 2 with asynchronous copies for 16-aligned histories) runs everywhere else.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
+  Scenario sc;
+  sc.seqs = {{64, 1000, 256}, {64, 37, 300}, {64, 2100, 263}};
+  {
+    ScopedEnv env("KVPOOL_ATTN_HIST", "v1");
+    RunScenario(sc);
+  }
+  ScopedEnv env("KVPOOL_ATTN_BULK", "0");
+  RunScenario(sc);
+}
+
+// D = 64 through version 2's asynchronous copies (sequence 0 starts at slot 0), both scale
+// dtypes.
+TEST_F(CudaAttentionTest, Head64Group3BlockSize16BothScaleDtypes) {
+  Scenario sc;
+  sc.head_dim = 64;
+  sc.q_heads = 9;
+  sc.kv_heads = 3;
+  sc.seqs = {{64, 777, 256}, {0, 129, 0}, {64, 3001, 100}};
+  RunScenario(sc);
+  sc.scale = ScaleDtype::kBf16;
   RunScenario(sc);
 }
 

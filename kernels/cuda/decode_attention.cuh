@@ -783,6 +783,12 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
   WritePartial<kD, kNT>(st, p, b, kv_head, p.history_chunks + chunk, row_factor);
 }
 
+}  // namespace kvpool::cuda::internal
+
+#include "kernels/cuda/int2_history_v2.cuh"  // IWYU pragma: keep
+
+namespace kvpool::cuda::internal {
+
 // ---------------------------------------------------------------------------------------------
 // 4. Merge of all parts and un-rotation. Grid (kv_heads, num_seqs), kMergeThreads threads.
 //   a. warp n < group: max and weights w_k = exp2(lse_k - max) / sum of query n's parts;
@@ -903,11 +909,12 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionPara
 // the stream (it may start while that one runs; GridDependencyWait orders the data).
 template <typename Kernel>
 cudaError_t LaunchAttentionKernel(Kernel kernel, dim3 grid, int threads, bool pdl,
-                                  const AttentionParams& p, CUstream_st* stream) {
+                                  const AttentionParams& p, CUstream_st* stream,
+                                  size_t dynamic_smem = 0) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = dynamic_smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -936,9 +943,17 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
                                 stream);
   }
   if (err == cudaSuccess && p.history_chunks > 0) {
-    err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>,
-                                dim3(p.history_chunks, p.kv_heads, p.num_seqs), kAttnThreads, pdl,
-                                p, stream);
+    const dim3 grid(p.history_chunks, p.kv_heads, p.num_seqs);
+    if (kGroupTiles == 1 && p.hist_v2 != 0) {
+      err = p.scale_is_bf16 != 0
+                ? LaunchAttentionKernel(Int2HistoryKernelV2<kD, true>, grid, kAttnThreads, pdl, p,
+                                        stream, kV2SmemBytes<kD>)
+                : LaunchAttentionKernel(Int2HistoryKernelV2<kD, false>, grid, kAttnThreads, pdl, p,
+                                        stream, kV2SmemBytes<kD>);
+    } else {
+      err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>, grid, kAttnThreads, pdl, p,
+                                  stream);
+    }
   }
   if (err == cudaSuccess) {
     err = LaunchAttentionKernel(MergeKernel<kD>, groups, kMergeThreads, pdl, p, stream);
@@ -950,10 +965,17 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
 template <int kD, int kGroupTiles>
 int AttentionCtasPerSm(int which) {
   int n = 0;
-  const cudaError_t err = which == 0 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                           &n, Int2HistoryKernel<kD, kGroupTiles>, kAttnThreads, 0)
-                                     : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                           &n, Bf16TierKernel<kD, kGroupTiles>, kAttnThreads, 0);
+  cudaError_t err = cudaSuccess;
+  if (which == 0) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernel<kD, kGroupTiles>,
+                                                        kAttnThreads, 0);
+  } else if (which == 1) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Bf16TierKernel<kD, kGroupTiles>,
+                                                        kAttnThreads, 0);
+  } else {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false>,
+                                                        kAttnThreads, kV2SmemBytes<kD>);
+  }
   return err == cudaSuccess ? n : -static_cast<int>(err);
 }
 

@@ -177,10 +177,11 @@ struct Model {
 
 // One model's pools, filled once (32 sequences of 128K history tokens of capacity), shared by
 // all batch sizes and contexts of that model.
-// With `ab`, batch 1 x 8K and batch 32 x 128K also run as A/B variants of this version's
-// changes (environment knobs of cuda_attention.cc): "no_pdl" (no programmatic dependent launch)
-// and "legacy_split" (the first version's split of the work); those results are named
-// int2_decode_attention_variant.
+// With `ab`, batch 1 x 8K and batch 32 x 128K also run as A/B variants (environment knobs of
+// cuda_attention.cc): "no_pdl" (no programmatic dependent launch), "legacy_split" (the first
+// version's split of the work) and "ordinary_loads" (the version 2 history kernel without
+// asynchronous copies); every model runs "hist_v1" (the first INT2 history kernel) at batch 32 x
+// 128K and batch 8 x 32K. Those results are named int2_decode_attention_variant.
 void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
                     const std::vector<int>& batches, const std::vector<int>& contexts,
                     bool ab = false) {
@@ -292,10 +293,16 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       if (ab && ((b == 1 && ctx == 8192) || (b == 32 && ctx == 131072))) {
         variants.push_back("no_pdl");
         variants.push_back("legacy_split");
+        variants.push_back("ordinary_loads");
+      }
+      if ((b == 32 && ctx == 131072) || (b == 8 && ctx == 32768) || (ab && b == 1 && ctx == 8192)) {
+        variants.push_back("hist_v1");
       }
       for (const std::string& variant : variants) {
         if (variant == "no_pdl") setenv("KVPOOL_ATTN_PDL", "0", 1);
         if (variant == "legacy_split") setenv("KVPOOL_ATTN_SPLIT", "legacy", 1);
+        if (variant == "hist_v1") setenv("KVPOOL_ATTN_HIST", "v1", 1);
+        if (variant == "ordinary_loads") setenv("KVPOOL_ATTN_BULK", "0", 1);
         auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
         Check(ws_bytes.status(), "workspace");
         uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
@@ -340,6 +347,8 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         cudaFree(ws);
         unsetenv("KVPOOL_ATTN_PDL");
         unsetenv("KVPOOL_ATTN_SPLIT");
+        unsetenv("KVPOOL_ATTN_HIST");
+        unsetenv("KVPOOL_ATTN_BULK");
       }
       for (void* p : std::vector<void*>{d_hist, d_sink, d_recent, d_zero, d_hist_n, d_sink_n,
                                         d_recent_n, q, out, lse}) {

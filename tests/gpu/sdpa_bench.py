@@ -79,7 +79,8 @@ def main():
     for r in ours["results"]:
         if r["name"] == "int2_decode_attention_variant":
             p = r["params"]
-            print(f"A/B {p['variant']:13s} B={p['batch']:<2d} ctx={p['context']:<6d} "
+            print(f"A/B {p['model']:9s} {p['variant']:14s} B={p['batch']:<2d} "
+                  f"ctx={p['context']:<6d} "
                   f"{r['value']:9.1f} us  ({r['ratio']:.2f}x floor)")
         elif r["name"] != "int2_decode_attention":
             print(f"{r['name']:30s} {r['value']:9.1f} {r['unit']}  ({r['ratio']:.2f} of copy bw)")

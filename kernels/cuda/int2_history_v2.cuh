@@ -1,0 +1,518 @@
+// INT2 history attention, version 2 (included by decode_attention.cuh; GQA groups of up to 8).
+//
+// What changed against Int2HistoryKernel (version 1), and why (kernels/cuda/NOTES.md):
+// - Loads leave the dependent chains and most issue slots. Each warp owns a ring of kV2Stages
+//   16-token tiles in shared memory, filled by asynchronous 16-byte copies (cp.async.cg, three
+//   per lane and tile at D = 128, one commit group per pair of tiles); kV2Stages / 2 pairs are in
+//   flight while a pair computes. With blocks of 16 tokens a head segment is laid out exactly
+//   like a stage, so a copy is the segment base plus an immediate offset. Block-table entries
+//   are loaded one pair ahead, so no warp waits on a table load before a copy. (cp.async.bulk
+//   was tried first: its per-copy cost in SASS, a uniform-register loop around each UBLKCP plus
+//   the mbarrier expect/wait, came to ~55 instructions per tile against ~10 here.) Other
+//   sequences (history start not a multiple of 16, blocks of other sizes, or
+//   KVPOOL_ATTN_BULK=0) fill the same ring with ordinary loads instead.
+// - Queries on the M dimension: S[16 rows x 8 tokens] = Q * K^T with rows 0..7 the fp16 high
+//   parts of the group's 8 queries and rows 8..15 the low parts, so the hi/lo split costs no
+//   extra MMA; the accumulator layout of S (row = query g, columns 2t, 2t+1) is exactly the B
+//   operand layout of O^T += V^T * (P s)^T, so P needs no transpose (version 1: movmatrix).
+// - A lane's softmax state is one query (g); the max over tokens needs no shuffle in the common
+//   case: the reference `mo` (the max when it last moved) only moves when a logit exceeds it by
+//   more than kLazyMargin, so p = exp2(logit - mo) <= 2^kLazyMargin (P s stays far from the fp16
+//   limit for stored fp16 scales below 65504 / 2^kLazyMargin = 1023).
+// - Two tiles (32 tokens) per iteration: four independent MMA chains for QK, one vote for both.
+// - fp16 scales: P * s_v as one HMUL2 per two tokens on the stored scale words, and the sum of
+//   p * min_v on the tensor cores (one MMA per tile: rows of stored fp16 mins times fp16 P).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/attention_params.h"
+#include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/mma.cuh"
+
+namespace kvpool::cuda::internal {
+
+inline constexpr int kV2Stages = 8;                   // 16-token tiles per warp ring (even)
+inline constexpr int kV2PairTokens = 32;              // tokens per warp iteration
+inline constexpr int kV2Quantum = 4 * kV2PairTokens;  // history chunk sizes are multiples
+inline constexpr float kLazyMargin = 6.f;             // log2 units a logit may exceed mo by
+
+template <int kD>
+inline constexpr int kV2TileBytes = 2 * 16 * (kD / 4) + 2 * 64;  // K, V codes + K, V meta
+template <int kD>
+inline constexpr int kV2SmemBytes = 4 * kV2Stages* kV2TileBytes<kD>;
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy that bypasses L1 (cp.async.cg), the source lines marked
+// evict-first in L2 (the history is read once per decode step).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(src), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most kPending of this thread's most recent groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// Makes `v` opaque to the compiler, so that it stays in a register instead of being recomputed.
+template <typename T>
+__device__ __forceinline__ void PinRegister(T*& v) {
+  asm volatile("" : "+l"(v));
+}
+__device__ __forceinline__ void PinRegister(uint32_t& v) { asm volatile("" : "+r"(v)); }
+
+template <typename T>
+__device__ __forceinline__ T LoadShared(const uint8_t* p) {
+  return *reinterpret_cast<const T*>(p);
+}
+
+// fp16 / bf16 scale-or-min word halves to fp32.
+template <bool kBf16>
+__device__ __forceinline__ float MetaLo(uint32_t w) {
+  if constexpr (kBf16) {
+    return __uint_as_float(w << 16);
+  } else {
+    return __low2float(*reinterpret_cast<const __half2*>(&w));
+  }
+}
+template <bool kBf16>
+__device__ __forceinline__ float MetaHi(uint32_t w) {
+  if constexpr (kBf16) {
+    return __uint_as_float(w & 0xffff0000u);
+  } else {
+    return __high2float(*reinterpret_cast<const __half2*>(&w));
+  }
+}
+
+// 3. INT2 history, version 2. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk sizes
+// are multiples of kV2Quantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
+template <int kD, bool kBf16>
+__global__ void __launch_bounds__(kAttnThreads, 3) Int2HistoryKernelV2(const AttentionParams p) {
+  constexpr int kRow = kD / 4;  // code bytes per row
+  constexpr int kKSteps = kD / 16;
+  constexpr int kMTiles = kD / 16;
+  constexpr int kKWords = kD / 64;  // K code words per token per lane
+  constexpr int kTile = kV2TileBytes<kD>;
+  constexpr int kS = kV2Stages;
+  constexpr int kVOff = 16 * kRow;        // V codes in a stage
+  constexpr int kKmOff = 32 * kRow;       // K meta
+  constexpr int kVmOff = 32 * kRow + 64;  // V meta
+  extern __shared__ __align__(128) uint8_t v2_smem[];
+
+  const int chunk = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const BlockGeometry& geo = p.int2_geo;
+
+  const int count = __ldg(p.history.count + b);
+  const int first = __ldg(p.history.first + b);
+  const int32_t* table = p.history.block_tables + static_cast<int64_t>(b) * p.history.stride;
+  const int c0 = chunk * p.history_chunk_tokens;
+  const int c1 = min(count, c0 + p.history_chunk_tokens);
+  const int log2_tokens = __ffs(geo.tokens) - 1;
+  const bool bulk = p.hist_bulk != 0 && (first & 15) == 0;
+  const int w0 = c0 + kV2PairTokens * warp;
+  const int n_pairs = c1 > w0 ? (c1 - w0 + kV2Quantum - 1) / kV2Quantum : 0;
+  auto pair_start = [&](int k) { return w0 + kV2Quantum * k; };
+
+  uint8_t* ring = v2_smem + warp * (kS * kTile);
+  const uint32_t ring_addr = SmemAddress(ring);
+
+  // Asynchronous copies (hist_bulk: blocks of 16 tokens whose head segment is laid out like a
+  // stage): 16-byte chunk c = lane + 32 j of tile e of pair k is byte 16 c of the segment of
+  // block table[(first + w0) / 16 + 8 k + e].
+  constexpr int kChunks = kTile / 16;
+  constexpr int kChunksPerLane = (kChunks + kWarpSize - 1) / kWarpSize;
+  const uint8_t* seg_lane =
+      p.int2_pool + static_cast<int64_t>(kv_head) * geo.head_segment_bytes + 16 * lane;
+  uint32_t dst_lane = ring_addr + 16 * lane;
+  const int32_t* pair_table = table + ((first + w0) >> 4);
+  const uint64_t policy = EvictFirstPolicy();
+  // Kept in registers (ptxas otherwise recomputes them from the thread index every tile).
+  PinRegister(seg_lane);
+  PinRegister(dst_lane);
+  PinRegister(pair_table);
+  // Block ids of pair k's two tiles (every lane loads them: one broadcast load each).
+  auto table_entries = [&](int k, int(&blk)[2]) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      blk[e] = k < n_pairs && pair_start(k) + 16 * e < c1 ? __ldg(pair_table + 8 * k + e) : 0;
+    }
+  };
+  // Copies of pair k into its stages, then one commit group (empty past the last pair).
+  auto issue = [&](int k, const int(&blk)[2]) {
+    if (k < n_pairs) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (pair_start(k) + 16 * e < c1) {
+          const uint8_t* src = seg_lane + static_cast<int64_t>(blk[e]) * geo.block_bytes;
+          const uint32_t dst = dst_lane + ((2 * k + e) % kS) * kTile;
+#pragma unroll
+          for (int j = 0; j < kChunksPerLane; ++j) {
+            if (kChunks % kWarpSize == 0 || j + 1 < kChunksPerLane ||
+                lane + kWarpSize * j < kChunks) {
+              CpAsync16(dst + 16 * kWarpSize * j, src + 16 * kWarpSize * j, policy);
+            }
+          }
+        }
+      }
+    }
+    CpAsyncCommit();
+  };
+  // Ordinary fill of one tile (tokens [ts, ts + 16), zeros past c1): lane (token, half) copies
+  // the K (half 0) or V (half 1) code row and meta word of one token.
+  auto fill = [&](int ts, uint8_t* stage) {
+    const int tok = lane >> 1;
+    const int half = lane & 1;
+    const int i = ts + tok;
+    uint2 row[kRow / 8];
+    uint32_t meta = 0u;
+#pragma unroll
+    for (int v = 0; v < kRow / 8; ++v) row[v] = make_uint2(0u, 0u);
+    if (i < c1) {
+      const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
+      const uint8_t* seg = p.int2_pool + a.segment;
+      const uint8_t* src = seg + geo.codes_offset[half] + a.slot * kRow;
+#pragma unroll
+      for (int v = 0; v < kRow / 8; ++v) row[v] = __ldg(reinterpret_cast<const uint2*>(src) + v);
+      meta = __ldg(reinterpret_cast<const uint32_t*>(seg + geo.meta_offset[half] + a.slot * 4));
+    }
+    uint8_t* dst = stage + half * kVOff + tok * kRow;
+#pragma unroll
+    for (int v = 0; v < kRow / 8; ++v) reinterpret_cast<uint2*>(dst)[v] = row[v];
+    *reinterpret_cast<uint32_t*>(stage + kKmOff + half * 64 + tok * 4) = meta;
+  };
+
+  // Prologue: the first kS / 2 pairs on their way before waiting for the query rotation (the
+  // pool was written by earlier, completed stream work).
+  int blk_next[2] = {0, 0};
+  if (bulk) {
+    int blk[kS / 2][2];
+#pragma unroll
+    for (int k = 0; k < kS / 2; ++k) table_entries(k, blk[k]);
+#pragma unroll
+    for (int k = 0; k < kS / 2; ++k) issue(k, blk[k]);
+    table_entries(kS / 2, blk_next);
+  }
+  GridDependencyWait();
+  LaunchDependents();
+
+  // A operand of Q * K^T for k-step j: rows g (query g, fp16 high part) and g + 8 (low part);
+  // columns 2t, 2t+1 | 2t+8, 2t+9 are the dims of codes i, i+8 | i+1, i+9 (i = 2 (j % 4)) of
+  // the lane's K word j / 4, each query dim scaled by 2^-CodePos(i) (mma.cuh).
+  uint32_t qa[kKSteps][4];
+  float gamma, beta_g;
+  {
+    const bool valid = g < p.group;
+    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + g;
+    const float* qv = p.q_rot + qrow * kD;
+    const float qs = valid ? p.q_scale[qrow] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int i = 2 * (j % 4) + s;
+        const int dim = t * (kD / 4) + (j / 4) * 16 + i;
+        const float f = qs / static_cast<float>(1 << CodePos(i));
+        qa[j][2 * s] = 0u;
+        qa[j][2 * s + 1] = 0u;
+        if (valid) SplitHalf2(qv[dim] * f, qv[dim + 8] * f, qa[j][2 * s], qa[j][2 * s + 1]);
+      }
+    }
+    // logit (log2) = gamma * v2 with v2 = s_k * (q'.c) + m_k * beta_g.
+    gamma = valid ? 16777216.f * p.softmax_scale_log2 / qs : 1.f;
+    beta_g = valid ? p.q_sum[qrow] * qs * (1.f / 16777216.f) : 0.f;
+  }
+
+  float mo = kNegInf;   // reference of p = exp2(logit - mo) for query g; quad-uniform
+  float lim = kNegInf;  // mo + kLazyMargin
+  float l_part = 0.f;   // lane-partial sum of p (query g)
+  float pm_part = 0.f;  // bf16 scales: lane-partial sum of p * min_v (query g)
+  float pm_acc[4] = {0.f, 0.f, 0.f, 0.f};  // fp16 scales: [2, 3] = sum p * min_v, queries 2t, +1
+  float acc[kMTiles][4];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc[mi][k] = 0.f;
+  }
+
+  // One pair of tiles from stages sb[0], sb[1]; kMasked: tokens at or past c1 are absent.
+  auto compute = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
+    const uint8_t* sb[2] = {sb0, sb1};
+    uint32_t kw[2][2][kKWords];  // [tile][n-tile (tokens g | g + 8)][word]
+    uint32_t km[2][2][2];        // [tile][tokens 2t,2t+1 | 2t+8,2t+9][token of the pair]
+    uint32_t vm[2][2][2];
+    uint32_t vw[2][4];  // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint8_t* src = sb[e] + (g + 8 * nt) * kRow + t * (kD / 16);
+        if constexpr (kKWords == 2) {
+          const uint2 w = LoadShared<uint2>(src);
+          kw[e][nt][0] = w.x;
+          kw[e][nt][1] = w.y;
+        } else {
+          kw[e][nt][0] = LoadShared<uint32_t>(src);
+        }
+        const uint2 a = LoadShared<uint2>(sb[e] + kKmOff + 32 * nt + 8 * t);
+        const uint2 c = LoadShared<uint2>(sb[e] + kVmOff + 32 * nt + 8 * t);
+        km[e][nt][0] = a.x;
+        km[e][nt][1] = a.y;
+        vm[e][nt][0] = c.x;
+        vm[e][nt][1] = c.y;
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* src = sb[e] + kVOff + (2 * t + (c & 1) + 8 * (c >> 1)) * kRow;
+        if constexpr (kD == 128) {
+          vw[e][c] = LoadShared<uint32_t>(src + 4 * g);
+        } else {
+          vw[e][c] = LoadShared<uint16_t>(src + 2 * g);
+        }
+      }
+    }
+    // S = Q K^T: four independent chains (tile, n-tile).
+    float s[2][2][4];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s[e][nt][k] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      const int w = j / 4;
+      const int i0 = 2 * (j % 4);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t bk[2] = {ExtractCodesAt(kw[e][nt][w], i0),
+                                  ExtractCodesAt(kw[e][nt][w], i0 + 1)};
+          MmaF16(s[e][nt], qa[j], bk);
+        }
+      }
+    }
+    // v2 per token [tile][n-tile][cc] (token 16 e + 8 nt + 2t + cc of the pair).
+    float v2[2][2][2];
+    float mx = kNegInf;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          const float qc = s[e][nt][cc] + s[e][nt][2 + cc];
+          const uint32_t w = km[e][nt][cc];
+          float v = __fmaf_rn(MetaLo<kBf16>(w), qc, MetaHi<kBf16>(w) * beta_g);
+          if constexpr (kMasked) {
+            const bool ok = start + 16 * e + 8 * nt + 2 * t + cc < c1;
+            v = ok ? v : kNegInf;
+            vm[e][nt][cc] = ok ? vm[e][nt][cc] : 0u;
+          }
+          v2[e][nt][cc] = v;
+          mx = fmaxf(mx, v);
+        }
+      }
+    }
+    const float mxl = mx * gamma;
+    if (__any_sync(kFullMask, mxl > lim)) {
+      // Move the reference of every query whose quad saw a logit above its limit to the quad's
+      // max; rescale its sums.
+      float qmax = fmaxf(mxl, __shfl_xor_sync(kFullMask, mxl, 1));
+      qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, 2));
+      const bool up = qmax > lim;
+      const float corr = up ? FastExp2(mo - qmax) : 1.f;  // 0 when mo was -inf
+      mo = up ? qmax : mo;
+      lim = mo + kLazyMargin;
+      l_part *= corr;
+      pm_part *= corr;
+      // The O^T columns of this lane are queries 2t and 2t + 1: their factors live in quads
+      // 2t and 2t + 1.
+      const float c_even = __shfl_sync(kFullMask, corr, 8 * t);
+      const float c_odd = __shfl_sync(kFullMask, corr, 8 * t + 4);
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        acc[mi][0] *= c_even;
+        acc[mi][1] *= c_odd;
+        acc[mi][2] *= c_even;
+        acc[mi][3] *= c_odd;
+      }
+      pm_acc[2] *= c_even;
+      pm_acc[3] *= c_odd;
+    }
+    // P, its sums, and the B operand (P s)^T: b[nt] holds tokens 8 nt + 2t, +1 for query g.
+    uint32_t pb[2][2];
+    [[maybe_unused]] uint32_t ph_bits[2][2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float p0 = FastExp2(__fmaf_rn(v2[e][nt][0], gamma, -mo));
+        const float p1 = FastExp2(__fmaf_rn(v2[e][nt][1], gamma, -mo));
+        l_part += p0 + p1;
+        if constexpr (kBf16) {
+          pm_part = __fmaf_rn(p0, MetaHi<true>(vm[e][nt][0]),
+                              __fmaf_rn(p1, MetaHi<true>(vm[e][nt][1]), pm_part));
+          pb[e][nt] = PackHalf2(p0 * MetaLo<true>(vm[e][nt][0]), p1 * MetaLo<true>(vm[e][nt][1]));
+        } else {
+          const __half2 ph = __floats2half2_rn(p0, p1);
+          ph_bits[e][nt] = *reinterpret_cast<const uint32_t*>(&ph);
+          const uint32_t sw = Permute(vm[e][nt][0], vm[e][nt][1], 0x5410u);
+          const __half2 prod = __hmul2(ph, *reinterpret_cast<const __half2*>(&sw));
+          pb[e][nt] = *reinterpret_cast<const uint32_t*>(&prod);
+        }
+      }
+      if constexpr (!kBf16) {
+        // sum p * min_v: A rows g + 8 hold the tiles' stored fp16 mins (tokens 2t, 2t+1 |
+        // 2t+8, 2t+9), rows g zero; C columns 2t, 2t+1 are queries.
+        const uint32_t a[4] = {0u, Permute(vm[e][0][0], vm[e][0][1], 0x7632u), 0u,
+                               Permute(vm[e][1][0], vm[e][1][1], 0x7632u)};
+        MmaF16(pm_acc, a, ph_bits[e]);
+      }
+    }
+    // O^T += V^T (P s)^T; lane pairs tokens (2t, 2t+1) and (2t+8, 2t+9) in one register.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      uint32_t il[2][kD / 64];
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        il[pr][0] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x5410u);
+        if constexpr (kD == 128) il[pr][1] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x7632u);
+      }
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        constexpr int kHalf = kD / 16;
+        const int ja = mi;
+        const int jb = mi + kHalf;
+        const uint32_t a[4] = {
+            ExtractCodesAt(il[0][ja / 8], ja % 8), ExtractCodesAt(il[0][jb / 8], jb % 8),
+            ExtractCodesAt(il[1][ja / 8], ja % 8), ExtractCodesAt(il[1][jb / 8], jb % 8)};
+        MmaF16(acc[mi], a, pb[e]);
+      }
+    }
+  };
+
+#pragma unroll 1
+  for (int k = 0; k < n_pairs; ++k) {
+    const int start = pair_start(k);
+    const int st0 = (2 * k) % kS;
+    const bool has1 = start + 16 < c1;
+    uint8_t* sb0 = ring + st0 * kTile;
+    uint8_t* sb1 = sb0 + kTile;
+    if (bulk) {
+      // Groups of pairs 0 .. k + kS/2 - 1 are committed: all but the kS/2 - 1 newest are done.
+      CpAsyncWait<kS / 2 - 1>();
+      __syncwarp();
+    } else {
+      __syncwarp();
+      fill(start, sb0);
+      if (has1) fill(start + 16, sb1);
+      __syncwarp();
+    }
+    if (start + kV2PairTokens <= c1) {
+      compute(sb0, sb1, start, std::false_type{});
+    } else {
+      compute(sb0, sb1, start, std::true_type{});
+    }
+    if (bulk) {
+      // Every lane's reads of this pair's stages were consumed above; refill them with pair
+      // k + kS/2.
+      __syncwarp();
+      issue(k + kS / 2, blk_next);
+      table_entries(k + kS / 2 + 1, blk_next);
+    }
+  }
+
+  // Partial result: combine the warps through shared memory (the ring is free: every copy
+  // issued was waited for).
+  l_part += __shfl_xor_sync(kFullMask, l_part, 1);
+  l_part += __shfl_xor_sync(kFullMask, l_part, 2);
+  if constexpr (kBf16) {
+    pm_part += __shfl_xor_sync(kFullMask, pm_part, 1);
+    pm_part += __shfl_xor_sync(kFullMask, pm_part, 2);
+  }
+  __syncthreads();
+  float* sm_o = reinterpret_cast<float*>(v2_smem);  // [warps][8][kD]
+  float* sm_m = sm_o + kAttnWarps * 8 * kD;         // [warps][8]
+  float* sm_l = sm_m + kAttnWarps * 8;
+  float* sm_pm = sm_l + kAttnWarps * 8;
+  if (t == 0) {
+    sm_m[warp * 8 + g] = mo;
+    sm_l[warp * 8 + g] = l_part;
+    if constexpr (kBf16) sm_pm[warp * 8 + g] = pm_part;
+  }
+  if constexpr (!kBf16) {
+    if (g == 0) {
+      sm_pm[warp * 8 + 2 * t] = pm_acc[2];
+      sm_pm[warp * 8 + 2 * t + 1] = pm_acc[3];
+    }
+  }
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    const float f0 = static_cast<float>(1 << (24 - CodePos(mi % 8)));
+    const float f1 = static_cast<float>(1 << (24 - CodePos((mi + kD / 16) % 8)));
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      float* o = sm_o + (warp * 8 + 2 * t + cc) * kD + g * (kD / 8) + mi;
+      o[0] = acc[mi][cc] * f0;
+      o[kD / 16] = acc[mi][2 + cc] * f1;
+    }
+  }
+  __syncthreads();
+  const int part = chunk;
+  for (int idx = threadIdx.x; idx < p.group * kD; idx += kAttnThreads) {
+    const int q = idx / kD;
+    const int dim = idx % kD;
+    float m_all = kNegInf;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) m_all = fmaxf(m_all, sm_m[w * 8 + q]);
+    const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + q;
+    float o = 0.f;
+    float lse = kNegInf;
+    if (m_all != kNegInf) {
+      float u = 0.f;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float e = FastExp2(sm_m[w * 8 + q] - m_all);
+        u = __fmaf_rn(e, sm_o[(w * 8 + q) * kD + dim] + sm_pm[w * 8 + q], u);
+        l = __fmaf_rn(e, sm_l[w * 8 + q], l);
+      }
+      o = u / l;
+      lse = m_all + __log2f(l);
+    }
+    p.part_out[(row * p.num_parts + part) * kD + dim] = o;
+    if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
+  }
+}
+
+}  // namespace kvpool::cuda::internal
