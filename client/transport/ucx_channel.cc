@@ -107,6 +107,19 @@ absl::Status UcxChannel::Init(std::shared_ptr<grpc::Channel> grpc_channel,
                                                       session_.wire_version(), ", this client ",
                                                       wire::kWireVersion));
   }
+  // Send staging: one slot per message in flight (at most 64 MiB), registered once.
+  slot_bytes_ = session_.max_message_bytes();
+  const size_t slots =
+      std::max<size_t>(1, std::min<size_t>(std::max<uint32_t>(1, session_.max_inflight_messages()),
+                                           (size_t{64} << 20) / std::max<size_t>(1, slot_bytes_)));
+  absl::StatusOr<std::unique_ptr<ucx::UcxMemory>> staging =
+      ucx::UcxMemory::Allocate(rt_->context(), slots * slot_bytes_);
+  if (!staging.ok()) return staging.status();
+  staging_ = *std::move(staging);
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < slots; ++i) free_slots_.push_back(static_cast<int>(i));
+  }
   on_error_ = [this](ucs_status_t st) { OnPeerError(st); };
   peer_error_handling_ = !ucx::SharedMemoryOnly(rt_->transports());
   absl::StatusOr<ucp_ep_h> ep = absl::InternalError("not run");
@@ -395,15 +408,15 @@ absl::Status UcxLayerPush::PushLayer(int layer, uint32_t token_offset, uint32_t 
   const size_t max_message = channel_->session_.max_message_bytes();
   const uint32_t per_message =
       static_cast<uint32_t>(std::max<size_t>(1, max_message / (2 * token_bytes)));
-  const uint32_t max_inflight = std::max<uint32_t>(1, channel_->session_.max_inflight_messages());
   for (uint32_t off = 0; off < num_tokens; off += per_message) {
     const uint32_t count = std::min(per_message, num_tokens - off);
+    int slot = -1;
     {
       absl::MutexLock lock(&channel_->mu_);
       UcxChannel* ch = channel_;
       State* st = state_.get();
-      auto ready = [ch, st, max_inflight]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return ch->inflight_ < max_inflight || !st->status.ok() || st->done;
+      auto ready = [ch, st]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return !ch->free_slots_.empty() || !st->status.ok() || st->done;
       };
       if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
         return absl::DeadlineExceededError(
@@ -411,8 +424,14 @@ absl::Status UcxLayerPush::PushLayer(int layer, uint32_t token_offset, uint32_t 
       }
       if (!state_->status.ok()) return state_->status;
       if (state_->done) return absl::FailedPreconditionError("push already finished by kvpoold");
-      ++channel_->inflight_;
+      slot = channel_->free_slots_.back();
+      channel_->free_slots_.pop_back();
     }
+    // K then V, contiguous in a registered slot: one contiguous rendezvous per message.
+    const size_t part = count * token_bytes;
+    uint8_t* dst = channel_->staging_->data() + static_cast<size_t>(slot) * channel_->slot_bytes_;
+    std::memcpy(dst, k.data() + off * token_bytes, part);
+    std::memcpy(dst + part, v.data() + off * token_bytes, part);
     wire::LayerDataHeader h{};
     h.session_id = channel_->session_.session_id();
     h.push_id = id_;
@@ -421,20 +440,20 @@ absl::Status UcxLayerPush::PushLayer(int layer, uint32_t token_offset, uint32_t 
     h.num_tokens = count;
     ucx::AmMessage msg;
     msg.header = wire::Encode(h);
-    msg.borrowed = {{k.data() + off * token_bytes, count * token_bytes},
-                    {v.data() + off * token_bytes, count * token_bytes}};
+    msg.borrowed = {{dst, 2 * part}};
+    msg.memh = channel_->staging_->memh();
     msg.flags = UCP_AM_SEND_FLAG_RNDV;
     ++messages_;
-    bytes_posted_ += 2 * count * token_bytes;
+    bytes_posted_ += 2 * part;
     absl::Status s = channel_->Send(wire::kLayerData, std::move(msg),
-                                    [ch = channel_, st = state_](absl::Status status) {
+                                    [ch = channel_, st = state_, slot](absl::Status status) {
                                       absl::MutexLock lock(&ch->mu_);
-                                      --ch->inflight_;
+                                      ch->free_slots_.push_back(slot);
                                       if (!status.ok() && st->status.ok()) st->status = status;
                                     });
     if (!s.ok()) {
       absl::MutexLock lock(&channel_->mu_);
-      --channel_->inflight_;
+      channel_->free_slots_.push_back(slot);
       return s;
     }
   }

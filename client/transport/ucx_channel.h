@@ -103,10 +103,11 @@ class UcxLayerPush {
 
   // Posts K and V of `layer` for the push's tokens [token_offset, token_offset + num_tokens)
   // (BF16 [num_tokens][kv_heads][head_dim] each; `k` and `v` equally long) and returns without
-  // waiting for the transfer: the bytes are split into messages of at most the session's
-  // max_message_bytes and pulled by the daemon (rendezvous). Blocks only while the session has
-  // max_inflight_messages in flight (backpressure), up to the deadline. `k` and `v` must stay
-  // valid until WaitLayer(layer) or Finish returns, or the push fails.
+  // waiting for the transfer: the bytes are copied, K then V, into messages of at most the
+  // session's max_message_bytes in the channel's registered send staging, and the daemon pulls
+  // each one (rendezvous). Blocks only while every staging slot is in flight (backpressure: the
+  // daemon pulls a message only when it has a free slot itself), up to the deadline. `k` and `v`
+  // may be reused as soon as this returns.
   [[nodiscard]] absl::Status PushLayer(int layer, uint32_t token_offset, uint32_t num_tokens,
                                        absl::string_view k, absl::string_view v);
   // Waits until the daemon has stored every token of `layer` (rotated and quantized).
@@ -191,7 +192,9 @@ class UcxChannel {
 
   mutable absl::Mutex mu_;
   absl::Status health_ ABSL_GUARDED_BY(mu_);
-  uint32_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unique_ptr<ucx::UcxMemory> staging_;  // send slots of slot_bytes_, K then V
+  size_t slot_bytes_ = 0;
+  std::vector<int> free_slots_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<UcxLayerPush::State>> pushes_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<Call>> calls_ ABSL_GUARDED_BY(mu_);

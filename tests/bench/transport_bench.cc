@@ -29,9 +29,11 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
+#include "server/transport/layerwise_append.h"
 #include "server/transport/testing/ucx_test_daemon.h"
 #include "tests/bench/bench_report.h"
 
@@ -145,6 +147,42 @@ double PushAll(TestDaemon& d, client::UcxChannel& ch, const ModelShapeSpec& m,
   return absl::ToDoubleSeconds(absl::Now() - t0);
 }
 
+// The daemon's store path alone, no transport: the same LayerwiseAppend, chunks and worker pool
+// as a UCX push, fed from memory. MB/s (2^20) of BF16.
+double StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq, int tokens,
+                  const Kv& kv, size_t message_bytes) {
+  server::ServiceContext* ctx = d.server()->context();
+  Die(d.CreateSequence(m.model_id, seq), "CreateSequence");
+  const size_t token_bytes = kv.k[0].size() / tokens;
+  const int per_chunk = std::max<int>(1, static_cast<int>(message_bytes / (2 * token_bytes)));
+  const int chunks_per_layer = (tokens + per_chunk - 1) / per_chunk;
+  const absl::Time t0 = absl::Now();
+  server::AppendSpec spec;
+  spec.num_tokens = tokens;
+  spec.kind = AppendKind::kFinalPrefill;
+  auto append = server::LayerwiseAppend::Begin(ctx, server::kDefaultTenant, seq, spec);
+  Die(append.status(), "LayerwiseAppend::Begin");
+  absl::BlockingCounter pending(m.num_layers * chunks_per_layer);
+  for (int l = 0; l < m.num_layers; ++l) {
+    const auto* k = reinterpret_cast<const Bf16*>(kv.k[l].data());
+    const auto* v = reinterpret_cast<const Bf16*>(kv.v[l].data());
+    for (int off = 0; off < tokens; off += per_chunk) {
+      const int n = std::min(per_chunk, tokens - off);
+      const size_t at = static_cast<size_t>(off) * (token_bytes / sizeof(Bf16));
+      (*append)->Stage(l, off, n, k + at, v + at, [&pending](absl::Status st, bool) {
+        Die(st, "Stage");
+        pending.DecrementCount();
+      });
+    }
+  }
+  pending.Wait();
+  Die((*append)->Commit().status(), "Commit");
+  const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+  append->reset();
+  Die(d.Release(seq), "Release");
+  return 2.0 * m.num_layers * kv.k[0].size() / kMiB / s;
+}
+
 void BenchIngest(BenchReport& report, const TlsSet& t) {
   const size_t msg = absl::GetFlag(FLAGS_message_bytes);
   const int tokens = absl::GetFlag(FLAGS_ingest_tokens);
@@ -174,8 +212,11 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
     Die((*d)->RegisterModel(m), "RegisterModel");
     const Kv kv = MakeKv(m, tokens, 17);
     const double bytes = 2.0 * m.num_layers * kv.k[0].size();
-    double best = 0;
+    double best = 0, store_alone = 0;
     for (int rep = 0; rep < reps; ++rep) {
+      store_alone =
+          std::max(store_alone,
+                   StoreAlone(**d, m, absl::StrCat(m.model_id, "-alone-", rep), tokens, kv, msg));
       const std::string seq = absl::StrCat(m.model_id, "-", rep);
       const double s = PushAll(**d, *ch, m, seq, tokens, kv);
       best = std::max(best, bytes / kMiB / s);
@@ -203,6 +244,12 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
     r.value = best;
     r.unit = "MB/s (2^20) of BF16 accepted";
     r.baseline = {"ucx_perftest tag_bw " + t.name, perftest};
+    report.Add(r);
+    // The same push against the daemon's store path alone (no transport, same worker pool):
+    // how much the transport costs on top of the codec.
+    r.name += "_vs_store_alone";
+    r.baseline = {"store_path_alone", store_alone};
+    r.ratio = -1;
     report.Add(r);
   }
 }

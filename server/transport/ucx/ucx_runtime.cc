@@ -333,7 +333,15 @@ void SendAm(UcxRuntime* /*rt*/, ucp_ep_h ep, uint16_t id, AmMessage msg,
   p.flags = op->msg.flags;
   const void* buffer = nullptr;
   size_t count = 0;
-  if (!op->msg.borrowed.empty()) {
+  if (op->msg.borrowed.size() == 1) {
+    p.datatype = ucp_dt_make_contig(1);
+    buffer = op->msg.borrowed[0].first;
+    count = op->msg.borrowed[0].second;
+    if (op->msg.memh != nullptr) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = op->msg.memh;
+    }
+  } else if (!op->msg.borrowed.empty()) {
     for (const auto& [ptr, len] : op->msg.borrowed) {
       op->iov.push_back(ucp_dt_iov_t{const_cast<void*>(ptr), len});
     }

@@ -144,8 +144,10 @@ void CloseEndpoint(UcxRuntime* rt, ucp_ep_h ep, bool force);
 struct AmMessage {
   std::string header;
   std::string payload;                                   // owned bytes, or
-  std::vector<std::pair<const void*, size_t>> borrowed;  // borrowed buffers (sent as an iov)
-  uint32_t flags = 0;                                    // UCP_AM_SEND_FLAG_*
+  std::vector<std::pair<const void*, size_t>> borrowed;  // borrowed buffers (an iov when more
+                                                         // than one: no zero-copy rendezvous)
+  ucp_mem_h memh = nullptr;  // registration of a single borrowed buffer, if any
+  uint32_t flags = 0;        // UCP_AM_SEND_FLAG_*
 };
 // Sends `msg` as active message `id` on `ep`; `done` runs once with the local completion status
 // (possibly before this returns).
