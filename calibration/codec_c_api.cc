@@ -1,5 +1,6 @@
 #include "calibration/codec_c_api.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>

