@@ -8,7 +8,8 @@
 //      the transport isolated (identity rotation, BF16 stored unquantized, verified by reading
 //      it back over gRPC).
 //   2. Remote attention round trip (batch 8, context 32K, Hq 64 / Hkv 8 / D 128): gRPC Attend
-//      and UCX Attend beside the attention compute alone (the engine on the worker pool).
+//      and UCX Attend beside the attention compute alone (the engine on the worker pool); again
+//      at a short context (512), where the per-call cost of each transport is visible.
 //   3. Layer-wise overlap: a simulated prefill spends --layer_compute_ms per layer and pushes
 //      each layer as soon as it is computed; the tail (last layer computed -> all KV stored and
 //      committed) beside one layer's transfer + quantize alone.
@@ -47,6 +48,8 @@ ABSL_FLAG(int32_t, perftest_iters, 200, "ucx_perftest iterations");
 ABSL_FLAG(int32_t, attn_context, 32768, "Tokens per sequence for the attention round trip");
 ABSL_FLAG(int32_t, attn_batch, 8, "Sequences per attention call");
 ABSL_FLAG(int32_t, attn_reps, 5, "Attention calls per path (median is reported)");
+ABSL_FLAG(int32_t, attn_small_context, 512,
+          "Also a short context, where the transport's per-call cost is visible (0: skip)");
 ABSL_FLAG(int32_t, overlap_layers, 16, "Layers of the simulated prefill");
 ABSL_FLAG(int32_t, overlap_tokens, 2048, "Tokens of the simulated prefill");
 ABSL_FLAG(int32_t, layer_compute_ms, 0, "Simulated compute per layer (0: 1.5 x one layer's push)");
@@ -254,10 +257,8 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
   }
 }
 
-void BenchAttention(BenchReport& report, const TlsSet& t) {
-  const int context = absl::GetFlag(FLAGS_attn_context);
+void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps) {
   const int batch = absl::GetFlag(FLAGS_attn_batch);
-  const int reps = absl::GetFlag(FLAGS_attn_reps);
   TestDaemonOptions o;
   o.ucx_tls = t.tls;
   o.pool_bytes = size_t{1} << 30;
@@ -277,7 +278,7 @@ void BenchAttention(BenchReport& report, const TlsSet& t) {
   m.sink_tokens = 64;
   m.recent_tokens = 256;
   Die((*d)->RegisterModel(m), "RegisterModel");
-  const int chunk = 4096;
+  const int chunk = std::min(4096, context);
   const Kv kv = MakeKv(m, chunk, 5);
   for (int b = 0; b < batch; ++b) {  // ingest over UCX, in pushes of `chunk` tokens
     const std::string seq = absl::StrCat("a", b);
@@ -458,7 +459,11 @@ int main(int argc, char** argv) {
   }
   if (!sets.empty()) {
     std::fprintf(stderr, "bench-transport: attention round trip over %s\n", sets[0].tls.c_str());
-    kvpool::BenchAttention(report, sets[0]);
+    kvpool::BenchAttention(report, sets[0], absl::GetFlag(FLAGS_attn_context),
+                           absl::GetFlag(FLAGS_attn_reps));
+    if (absl::GetFlag(FLAGS_attn_small_context) > 0) {
+      kvpool::BenchAttention(report, sets[0], absl::GetFlag(FLAGS_attn_small_context), 50);
+    }
     std::fprintf(stderr, "bench-transport: layer-wise overlap over %s\n", sets[0].tls.c_str());
     kvpool::BenchOverlap(report, sets[0]);
   }

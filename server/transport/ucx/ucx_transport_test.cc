@@ -184,7 +184,7 @@ TEST_P(UcxTransportTest, QuantizedPushEqualsInlineAppend) {
     ASSERT_TRUE((*push)->PushLayer(l, 0, tokens / 2, k1, v1).ok());
     std::string k2 = k[l].substr(half), v2 = v[l].substr(half);
     ASSERT_TRUE((*push)->PushLayer(l, tokens / 2, tokens - tokens / 2, k2, v2).ok());
-    ASSERT_TRUE((*push)->WaitLayer(l).ok());  // k1..v2 must live until the layer is stored
+    ASSERT_TRUE((*push)->WaitLayer(l).ok());
   }
   auto r = (*push)->Finish();
   ASSERT_TRUE(r.ok()) << r.status();
