@@ -7,8 +7,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
+#include "kernels/cuda/arrival_v2.cuh"
 #include "kernels/cuda/codec_params.h"
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/warp_row_codec.cuh"
@@ -162,9 +165,48 @@ inline unsigned CodecGrid(int total_rows, int kv_heads) {
   return static_cast<unsigned>((rows + kCodecWarpsPerCta - 1) / kCodecWarpsPerCta);
 }
 
+// Resident CTAs of ArrivalKernelV2<kD> on the current device (with its shared-memory limit
+// raised); cached per device.
+template <int kD>
+int ArrivalV2Ctas() {
+  static std::atomic<int> cache[16] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return -1;
+  if (device < 16 && cache[device].load(std::memory_order_relaxed) > 0) {
+    return cache[device].load(std::memory_order_relaxed);
+  }
+  int sms = 0;
+  int per_sm = 0;
+  if (cudaFuncSetAttribute(ArrivalKernelV2<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kArrivalSmemBytes<kD>) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ArrivalKernelV2<kD>, kArrivalThreads,
+                                                    kArrivalSmemBytes<kD>) != cudaSuccess) {
+    return -1;
+  }
+  const int ctas = std::max(1, sms * std::max(per_sm, 1));
+  if (device < 16) cache[device].store(ctas, std::memory_order_relaxed);
+  return ctas;
+}
+
 template <int kD>
 int LaunchArrival(const ArrivalParams& p, CUstream_st* stream) {
   if (p.batch.total_rows == 0) return 0;
+  if constexpr (kD == 64 || kD == 128) {
+    const bool fits = p.arrival_v2 != 0 && p.geo.bits == 2 && p.geo.group_size == kD &&
+                      p.lloyd_max == 0 && reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(p.pool) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(p.rotated_rows) % 4 == 0;
+    if (fits) {
+      const int ctas = ArrivalV2Ctas<kD>();
+      if (ctas < 0) return static_cast<int>(cudaGetLastError());
+      const int64_t tiles = (static_cast<int64_t>(p.batch.total_rows) * p.geo.kv_heads + 15) / 16;
+      const int64_t grid = std::min<int64_t>(ctas, (tiles + kArrivalWarps - 1) / kArrivalWarps);
+      ArrivalKernelV2<kD><<<static_cast<unsigned>(grid), kArrivalThreads,
+                            p.rotation != nullptr ? kArrivalSmemBytes<kD> : 0, stream>>>(p);
+      return static_cast<int>(cudaGetLastError());
+    }
+  }
   ArrivalKernel<kD>
       <<<CodecGrid(p.batch.total_rows, p.geo.kv_heads), kCodecWarpsPerCta * kWarpSize, 0, stream>>>(
           p);

@@ -53,6 +53,7 @@ struct ArrivalParams {
   int32_t clip_rank;      // c of the clip order statistic, -1 = no clip
   int32_t scale_is_bf16;  // 0 = fp16 scale/min, 1 = bf16
   int32_t lloyd_max;      // 1 = Lloyd-Max quantizer (INT2, G = D)
+  int32_t arrival_v2;     // 1 = version 2 where it applies (INT2 uniform, G = D, D 64 / 128)
 };
 
 struct DequantParams {

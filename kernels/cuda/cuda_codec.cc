@@ -6,7 +6,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -94,6 +96,13 @@ int ClipRank(float ratio, int head_dim) {
   return static_cast<int>(c);
 }
 
+// KVPOOL_ARRIVAL=v1 selects the first arrival kernel (one warp per row, CUDA-core rotation)
+// for every configuration.
+bool ArrivalV1() {
+  const char* v = std::getenv("KVPOOL_ARRIVAL");
+  return v != nullptr && std::string_view(v) == "v1";
+}
+
 }  // namespace
 
 absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
@@ -119,6 +128,7 @@ absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
   p.clip_rank = ClipRank(cfg.ClipRatio(tensor), kv.layout.head_dim);
   p.scale_is_bf16 = cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
   p.lloyd_max = cfg.method == QuantMethod::kLloydMax ? 1 : 0;
+  p.arrival_v2 = ArrivalV1() ? 0 : 1;
   int err = 0;
   switch (kv.layout.head_dim) {
     case 64:

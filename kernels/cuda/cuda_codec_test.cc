@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -77,13 +78,15 @@ struct Case {
   ScaleDtype scale;
   QuantMethod method;
   bool rotate;
-  bool sparse;  // rows mostly (signed) zeros: ties in clip and min/max
+  bool sparse;              // rows mostly (signed) zeros: ties in clip and min/max
+  bool long_batch = false;  // add a 6000-token sequence (many row tiles per warp)
 };
 
 std::string Name(const Case& c) {
   return absl::StrCat("D", c.head_dim, "_H", c.kv_heads, "_b", c.bits, "_G", c.group_size, "_",
                       ScaleDtypeName(c.scale), "_", QuantMethodName(c.method),
-                      c.rotate ? "_rot" : "_id", c.sparse ? "_sparse" : "");
+                      c.rotate ? "_rot" : "_id", c.sparse ? "_sparse" : "",
+                      c.long_batch ? "_long" : "");
 }
 
 // Three sequences with lengths that are not multiples of the block size, first tokens inside a
@@ -96,10 +99,14 @@ struct BatchPlan {
   int num_blocks = 0;
 };
 
-BatchPlan MakePlan(int tokens_per_block, uint64_t seed) {
+BatchPlan MakePlan(int tokens_per_block, uint64_t seed, bool long_batch) {
   BatchPlan p;
-  const std::vector<int> lengths = {37, 1, 70};
-  const std::vector<int> firsts = {5, 0, 19};
+  std::vector<int> lengths = {37, 1, 70};
+  std::vector<int> firsts = {5, 0, 19};
+  if (long_batch) {
+    lengths.push_back(6000);
+    firsts.push_back(3);
+  }
   p.row_offsets = {0};
   int max_blocks = 0;
   for (size_t i = 0; i < lengths.size(); ++i) {
@@ -150,7 +157,7 @@ void RunCase(const Case& c) {
   const BlockLayout layout = BlockLayout::ForModel(cfg, c.kv_heads, c.head_dim);
   const int d = c.head_dim;
 
-  const BatchPlan plan = MakePlan(layout.tokens, 11 + d);
+  const BatchPlan plan = MakePlan(layout.tokens, 11 + d, c.long_batch);
   const int total_rows = plan.row_offsets.back();
   const size_t row_values = static_cast<size_t>(total_rows) * c.kv_heads * d;
 
@@ -276,6 +283,24 @@ void RunCase(const Case& c) {
 TEST_F(CudaCodecTest, Int2Head128MatchesCpuBitForBit) {
   RunCase({128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
   RunCase({128, 2, 2, 0, ScaleDtype::kBf16, QuantMethod::kUniform, false, false});
+}
+
+// Selects the first arrival kernel (KVPOOL_ARRIVAL=v1) for the scope.
+class ScopedArrivalV1 {
+ public:
+  ScopedArrivalV1() { setenv("KVPOOL_ARRIVAL", "v1", 1); }
+  ~ScopedArrivalV1() { unsetenv("KVPOOL_ARRIVAL"); }
+  ScopedArrivalV1(const ScopedArrivalV1&) = delete;
+  ScopedArrivalV1& operator=(const ScopedArrivalV1&) = delete;
+};
+
+// Version 2 over many row tiles per warp (persistent grid), and version 1 kept selectable.
+TEST_F(CudaCodecTest, Int2LongBatchAndArrivalVersion1) {
+  RunCase({128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false, true});
+  RunCase({64, 3, 2, 0, ScaleDtype::kBf16, QuantMethod::kUniform, true, false, true});
+  ScopedArrivalV1 v1;
+  RunCase({128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
+  RunCase({128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, false, true});
 }
 
 TEST_F(CudaCodecTest, Int2Head64MatchesCpuBitForBit) {

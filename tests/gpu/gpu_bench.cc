@@ -137,7 +137,11 @@ void BenchCodec(cudaStream_t stream, double copy_gbs) {
   const double in_bytes = rows_per_set * 2.0;
   const double out_bytes = static_cast<double>(kTokens) * kHkv *
                            (layout.code_bytes_per_row() + layout.meta_bytes_per_row());
-  for (const bool rotate : {true, false}) {
+  // Version 2 (default), then the first arrival kernel (KVPOOL_ARRIVAL=v1) as an A/B row.
+  for (const int variant : {0, 1, 2}) {
+    const bool rotate = variant != 1;
+    const bool v1 = variant == 2;
+    if (v1) setenv("KVPOOL_ARRIVAL", "v1", 1);
     const double us = TimeUs(stream, 5, 40, [&](int i) {
       const int s = i % kSets;
       Check(QuantizeOnArrival(
@@ -147,7 +151,10 @@ void BenchCodec(cudaStream_t stream, double copy_gbs) {
             "quantize");
     });
     const double floor_us = (in_bytes + out_bytes) / (copy_gbs * 1e9) * 1e6;
-    g_results.push_back({rotate ? "quantize_on_arrival_rotated" : "quantize_on_arrival_identity",
+    unsetenv("KVPOOL_ARRIVAL");
+    g_results.push_back({v1       ? "quantize_on_arrival_rotated_v1"
+                         : rotate ? "quantize_on_arrival_rotated"
+                                  : "quantize_on_arrival_identity",
                          "{\"Hkv\": 8, \"D\": 128, \"tokens\": 65536, \"bits\": 2}",
                          in_bytes / (us * 1e-6) / 1e9, "GB/s of BF16 input", "copy_bandwidth_GBs",
                          copy_gbs, in_bytes / (us * 1e-6) / 1e9 / copy_gbs});

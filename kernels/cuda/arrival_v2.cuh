@@ -1,0 +1,460 @@
+// Rotate + clip + quantize + pack on arrival, version 2 (included by codec_kernels.cuh): INT2,
+// uniform (min/max) quantizer, one group per row (G = D), D = 64 or 128. Codes and meta equal
+// the CPU RowCodec's bit for bit for the same rotated BF16 rows (the version 1 contract).
+//
+// One warp takes a tile of 16 consecutive input rows (token x KV head) at a time, in a
+// persistent grid:
+// - Rotation on the tensor cores: X[16 x D] (BF16, exact) times M = M_hi + M_lo (both BF16, so
+//   M carries ~16 bits; the products are exact and accumulate in fp32), mma.m16n8k16. The CTA
+//   stages M once, already in B-fragment order, in shared memory (one 16-byte load per k-step
+//   and n-tile gives the lane both halves). The input is read with 16-byte loads; the k order
+//   of the product is permuted to match them (the rows of M are permuted the same way).
+// - The rotated row rounds to BF16 in the accumulator layout: the 4 lanes of a quad hold one
+//   row (and a second one, 8 rows down), D/4 values each, as packed BF16 pairs.
+// - Exact clip order statistic: a binary search for the largest magnitude key K with
+//   #{keys < K} <= c, each probe one packed BF16 compare + add per two keys and two quad
+//   shuffles, started from a bracket [max - 256, max] that holds for clip ratios near 1
+//   (falls back to the full range when it does not).
+// - Clip in the packed integer domain; min/max with packed BF16 min/max (the sign of a zero
+//   min or max follows the first zero in dim order, as the CPU's sequential scan).
+// - Codes without a division per element: the code is #{k : x >= T_k}, k = 1..3, for three
+//   per-row BF16 thresholds found exactly (monotone search on the normative formula
+//   floor(fl(fl(fl(x - m) / s) + 0.5))); per element pair three packed compares and adds.
+// - Packing: nibbles of a quad's row are reduce-scattered across the quad (6 shuffles at
+//   D = 128), each lane stores its 8 (4) code bytes; lane 0 of the quad stores the meta word.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/codec_params.h"
+#include "kernels/cuda/device_common.cuh"
+
+namespace kvpool::cuda::internal {
+
+inline constexpr int kArrivalWarps = 8;
+inline constexpr int kArrivalThreads = kArrivalWarps * kWarpSize;
+
+// B fragments of M: [k-step][n-tile][lane] x {hi b0, hi b1, lo b0, lo b1}.
+template <int kD>
+inline constexpr int kArrivalSmemBytes = (kD / 16) * (kD / 8) * kWarpSize * 16;
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t Bf16x2Bits(__nv_bfloat162 v) {
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ __nv_bfloat162 AsBf16x2(uint32_t v) {
+  return *reinterpret_cast<const __nv_bfloat162*>(&v);
+}
+// Round to nearest even, low half = lo.
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  return Bf16x2Bits(__floats2bfloat162_rn(lo, hi));
+}
+__device__ __forceinline__ uint32_t AbsLessBf16x2(uint32_t a, uint32_t b) {  // |a| < b: 1.0 / 0.0
+  return Bf16x2Bits(__hlt2(__habs2(AsBf16x2(a)), AsBf16x2(b)));
+}
+__device__ __forceinline__ uint32_t GreaterEqualBf16x2(uint32_t a, uint32_t b) {
+  return Bf16x2Bits(__hge2(AsBf16x2(a), AsBf16x2(b)));
+}
+__device__ __forceinline__ uint32_t AddBf16x2(uint32_t a, uint32_t b) {
+  return Bf16x2Bits(__hadd2(AsBf16x2(a), AsBf16x2(b)));
+}
+__device__ __forceinline__ uint32_t MinBf16x2(uint32_t a, uint32_t b) {
+  return Bf16x2Bits(__hmin2(AsBf16x2(a), AsBf16x2(b)));
+}
+__device__ __forceinline__ uint32_t MaxBf16x2(uint32_t a, uint32_t b) {
+  return Bf16x2Bits(__hmax2(AsBf16x2(a), AsBf16x2(b)));
+}
+__device__ __forceinline__ uint32_t MaxU16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// Byte permute with sign replication: selector nibble 8 + b gives 0xff or 0x00 from bit 7 of
+// byte b.
+__device__ __forceinline__ uint32_t PermuteBytes(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+__device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Position of a BF16 bit pattern in value order (-inf = 0x7f, -0 = 0x7fff, +0 = 0x8000,
+// +inf = 0xff80), and back.
+__device__ __forceinline__ int Bf16Order(uint32_t b) {
+  return (b & 0x8000u) ? 0x7fff - static_cast<int>(b & 0x7fffu) : static_cast<int>(b | 0x8000u);
+}
+__device__ __forceinline__ uint32_t Bf16FromOrder(int o) {
+  return o >= 0x8000 ? static_cast<uint32_t>(o & 0x7fff)
+                     : (0x8000u | static_cast<uint32_t>(0x7fff - o));
+}
+
+// Smallest fp32 y > 0 with fl(fl(y / s) + 0.5) >= k (s > 0): the threshold of code >= k in
+// y = fl(x - m). Starts at fl((k - 0.5) s), within a few ulps of the answer.
+__device__ __forceinline__ float CodeThresholdY(int k, float s) {
+  const float kf = static_cast<float>(k);
+  auto reaches = [&](float y) { return __fadd_rn(__fdiv_rn(y, s), 0.5f) >= kf; };
+  float y = __fmul_rn(kf - 0.5f, s);
+  if (reaches(y)) {
+#pragma unroll 1
+    for (int i = 0; i < 32; ++i) {
+      const float down = __int_as_float(__float_as_int(y) - 1);
+      if (!(down > 0.f) || !reaches(down)) break;
+      y = down;
+    }
+  } else {
+#pragma unroll 1
+    for (int i = 0; i < 32 && !reaches(y); ++i) y = __int_as_float(__float_as_int(y) + 1);
+  }
+  return y;
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const ArrivalParams p) {
+  constexpr int kKSteps = kD / 16;
+  constexpr int kNT = kD / 8;       // n-tiles of the rotated row
+  constexpr int kChunks = kD / 32;  // 16-byte input chunks per row and lane
+  constexpr int kWords = kD / 16;   // 32-bit code words per row
+  constexpr int kLaneWords = kWords / 4;
+  extern __shared__ __align__(16) uint4 bfrag[];
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const bool rotate = p.rotation != nullptr;
+
+  // Stage M (rotation only). Lane (g, t) of k-step j, n-tile nt: b0 = rows k 2t, 2t+1, b1 = rows
+  // 2t+8, 2t+9 of column n = 8 nt + g; k index 16 j + 8 h + 2t + b holds dim 32 (j / 2) + 8t + 4 (j
+  // % 2) + 2h + b (the order of the 16-byte input loads below).
+  for (int idx = threadIdx.x; rotate && idx < kKSteps * kNT * kWarpSize; idx += kArrivalThreads) {
+    const int j = idx / (kNT * kWarpSize);
+    const int nt = (idx / kWarpSize) % kNT;
+    const int ln = idx % kWarpSize;
+    const int n = 8 * nt + ln / 4;
+    const int lt = ln % 4;
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int d = 32 * (j / 2) + 8 * lt + 4 * (j % 2) + 2 * (q / 2) + (q % 2);
+      const float m = __ldg(p.rotation + d * kD + n);
+      const uint16_t h = FloatToBf16Bits(m);
+      hi[q] = h;
+      lo[q] = FloatToBf16Bits(__fsub_rn(m, Bf16BitsToFloat(h)));
+    }
+    bfrag[idx] = make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16),
+                            lo[2] | (lo[3] << 16));
+  }
+  __syncthreads();
+
+  const int kv_heads = p.geo.kv_heads;
+  const int64_t total = static_cast<int64_t>(p.batch.total_rows) * kv_heads;
+  const int64_t num_tiles = (total + 15) / 16;
+  const bool scale_bf16 = p.scale_is_bf16 != 0;
+  const int c = p.clip_rank;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kArrivalWarps + warp; tile < num_tiles;
+       tile += static_cast<int64_t>(gridDim.x) * kArrivalWarps) {
+    // Rows r = 0 (g) and 1 (g + 8) of the tile.
+    int64_t rh[2];
+    bool in[2];
+    RowSlot slot[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rh[r] = tile * 16 + g + 8 * r;
+      in[r] = rh[r] < total;
+      slot[r].valid = false;
+      slot[r].codes = 0;
+      slot[r].meta = 0;
+      if (in[r]) {
+        const int row = static_cast<int>(rh[r] / kv_heads);
+        const int head = static_cast<int>(rh[r] % kv_heads);
+        slot[r] = LocateRow(p.geo, p.batch, FindSequence(p.batch, row), row, head, p.tensor);
+      }
+    }
+
+    // ob[r][nt] = the rotated row r's BF16 pair at cols 8 nt + 2t, +1.
+    uint32_t ob[2][kNT];
+    if (rotate) {
+      uint4 xc[2][kChunks];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.rows + (in[r] ? rh[r] : 0) * kD);
+#pragma unroll
+        for (int u = 0; u < kChunks; ++u) {
+          xc[r][u] = in[r] ? __ldg(src + 4 * u + t) : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kKSteps; ++j) {
+          const uint4 b = bfrag[(j * kNT + nt) * kWarpSize + lane];
+          const int u = j / 2;
+          const int w = 2 * (j % 2);
+          const uint32_t a[4] = {Word(xc[0][u], w), Word(xc[1][u], w), Word(xc[0][u], w + 1),
+                                 Word(xc[1][u], w + 1)};
+          MmaBf16(acc, a, b.x, b.y);
+          MmaBf16(acc, a, b.z, b.w);
+        }
+        ob[0][nt] = PackBf16x2(acc[0], acc[1]);
+        ob[1][nt] = PackBf16x2(acc[2], acc[3]);
+      }
+    } else {
+      // Identity: the input bits as they are (no product, so -0 stays -0).
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(p.rows + (in[r] ? rh[r] : 0) * kD);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) ob[r][nt] = in[r] ? __ldg(src + 4 * nt + t) : 0u;
+      }
+    }
+
+    // Row status (identical on the quad's lanes).
+    bool ok[2];
+    int max_key[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (p.rotated_rows != nullptr && in[r] && slot[r].valid) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p.rotated_rows + rh[r] * kD) + t;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) dst[4 * nt] = ob[r][nt];
+      }
+      uint32_t mk = ob[r][0] & 0x7fff7fffu;
+#pragma unroll
+      for (int nt = 1; nt < kNT; ++nt) mk = MaxU16x2(mk, ob[r][nt] & 0x7fff7fffu);
+      int m = max(static_cast<int>(mk & 0xffffu), static_cast<int>(mk >> 16));
+      m = max(m, __shfl_xor_sync(kFullMask, m, 1));
+      m = max(m, __shfl_xor_sync(kFullMask, m, 2));
+      max_key[r] = m;
+      const bool finite = m < 0x7f80;
+      ok[r] = in[r] && slot[r].valid && finite;
+      if (in[r] && t == 0) {
+        if (!slot[r].valid) {
+          atomicOr(p.error_word, kErrorBadBlock);
+        } else if (!finite) {
+          atomicOr(p.error_word, kErrorNonFinite);
+        }
+      }
+    }
+
+    // Clip: tau = the c-th smallest magnitude key of the row.
+    if (c >= 0) {
+      auto count_less = [&](int r, int cand) {
+        const uint32_t cc = static_cast<uint32_t>(min(cand, 0x7f80)) * 0x10001u;
+        uint32_t acc = AbsLessBf16x2(ob[r][0], cc);
+        uint32_t acc2 = AbsLessBf16x2(ob[r][1], cc);
+#pragma unroll
+        for (int nt = 2; nt < kNT; nt += 2) {
+          acc = AddBf16x2(acc, AbsLessBf16x2(ob[r][nt], cc));
+          acc2 = AddBf16x2(acc2, AbsLessBf16x2(ob[r][nt + 1], cc));
+        }
+        acc = AddBf16x2(acc, acc2);
+        acc = AddBf16x2(acc, __shfl_xor_sync(kFullMask, acc, 1));
+        acc = AddBf16x2(acc, __shfl_xor_sync(kFullMask, acc, 2));
+        return static_cast<int>(Bf16BitsToFloat(static_cast<uint16_t>(acc & 0xffffu)) +
+                                Bf16BitsToFloat(static_cast<uint16_t>(acc >> 16)));
+      };
+      // Largest K with #{keys < K} <= c; invariant #{< lo} <= c < #{< hi + 1}.
+      int lo[2], hi[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        lo[r] = 0;
+        hi[r] = ok[r] ? max_key[r] : 0;
+        const int probe = max(hi[r] - 256, 0);
+        if (count_less(r, probe) <= c) {
+          lo[r] = probe;
+        } else {
+          hi[r] = probe - 1;
+        }
+      }
+#pragma unroll 1
+      while (__any_sync(kFullMask, lo[0] < hi[0] || lo[1] < hi[1])) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int mid = (lo[r] + hi[r] + 1) >> 1;
+          if (count_less(r, mid) <= c) {
+            lo[r] = mid;
+          } else {
+            hi[r] = mid - 1;
+          }
+        }
+      }
+      // x > tau in magnitude -> sign(x) tau (std::min / std::max semantics), else unchanged.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t tau2 = static_cast<uint32_t>(lo[r]) * 0x10001u;
+        const uint32_t gt_bias = static_cast<uint32_t>(0x7fff - lo[r]) * 0x10001u;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const uint32_t x = ob[r][nt];
+          const uint32_t above = PermuteBytes((x & 0x7fff7fffu) + gt_bias, 0u, 0xbb99u);
+          const uint32_t clipped = (x & 0x80008000u) | tau2;
+          ob[r][nt] = (above & clipped) | (~above & x);
+        }
+      }
+    }
+
+    // Min and max of the clipped row.
+    uint32_t mn_bits[2], mx_bits[2];
+    bool zero_case = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      uint32_t mn = ob[r][0];
+      uint32_t mx = ob[r][0];
+#pragma unroll
+      for (int nt = 1; nt < kNT; ++nt) {
+        mn = MinBf16x2(mn, ob[r][nt]);
+        mx = MaxBf16x2(mx, ob[r][nt]);
+      }
+      mn = MinBf16x2(mn, __shfl_xor_sync(kFullMask, mn, 1));
+      mx = MaxBf16x2(mx, __shfl_xor_sync(kFullMask, mx, 1));
+      mn = MinBf16x2(mn, __shfl_xor_sync(kFullMask, mn, 2));
+      mx = MaxBf16x2(mx, __shfl_xor_sync(kFullMask, mx, 2));
+      mn = MinBf16x2(mn, mn >> 16) & 0xffffu;
+      mx = MaxBf16x2(mx, mx >> 16) & 0xffffu;
+      mn_bits[r] = mn;
+      mx_bits[r] = mx;
+      zero_case = zero_case || (ok[r] && ((mn & 0x7fffu) == 0u || (mx & 0x7fffu) == 0u));
+    }
+    if (__any_sync(kFullMask, zero_case)) {
+      // A zero min or max takes the sign of the first zero of the row in dim order.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        int first = kD;
+        uint32_t sign = 0u;
+#pragma unroll
+        for (int nt = kNT - 1; nt >= 0; --nt) {
+#pragma unroll
+          for (int cc = 1; cc >= 0; --cc) {
+            const uint32_t v = (ob[r][nt] >> (16 * cc)) & 0xffffu;
+            if ((v & 0x7fffu) == 0u) {
+              first = 8 * nt + 2 * t + cc;
+              sign = v & 0x8000u;
+            }
+          }
+        }
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+          const int of = __shfl_xor_sync(kFullMask, first, o);
+          const uint32_t os = __shfl_xor_sync(kFullMask, sign, o);
+          if (of < first) {
+            first = of;
+            sign = os;
+          }
+        }
+        if ((mn_bits[r] & 0x7fffu) == 0u) mn_bits[r] = sign;
+        if ((mx_bits[r] & 0x7fffu) == 0u) mx_bits[r] = sign;
+      }
+    }
+
+    // Scale, min, thresholds, codes, stores.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float mn_f = Bf16BitsToFloat(static_cast<uint16_t>(mn_bits[r]));
+      const float mx_f = Bf16BitsToFloat(static_cast<uint16_t>(mx_bits[r]));
+      const float s32 = __fdiv_rn(__fsub_rn(mx_f, mn_f), 3.0f);
+      const uint16_t sw = FloatToScaleWord(s32, scale_bf16);
+      const uint16_t mw = FloatToScaleWord(mn_f, scale_bf16);
+      const float s = ScaleWordToFloat(sw, scale_bf16);
+      const float m = ScaleWordToFloat(mw, scale_bf16);
+      const bool in_range = isfinite(s) && isfinite(m);
+      if (ok[r] && !in_range && t == 0) atomicOr(p.error_word, kErrorOutOfRange);
+      const bool write = ok[r] && in_range;
+      // Lane t < 3 finds T_{t+1}: the smallest BF16 x in [mn, next(mx)] with
+      // fl(x - m) >= Y_{t+1} (next(mx): no element reaches it).
+      uint32_t my_t = 0x7f80u;
+      if (write && s != 0.0f && t < 3) {
+        const float y = CodeThresholdY(t + 1, s);
+        // Predicate P(o): fl(x(o) - m) >= y, monotone; lo_o (P false) and hi_o (P true) are
+        // sentinels just outside [mn, mx]. Try the window of 4 around m + y first.
+        const int o_min = Bf16Order(mn_bits[r]) - 1;
+        const int o_max = Bf16Order(mx_bits[r]) + 1;
+        auto holds = [&](int o) {
+          return __fsub_rn(Bf16BitsToFloat(static_cast<uint16_t>(Bf16FromOrder(o))), m) >= y;
+        };
+        const int o_est = Bf16Order(FloatToBf16Bits(__fadd_rn(m, y)));
+        int lo_o = max(o_min, min(o_est - 2, o_max));
+        int hi_o = min(o_max, max(o_est + 2, o_min));
+        if (lo_o > o_min && holds(lo_o)) lo_o = o_min;
+        if (hi_o < o_max && !holds(hi_o)) hi_o = o_max;
+        if (hi_o <= lo_o) {
+          lo_o = o_min;
+          hi_o = o_max;
+        }
+#pragma unroll 1
+        for (int it = 0; it < 17 && hi_o - lo_o > 1; ++it) {
+          const int mid = (lo_o + hi_o) >> 1;
+          if (holds(mid)) {
+            hi_o = mid;
+          } else {
+            lo_o = mid;
+          }
+        }
+        // Ending on the upper sentinel: no element reaches the threshold (+inf; a +0 element
+        // next to a -0 max must not compare equal to it).
+        my_t = hi_o > Bf16Order(mx_bits[r]) ? 0x7f80u : Bf16FromOrder(hi_o);
+      }
+      const int quad = lane & ~3;
+      const uint32_t t1 = __shfl_sync(kFullMask, my_t, quad) * 0x10001u;
+      const uint32_t t2 = __shfl_sync(kFullMask, my_t, quad + 1) * 0x10001u;
+      const uint32_t t3 = __shfl_sync(kFullMask, my_t, quad + 2) * 0x10001u;
+      // code = #{k : x >= T_k}: 128 + code in BF16 has the code in its low two bits.
+      uint32_t words[kWords];
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        uint32_t nib[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t x = ob[r][2 * w + h];
+          uint32_t acc = AddBf16x2(0x43004300u, GreaterEqualBf16x2(x, t1));
+          acc = AddBf16x2(acc, GreaterEqualBf16x2(x, t2));
+          acc = AddBf16x2(acc, GreaterEqualBf16x2(x, t3));
+          nib[h] = (acc & 3u) | ((acc >> 14) & 0xcu);
+        }
+        words[w] = (nib[0] | (nib[1] << 16)) << (4 * t);
+      }
+      // Reduce-scatter over the quad: lane t ends with words [t kLaneWords, +kLaneWords).
+      uint32_t half[kWords / 2];
+      const bool upper = (t & 2) != 0;
+#pragma unroll
+      for (int i = 0; i < kWords / 2; ++i) {
+        const uint32_t keep = upper ? words[kWords / 2 + i] : words[i];
+        const uint32_t give = upper ? words[i] : words[kWords / 2 + i];
+        half[i] = keep | __shfl_xor_sync(kFullMask, give, 2);
+      }
+      uint32_t mine[kLaneWords];
+      const bool odd = (t & 1) != 0;
+#pragma unroll
+      for (int i = 0; i < kLaneWords; ++i) {
+        const uint32_t keep = odd ? half[kLaneWords + i] : half[i];
+        const uint32_t give = odd ? half[i] : half[kLaneWords + i];
+        mine[i] = keep | __shfl_xor_sync(kFullMask, give, 1);
+      }
+      if (!write) continue;
+      uint8_t* codes = p.pool + slot[r].codes;
+      if constexpr (kLaneWords == 2) {
+        reinterpret_cast<uint2*>(codes)[t] = make_uint2(mine[0], mine[1]);
+      } else {
+        reinterpret_cast<uint32_t*>(codes)[t] = mine[0];
+      }
+      if (t == 0) {
+        *reinterpret_cast<uint32_t*>(p.pool + slot[r].meta) =
+            static_cast<uint32_t>(sw) | (static_cast<uint32_t>(mw) << 16);
+      }
+    }
+  }
+}
+
+}  // namespace kvpool::cuda::internal
