@@ -717,10 +717,14 @@ void UcxTransport::OnTick() {
     for (auto& [pid, p] : s->pushes) {
       if (p->finished) continue;
       const absl::Duration quiet = now - p->last_activity;
-      if (p->outstanding == 0 && quiet > options_.idle_timeout) {
+      // Idle: nothing of it in flight for idle_timeout, or only messages that have waited for
+      // staging or for a missing earlier chunk for twice that.
+      if ((p->outstanding == 0 && quiet > options_.idle_timeout) ||
+          (s->receiving.empty() && quiet > 2 * options_.idle_timeout)) {
         idle.emplace_back(s, p);
-      } else if (p->outstanding > 0 && quiet > 2 * options_.idle_timeout) {
-        stuck.push_back(s);  // receives that never finish: the peer is unhealthy
+      } else if (!s->receiving.empty() && quiet > 2 * options_.idle_timeout) {
+        // Receives from this peer that never finish: the peer is unhealthy.
+        stuck.push_back(s);
         break;
       }
     }
