@@ -107,7 +107,7 @@ __device__ __forceinline__ float MetaHi(uint32_t w) {
 // 3. INT2 history, version 2. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk sizes
 // are multiples of kV2Quantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
 template <int kD, bool kBf16>
-__global__ void __launch_bounds__(kAttnThreads, 3) Int2HistoryKernelV2(const AttentionParams p) {
+__global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const AttentionParams p) {
   constexpr int kRow = kD / 4;  // code bytes per row
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
