@@ -353,8 +353,8 @@ void ApplyRotation(RotationKind kind, int d, const std::vector<float>* data, boo
 
 }  // namespace
 
-absl::Status RotationSet::Rotate(int layer, KvTensor t, absl::Span<const float> in,
-                                 absl::Span<float> out) const {
+absl::Status RotationSet::RotateFloat(int layer, KvTensor t, bool inverse,
+                                      absl::Span<const float> in, absl::Span<float> out) const {
   if (absl::Status s = CheckRows(layer, num_layers_, head_dim_, in.size(), out.size(), in.data(),
                                  out.data(), sizeof(float));
       !s.ok()) {
@@ -367,31 +367,20 @@ absl::Status RotationSet::Rotate(int layer, KvTensor t, absl::Span<const float> 
   if (kind_ == RotationKind::kDense || kind_ == RotationKind::kRandomizedHadamard) {
     data = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
   }
-  ApplyRotation(kind_, head_dim_, data, /*inverse=*/false, in.data(), out.data(),
-                in.size() / head_dim_);
+  ApplyRotation(kind_, head_dim_, data, inverse, in.data(), out.data(), in.size() / head_dim_);
   // Finite inputs near FLT_MAX can still overflow: a coordinate may grow by up to sqrt(D).
   if (!AllFinite(out.data(), out.size())) return OverflowError();
   return absl::OkStatus();
 }
 
+absl::Status RotationSet::Rotate(int layer, KvTensor t, absl::Span<const float> in,
+                                 absl::Span<float> out) const {
+  return RotateFloat(layer, t, /*inverse=*/false, in, out);
+}
+
 absl::Status RotationSet::Unrotate(int layer, KvTensor t, absl::Span<const float> in,
                                    absl::Span<float> out) const {
-  if (absl::Status s = CheckRows(layer, num_layers_, head_dim_, in.size(), out.size(), in.data(),
-                                 out.data(), sizeof(float));
-      !s.ok()) {
-    return s;
-  }
-  if (!AllFinite(in.data(), in.size())) {
-    return absl::InvalidArgumentError("rotation: input has a non-finite value");
-  }
-  const std::vector<float>* data = nullptr;
-  if (kind_ == RotationKind::kDense || kind_ == RotationKind::kRandomizedHadamard) {
-    data = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
-  }
-  ApplyRotation(kind_, head_dim_, data, /*inverse=*/true, in.data(), out.data(),
-                in.size() / head_dim_);
-  if (!AllFinite(out.data(), out.size())) return OverflowError();
-  return absl::OkStatus();
+  return RotateFloat(layer, t, /*inverse=*/true, in, out);
 }
 
 absl::Status RotationSet::RotateBf16(int layer, KvTensor t, absl::Span<const Bf16> in,

@@ -77,6 +77,9 @@ class RotationSet {
 
  private:
   RotationSet() = default;
+  // Rotate (inverse = false) or Unrotate (inverse = true).
+  absl::Status RotateFloat(int layer, KvTensor t, bool inverse, absl::Span<const float> in,
+                           absl::Span<float> out) const;
 
   RotationKind kind_ = RotationKind::kIdentity;
   int num_layers_ = 0;
