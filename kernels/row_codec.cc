@@ -83,28 +83,45 @@ float HalvingSum(float* v, int n) {
 // counting loop vectorizes; at D = 128 this is >10x faster than std::nth_element (which
 // ClipThreshold uses on floats), and it costs the same for every ratio.
 #if defined(__AVX2__)
-// The AVX2 body of SelectMagnitudeBits for D = 16 * kRegs. Magnitudes are < 0x8000, so the
-// signed 16-bit compare orders them correctly; 16 keys per register, counted with movemask
-// (2 mask bits per key) and popcount. A compile-time register count keeps the loop unrolled.
-template <int kRegs>
+// Number of keys >= `candidate` among 32 * kPairs keys. Magnitudes are < 0x8000, so
+// the signed 16-bit compare orders them; two compare results are packed into one byte mask.
+template <int kPairs>
+inline int CountAtLeast(const __m256i (&keys)[2 * kPairs], uint32_t candidate) {
+  // keys >= candidate  <=>  keys > candidate - 1
+  const __m256i below = _mm256_set1_epi16(static_cast<int16_t>(candidate - 1));
+  int count = 0;
+  for (int r = 0; r < kPairs; ++r) {
+    const __m256i packed = _mm256_packs_epi16(_mm256_cmpgt_epi16(keys[2 * r], below),
+                                              _mm256_cmpgt_epi16(keys[2 * r + 1], below));
+    count += __builtin_popcount(static_cast<uint32_t>(_mm256_movemask_epi8(packed)));
+  }
+  return count;
+}
+
+// The AVX2 body of SelectMagnitudeBits for D = 32 * kPairs. Two bits of the answer per step:
+// the three candidates of a step are counted independently, which halves the serial chain.
+template <int kPairs>
 uint16_t SelectMagnitudeBitsAvx2(const uint16_t* words, int k, int top_bit) {
-  __m256i keys[kRegs];
+  __m256i keys[2 * kPairs];
   const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
-  for (int r = 0; r < kRegs; ++r) {
+  for (int r = 0; r < 2 * kPairs; ++r) {
     keys[r] = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16 * r)),
                                abs_mask);
   }
   uint32_t v = 0;
-  for (int bit = top_bit; bit >= 0; --bit) {
-    const uint32_t candidate = v | (1u << bit);
-    // keys >= candidate  <=>  keys > candidate - 1
-    const __m256i below = _mm256_set1_epi16(static_cast<int16_t>(candidate - 1));
-    int count2 = 0;
-    for (int r = 0; r < kRegs; ++r) {
-      const __m256i ge = _mm256_cmpgt_epi16(keys[r], below);
-      count2 += __builtin_popcount(static_cast<uint32_t>(_mm256_movemask_epi8(ge)));
-    }
-    if (count2 >= 2 * k) v = candidate;
+  int bit = top_bit;
+  if ((bit & 1) == 0) {  // an odd number of bits to decide: take the top one alone
+    const uint32_t candidate = 1u << bit;
+    if (CountAtLeast<kPairs>(keys, candidate) >= k) v = candidate;
+    --bit;
+  }
+  for (; bit >= 1; bit -= 2) {
+    const uint32_t low = bit - 1;
+    const uint32_t c1 = v | (1u << low), c2 = v | (2u << low), c3 = v | (3u << low);
+    const int n1 = CountAtLeast<kPairs>(keys, c1);
+    const int n2 = CountAtLeast<kPairs>(keys, c2);
+    const int n3 = CountAtLeast<kPairs>(keys, c3);
+    v = n3 >= k ? c3 : n2 >= k ? c2 : n1 >= k ? c1 : v;
   }
   return static_cast<uint16_t>(v);
 }
@@ -116,13 +133,13 @@ uint16_t SelectMagnitudeBits(const uint16_t* words, int d, int c, uint16_t max_a
 #if defined(__AVX2__)
   switch (d) {
     case 32:
-      return SelectMagnitudeBitsAvx2<2>(words, k, top_bit);
+      return SelectMagnitudeBitsAvx2<1>(words, k, top_bit);
     case 64:
-      return SelectMagnitudeBitsAvx2<4>(words, k, top_bit);
+      return SelectMagnitudeBitsAvx2<2>(words, k, top_bit);
     case 128:
-      return SelectMagnitudeBitsAvx2<8>(words, k, top_bit);
+      return SelectMagnitudeBitsAvx2<4>(words, k, top_bit);
     case 256:
-      return SelectMagnitudeBitsAvx2<16>(words, k, top_bit);
+      return SelectMagnitudeBitsAvx2<8>(words, k, top_bit);
     default:
       break;
   }
@@ -145,7 +162,28 @@ uint16_t SelectMagnitudeBits(const uint16_t* words, int d, int c, uint16_t max_a
 void GroupMinMax(const float* x, int n, float* mn_out, float* mx_out) {
   constexpr int kLanes = 16;
   float mn = x[0], mx = x[0];
-  if (n % kLanes == 0) {
+#if defined(__AVX2__)
+  // (v < m ? v : m) is exactly MINPS(v, m) and (m < v ? v : m) MAXPS(v, m); GCC keeps the
+  // lane loop below scalar, so spell it out. Inputs are finite (checked before).
+  if (n % 8 == 0) {
+    __m256 vmn = _mm256_loadu_ps(x), vmx = vmn;
+    for (int j = 8; j < n; j += 8) {
+      const __m256 v = _mm256_loadu_ps(x + j);
+      vmn = _mm256_min_ps(v, vmn);
+      vmx = _mm256_max_ps(v, vmx);
+    }
+    float lmn[8], lmx[8];
+    _mm256_storeu_ps(lmn, vmn);
+    _mm256_storeu_ps(lmx, vmx);
+    mn = lmn[0];
+    mx = lmx[0];
+    for (int l = 1; l < 8; ++l) {
+      mn = lmn[l] < mn ? lmn[l] : mn;
+      mx = mx < lmx[l] ? lmx[l] : mx;
+    }
+  } else
+#endif
+      if (n % kLanes == 0) {
     float lmn[kLanes], lmx[kLanes];
     for (int l = 0; l < kLanes; ++l) lmn[l] = lmx[l] = x[l];
     for (int j = kLanes; j < n; j += kLanes) {
