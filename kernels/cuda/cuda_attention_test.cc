@@ -536,8 +536,10 @@ TEST_F(CudaAttentionTest, OneHotOnFirstAndLastTokenOfEachTier) {
 }
 
 // Batch 32 at 128K history tokens (+ 64 sink, 256 recent), Hq 64, Hkv 8, D 128: data made and
-// quantized on the GPU; a sample of (sequence, head) pairs is checked against float64.
-TEST_F(CudaAttentionTest, Batch32At128K) {
+// quantized on the GPU; a sample of (sequence, head) pairs is checked against float64. The
+// output bound is 1e-2 relative for every history kernel (run 3: version 2 with fp16 P and the
+// min term on the tensor cores reached 0.019 here while shorter tests stayed near 1e-4).
+void CheckBatch32At128K() {
   constexpr int kB = 32, kHistory = 128 * 1024, kSink = 64, kRecent = 256;
   constexpr int kHq = 64, kHkv = 8, kD = 128, kT = 16;
   QuantConfig cfg;
@@ -721,6 +723,13 @@ TEST_F(CudaAttentionTest, Batch32At128K) {
       EXPECT_LT(std::fabs(h_lse[i * kHq + hq] - ref_lse), 1e-4 * std::max(1.0, std::fabs(ref_lse)));
     }
   }
+}
+
+TEST_F(CudaAttentionTest, Batch32At128K) { CheckBatch32At128K(); }
+
+TEST_F(CudaAttentionTest, Batch32At128KHistoryVersion1) {
+  ScopedEnv env("KVPOOL_ATTN_HIST", "v1");
+  CheckBatch32At128K();
 }
 
 }  // namespace

@@ -20,8 +20,9 @@
 //   more than kLazyMargin, so p = exp2(logit - mo) <= 2^kLazyMargin (P s stays far from the fp16
 //   limit for stored fp16 scales below 65504 / 2^kLazyMargin = 1023).
 // - Two tiles (32 tokens) per iteration: four independent MMA chains for QK, one vote for both.
-// - fp16 scales: P * s_v as one HMUL2 per two tokens on the stored scale words, and the sum of
-//   p * min_v on the tensor cores (one MMA per tile: rows of stored fp16 mins times fp16 P).
+// - P in fp32, P * s_v rounded to fp16 once, the sum of p * min_v in fp32 FMA (as version 1).
+//   (fp16 P, an HMUL2 by s and the min sum on the tensor cores lost ~1-2 % of the output at 128K
+//   tokens: kernels/cuda/NOTES.md, run 3.)
 #pragma once
 
 #include <cuda_fp16.h>
@@ -251,8 +252,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   float mo = kNegInf;   // reference of p = exp2(logit - mo) for query g; quad-uniform
   float lim = kNegInf;  // mo + kLazyMargin
   float l_part = 0.f;   // lane-partial sum of p (query g)
-  float pm_part = 0.f;  // bf16 scales: lane-partial sum of p * min_v (query g)
-  float pm_acc[4] = {0.f, 0.f, 0.f, 0.f};  // fp16 scales: [2, 3] = sum p * min_v, queries 2t, +1
+  float pm_part = 0.f;  // lane-partial sum of p * min_v (query g), fp32
   float acc[kMTiles][4];
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
@@ -366,12 +366,14 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         acc[mi][2] *= c_even;
         acc[mi][3] *= c_odd;
       }
-      pm_acc[2] *= c_even;
-      pm_acc[3] *= c_odd;
     }
     // P, its sums, and the B operand (P s)^T: b[nt] holds tokens 8 nt + 2t, +1 for query g.
+    // Both scale dtypes: p in fp32, P s rounded to fp16 once, and sum p * min_v in fp32 FMA (as
+    // version 1). fp16 P with an HMUL2 by s and sum p * min_v on the tensor cores lost ~1-2 % of
+    // the output at 128K tokens (run 3): the tensor-core fp32 accumulation truncates each
+    // product to the accumulator's ulp, a bias that grows with the tokens per accumulator, and
+    // sum p * min_v nearly cancels sum (P s) c, so its relative error is amplified ~sqrt(N).
     uint32_t pb[2][2];
-    [[maybe_unused]] uint32_t ph_bits[2][2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
 #pragma unroll
@@ -379,24 +381,9 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         const float p0 = FastExp2(__fmaf_rn(v2[e][nt][0], gamma, -mo));
         const float p1 = FastExp2(__fmaf_rn(v2[e][nt][1], gamma, -mo));
         l_part += p0 + p1;
-        if constexpr (kBf16) {
-          pm_part = __fmaf_rn(p0, MetaHi<true>(vm[e][nt][0]),
-                              __fmaf_rn(p1, MetaHi<true>(vm[e][nt][1]), pm_part));
-          pb[e][nt] = PackHalf2(p0 * MetaLo<true>(vm[e][nt][0]), p1 * MetaLo<true>(vm[e][nt][1]));
-        } else {
-          const __half2 ph = __floats2half2_rn(p0, p1);
-          ph_bits[e][nt] = *reinterpret_cast<const uint32_t*>(&ph);
-          const uint32_t sw = Permute(vm[e][nt][0], vm[e][nt][1], 0x5410u);
-          const __half2 prod = __hmul2(ph, *reinterpret_cast<const __half2*>(&sw));
-          pb[e][nt] = *reinterpret_cast<const uint32_t*>(&prod);
-        }
-      }
-      if constexpr (!kBf16) {
-        // sum p * min_v: A rows g + 8 hold the tiles' stored fp16 mins (tokens 2t, 2t+1 |
-        // 2t+8, 2t+9), rows g zero; C columns 2t, 2t+1 are queries.
-        const uint32_t a[4] = {0u, Permute(vm[e][0][0], vm[e][0][1], 0x7632u), 0u,
-                               Permute(vm[e][1][0], vm[e][1][1], 0x7632u)};
-        MmaF16(pm_acc, a, ph_bits[e]);
+        pm_part = __fmaf_rn(p0, MetaHi<kBf16>(vm[e][nt][0]),
+                            __fmaf_rn(p1, MetaHi<kBf16>(vm[e][nt][1]), pm_part));
+        pb[e][nt] = PackHalf2(p0 * MetaLo<kBf16>(vm[e][nt][0]), p1 * MetaLo<kBf16>(vm[e][nt][1]));
       }
     }
     // O^T += V^T (P s)^T; lane pairs tokens (2t, 2t+1) and (2t+8, 2t+9) in one register.
@@ -456,10 +443,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   // issued was waited for).
   l_part += __shfl_xor_sync(kFullMask, l_part, 1);
   l_part += __shfl_xor_sync(kFullMask, l_part, 2);
-  if constexpr (kBf16) {
-    pm_part += __shfl_xor_sync(kFullMask, pm_part, 1);
-    pm_part += __shfl_xor_sync(kFullMask, pm_part, 2);
-  }
+  pm_part += __shfl_xor_sync(kFullMask, pm_part, 1);
+  pm_part += __shfl_xor_sync(kFullMask, pm_part, 2);
   __syncthreads();
   float* sm_o = reinterpret_cast<float*>(v2_smem);  // [warps][8][kD]
   float* sm_m = sm_o + kAttnWarps * 8 * kD;         // [warps][8]
@@ -468,13 +453,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   if (t == 0) {
     sm_m[warp * 8 + g] = mo;
     sm_l[warp * 8 + g] = l_part;
-    if constexpr (kBf16) sm_pm[warp * 8 + g] = pm_part;
-  }
-  if constexpr (!kBf16) {
-    if (g == 0) {
-      sm_pm[warp * 8 + 2 * t] = pm_acc[2];
-      sm_pm[warp * 8 + 2 * t + 1] = pm_acc[3];
-    }
+    sm_pm[warp * 8 + g] = pm_part;
   }
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
