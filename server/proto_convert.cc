@@ -199,6 +199,8 @@ void FillModelInfo(const Model& m, uint64_t sequences, uint64_t pool_bytes, v1::
   shape->set_head_dim(m.head_dim);
   out->set_codec_version(m.version_hex);
   QuantToProto(m.codec.quant, out->mutable_quant());
+  // Responses carry the effective G (the config's 0 means G = D).
+  out->mutable_quant()->set_group_size(m.codec.quant.EffectiveGroupSize(m.head_dim));
   out->set_rotation_kind(RotationKindToProto(m.codec.rotations.kind()));
   out->set_rotation_seed(m.codec.rotations.seed());
   out->set_objective(m.codec.objective);

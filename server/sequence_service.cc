@@ -1,10 +1,13 @@
 #include "server/sequence_service.h"
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/common/status_macros.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
@@ -30,53 +33,109 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   AppendKvReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                   v1::AppendKvResponse* response)
       : ctx_(ctx), call_(call), tenant_(TenantOf(call)), response_(response) {
+    absl::MutexLock lock(&mu_);
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {
-      if (call_->IsCancelled()) {
-        return Fail(absl::CancelledError("AppendKv cancelled"));
+    absl::Status error;
+    {
+      absl::MutexLock lock(&mu_);
+      // Finished, or failed and the worker is about to answer: read nothing more.
+      if (finished_ || !pending_error_.ok()) return;
+      if (!ok) {
+        if (call_->IsCancelled()) {
+          error = absl::CancelledError("AppendKv cancelled");
+        } else if (txn_ == nullptr) {
+          error = absl::InvalidArgumentError("AppendKv: the stream ended before a header");
+        } else {
+          half_closed_ = true;  // the worker commits once the queue drains
+          if (!worker_running_) error = StartWorkerLocked();
+        }
+      } else if (txn_ == nullptr) {
+        error = Begin();
+        if (error.ok()) StartRead(&request_);
+      } else if (request_.part_case() != v1::AppendKvRequest::kChunk) {
+        error = absl::InvalidArgumentError("AppendKv: only the first message may be a header");
+      } else {
+        auto chunk = std::make_shared<v1::KvChunk>();
+        chunk->Swap(request_.mutable_chunk());
+        queue_.push_back(std::move(chunk));
+        // Receive the next chunk while this one waits or is staged, unless the queue is full;
+        // then the worker restarts the read when it takes a chunk out.
+        if (queue_.size() < kMaxQueuedChunks) {
+          StartRead(&request_);
+        } else {
+          read_blocked_ = true;
+        }
+        if (!worker_running_) error = StartWorkerLocked();
       }
-      if (txn_ == nullptr) {
-        return Finish(
-            ToGrpcStatus(absl::InvalidArgumentError("AppendKv: the stream ended before a header")));
+      if (error.ok()) return;
+      if (worker_running_) {
+        // The worker owns the transaction; it rolls back and answers at its next step.
+        pending_error_ = error;
+        return;
       }
-      if (!ctx_->workers->TrySubmit([this] {
-            absl::Status s = Commit();
-            if (!s.ok()) return Fail(s);
-            Finish(grpc::Status::OK);
-          })) {
-        Fail(BusyError());
-      }
-      return;
+      finished_ = true;
+      txn_.reset();  // roll back before answering, so that a retry never finds the lock held
     }
-    if (txn_ == nullptr) {
-      absl::Status s = Begin();
-      if (!s.ok()) return Fail(s);
-      return StartRead(&request_);
-    }
-    if (request_.part_case() != v1::AppendKvRequest::kChunk) {
-      return Fail(absl::InvalidArgumentError("AppendKv: only the first message may be a header"));
-    }
-    auto chunk = std::make_shared<v1::KvChunk>();
-    chunk->Swap(request_.mutable_chunk());
-    const bool queued = ctx_->workers->TrySubmit([this, chunk] {
-      absl::Status s = Stage(*chunk);
-      if (!s.ok()) return Fail(s);
-      StartRead(&request_);
-    });
-    if (!queued) Fail(BusyError());
+    Finish(ToGrpcStatus(error));
   }
 
   void OnDone() override { delete this; }  // an uncommitted transaction rolls back here
 
  private:
-  // Rolls the append back before answering, so that a client retrying at once never finds the
-  // sequence still locked by this failed stream.
-  void Fail(const absl::Status& s) {
-    txn_.reset();
-    Finish(ToGrpcStatus(s));
+  // At most this many received chunks wait for the worker (one more is being staged and one
+  // more may be arriving), so a stream holds a bounded amount of memory.
+  static constexpr size_t kMaxQueuedChunks = 2;
+
+  absl::Status StartWorkerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!ctx_->workers->TrySubmit([this] { Work(); })) return BusyError();
+    worker_running_ = true;
+    return absl::OkStatus();
+  }
+
+  // The stream's one worker task: stages queued chunks in order, commits after the half-close
+  // when the queue is empty, and answers on any error. While it runs it alone touches txn_.
+  // Finish is its last access to `this` (OnDone may delete the reactor right after).
+  void Work() {
+    for (;;) {
+      std::shared_ptr<v1::KvChunk> chunk;
+      absl::Status status;
+      {
+        absl::MutexLock lock(&mu_);
+        if (pending_error_.ok() && call_->IsCancelled()) {
+          pending_error_ = absl::CancelledError("AppendKv cancelled");
+        }
+        if (!pending_error_.ok()) {
+          status = pending_error_;
+        } else if (!queue_.empty()) {
+          chunk = std::move(queue_.front());
+          queue_.pop_front();
+          if (read_blocked_) {
+            read_blocked_ = false;
+            StartRead(&request_);
+          }
+        } else if (!half_closed_) {
+          worker_running_ = false;  // the next chunk starts a new task
+          return;
+        }
+      }
+      if (status.ok() && chunk != nullptr) {
+        status = Stage(*chunk);
+        if (status.ok()) continue;
+      } else if (status.ok()) {
+        status = Commit();  // half-closed and drained
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+        worker_running_ = false;
+        if (!status.ok()) txn_.reset();  // roll back before answering
+      }
+      Finish(ToGrpcStatus(status));
+      return;
+    }
   }
 
   absl::Status Begin() {
@@ -150,9 +209,18 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   grpc::CallbackServerContext* const call_;
   const TenantId tenant_;
   v1::AppendKvResponse* const response_;
-  v1::AppendKvRequest request_;
-  v1::DType dtype_ = v1::DTYPE_UNSPECIFIED;
+  v1::AppendKvRequest request_;              // written by gRPC while a read is pending
+  v1::DType dtype_ = v1::DTYPE_UNSPECIFIED;  // set by Begin, before any worker runs
+  // Reactor callbacks and the worker synchronize on mu_. txn_ is touched by the reactor only
+  // while no worker runs (Begin, early failures), else by the worker alone.
+  absl::Mutex mu_;
   std::unique_ptr<AppendTxn> txn_;
+  std::deque<std::shared_ptr<v1::KvChunk>> queue_ ABSL_GUARDED_BY(mu_);
+  bool worker_running_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_blocked_ ABSL_GUARDED_BY(mu_) = false;  // queue was full: no read pending
+  bool half_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status pending_error_ ABSL_GUARDED_BY(mu_);  // for the running worker to answer
 };
 
 absl::Status RunDecodeAppend(ServiceContext* ctx, const TenantId& tenant,

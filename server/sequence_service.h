@@ -1,11 +1,13 @@
 // SequenceServiceImpl: the kvpool.v1.SequenceService gRPC service (create, AppendKv stream,
 // AppendDecode, seal, release, describe, prefix lookup).
 //
-// AppendKv is a read reactor that keeps one chunk in flight: it hands each chunk to the worker
-// pool (decode, rotate, quantize into the transaction's reserved pages) and reads the next only
-// when that is done, so gRPC flow control pushes back on a fast client. The transaction commits
-// when the client half-closes; any error, a cancelled call or a full worker queue drops it, which
-// returns every reserved page.
+// AppendKv is a read reactor that overlaps receiving with staging: it starts the next read as
+// soon as a chunk is taken out of the message and queues the chunk (at most two wait), and one
+// worker-pool task per stream stages the queue in order (decode, rotate, quantize into the
+// transaction's reserved pages). When the queue is full the read waits, so gRPC flow control
+// pushes back on a fast client. The transaction commits once the client has half-closed and the
+// queue has drained; any error, a cancelled call or a full worker queue drops it, which returns
+// every reserved page.
 //
 //   SequenceServiceImpl sequences(&service_context);
 //   builder.RegisterService(&sequences);

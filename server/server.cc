@@ -1,6 +1,7 @@
 #include "server/server.h"
 
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/common/status_macros.h"
@@ -18,9 +19,8 @@ namespace kvpool::server {
 namespace {
 
 constexpr const char* kServiceNames[] = {"kvpool.v1.ModelService", "kvpool.v1.SequenceService",
-                                         "kvpool.v1.ReadService", "kvpool.v1.AttentionService",
-                                         "kvpool.v1.StatsService",
-                                         "kvpool.v1.TransportService"};
+                                         "kvpool.v1.ReadService",  "kvpool.v1.AttentionService",
+                                         "kvpool.v1.StatsService", "kvpool.v1.TransportService"};
 
 void SetHealth(grpc::Server* server, bool serving) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
@@ -82,6 +82,9 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &s->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  // A per-stream window large enough that the next AppendKv chunk (256 KiB of K plus V) can
+  // arrive while the previous one is being staged.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4 << 20);
   builder.RegisterService(s->model_service_.get());
   builder.RegisterService(s->sequence_service_.get());
   builder.RegisterService(s->read_service_.get());
