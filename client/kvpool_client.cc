@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/common/status_macros.h"
 
 namespace kvpool::client {
 namespace {
@@ -151,6 +152,17 @@ absl::StatusOr<std::unique_ptr<KvpoolClient>> KvpoolClient::Connect(const std::s
   return client;
 }
 
+// One unary call on `context`; a failure becomes an absl::Status naming the RPC.
+template <typename Stub, typename Request, typename Response>
+absl::StatusOr<Response> CallUnary(
+    Stub& stub, grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+    std::unique_ptr<grpc::ClientContext> context, const Request& request, absl::string_view rpc) {
+  Response response;
+  const grpc::Status s = (stub.*method)(context.get(), request, &response);
+  if (!s.ok()) return FromGrpcStatus(s, rpc);
+  return response;
+}
+
 std::unique_ptr<grpc::ClientContext> KvpoolClient::NewContext() const {
   auto context = std::make_unique<grpc::ClientContext>();
   context->set_deadline(DeadlineAfter(options_.deadline));
@@ -280,20 +292,14 @@ absl::StatusOr<v1::DeleteModelResponse> KvpoolClient::DeleteModel(const std::str
   v1::DeleteModelRequest request;
   request.set_model_id(model_id);
   request.set_force(force);
-  auto context = NewContext();
-  v1::DeleteModelResponse response;
-  const grpc::Status s = models_->DeleteModel(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "DeleteModel");
-  return response;
+  return CallUnary(*models_, &v1::ModelService::Stub::DeleteModel, NewContext(), request,
+                   "DeleteModel");
 }
 
 absl::StatusOr<v1::CreateSequenceResponse> KvpoolClient::CreateSequence(
     const v1::CreateSequenceRequest& request) const {
-  auto context = NewContext();
-  v1::CreateSequenceResponse response;
-  const grpc::Status s = sequences_->CreateSequence(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "CreateSequence");
-  return response;
+  return CallUnary(*sequences_, &v1::SequenceService::Stub::CreateSequence, NewContext(), request,
+                   "CreateSequence");
 }
 
 absl::StatusOr<v1::CreateSequenceResponse> KvpoolClient::CreateSequence(
@@ -333,20 +339,16 @@ absl::StatusOr<v1::AppendKvResponse> KvpoolClient::AppendKv(
 
 absl::StatusOr<v1::AppendDecodeResponse> KvpoolClient::AppendDecode(
     const v1::AppendDecodeRequest& request) const {
-  auto context = NewContext();
-  v1::AppendDecodeResponse response;
-  const grpc::Status s = sequences_->AppendDecode(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "AppendDecode");
-  return response;
+  return CallUnary(*sequences_, &v1::SequenceService::Stub::AppendDecode, NewContext(), request,
+                   "AppendDecode");
 }
 
 absl::StatusOr<v1::SequenceInfo> KvpoolClient::SealSequence(const std::string& sequence_id) const {
   v1::SealSequenceRequest request;
   request.set_sequence_id(sequence_id);
-  auto context = NewContext();
-  v1::SealSequenceResponse response;
-  const grpc::Status s = sequences_->SealSequence(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "SealSequence");
+  KVPOOL_ASSIGN_OR_RETURN(v1::SealSequenceResponse response,
+                          CallUnary(*sequences_, &v1::SequenceService::Stub::SealSequence,
+                                    NewContext(), request, "SealSequence"));
   return response.sequence();
 }
 
@@ -354,22 +356,16 @@ absl::StatusOr<v1::ReleaseSequenceResponse> KvpoolClient::ReleaseSequence(
     const std::string& sequence_id) const {
   v1::ReleaseSequenceRequest request;
   request.set_sequence_id(sequence_id);
-  auto context = NewContext();
-  v1::ReleaseSequenceResponse response;
-  const grpc::Status s = sequences_->ReleaseSequence(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "ReleaseSequence");
-  return response;
+  return CallUnary(*sequences_, &v1::SequenceService::Stub::ReleaseSequence, NewContext(), request,
+                   "ReleaseSequence");
 }
 
 absl::StatusOr<v1::SequenceInfo> KvpoolClient::DescribeSequence(
     const std::string& sequence_id) const {
   v1::DescribeSequenceRequest request;
   request.set_sequence_id(sequence_id);
-  auto context = NewContext();
-  v1::SequenceInfo response;
-  const grpc::Status s = sequences_->DescribeSequence(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "DescribeSequence");
-  return response;
+  return CallUnary(*sequences_, &v1::SequenceService::Stub::DescribeSequence, NewContext(), request,
+                   "DescribeSequence");
 }
 
 absl::StatusOr<v1::LookupPrefixResponse> KvpoolClient::LookupPrefix(
@@ -377,11 +373,8 @@ absl::StatusOr<v1::LookupPrefixResponse> KvpoolClient::LookupPrefix(
   v1::LookupPrefixRequest request;
   request.set_model_id(model_id);
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-  auto context = NewContext();
-  v1::LookupPrefixResponse response;
-  const grpc::Status s = sequences_->LookupPrefix(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "LookupPrefix");
-  return response;
+  return CallUnary(*sequences_, &v1::SequenceService::Stub::LookupPrefix, NewContext(), request,
+                   "LookupPrefix");
 }
 
 absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest& request) const {
@@ -546,21 +539,14 @@ absl::StatusOr<KvRead> KvpoolClient::ReadKv(const v1::ReadKvRequest& request) co
 }
 
 absl::StatusOr<v1::AttendResponse> KvpoolClient::Attend(const v1::AttendRequest& request) const {
-  auto context = NewContext();
-  v1::AttendResponse response;
-  const grpc::Status s = attention_->Attend(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "Attend");
-  return response;
+  return CallUnary(*attention_, &v1::AttentionService::Stub::Attend, NewContext(), request,
+                   "Attend");
 }
 
 absl::StatusOr<v1::GetStatsResponse> KvpoolClient::GetStats(bool include_sequences) const {
   v1::GetStatsRequest request;
   request.set_include_sequences(include_sequences);
-  auto context = NewContext();
-  v1::GetStatsResponse response;
-  const grpc::Status s = stats_->GetStats(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "GetStats");
-  return response;
+  return CallUnary(*stats_, &v1::StatsService::Stub::GetStats, NewContext(), request, "GetStats");
 }
 
 }  // namespace kvpool::client
