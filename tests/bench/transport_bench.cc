@@ -186,20 +186,27 @@ double StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq
   return 2.0 * m.num_layers * kv.k[0].size() / kMiB / s;
 }
 
+// An in-process daemon on `t`'s UCX transports with a 1 GiB pool; exits on failure.
+std::unique_ptr<TestDaemon> StartBenchDaemon(const TlsSet& t, size_t message_bytes,
+                                             size_t staging_bytes) {
+  TestDaemonOptions o;
+  o.ucx_tls = t.tls;
+  o.pool_bytes = size_t{1} << 30;
+  o.message_bytes = message_bytes;
+  o.staging_bytes = staging_bytes;
+  o.log_level = "error";
+  auto d = TestDaemon::Start(o);
+  Die(d.status(), "TestDaemon::Start");
+  return std::move(d).value();
+}
+
 void BenchIngest(BenchReport& report, const TlsSet& t) {
   const size_t msg = absl::GetFlag(FLAGS_message_bytes);
   const int tokens = absl::GetFlag(FLAGS_ingest_tokens);
   const int reps = absl::GetFlag(FLAGS_ingest_reps);
   const double perftest = RunPerftest("tag_bw", t.tls, msg, absl::GetFlag(FLAGS_perftest_iters));
-  TestDaemonOptions o;
-  o.ucx_tls = t.tls;
-  o.pool_bytes = size_t{1} << 30;
-  o.message_bytes = msg;
-  o.staging_bytes = 16 * msg;
-  o.log_level = "error";
-  auto d = TestDaemon::Start(o);
-  Die(d.status(), "TestDaemon::Start");
-  auto ch = Connect(**d, t);
+  auto d = StartBenchDaemon(t, msg, 16 * msg);
+  auto ch = Connect(*d, t);
   for (const bool quantized : {true, false}) {
     ModelShapeSpec m;
     m.model_id = quantized ? "int2" : "bf16";
@@ -212,20 +219,20 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
     m.block_tokens = 16;
     m.sink_tokens = 64;
     m.recent_tokens = 256;
-    Die((*d)->RegisterModel(m), "RegisterModel");
+    Die(d->RegisterModel(m), "RegisterModel");
     const Kv kv = MakeKv(m, tokens, 17);
     const double bytes = 2.0 * m.num_layers * kv.k[0].size();
     double best = 0, store_alone = 0;
     for (int rep = 0; rep < reps; ++rep) {
       store_alone =
           std::max(store_alone,
-                   StoreAlone(**d, m, absl::StrCat(m.model_id, "-alone-", rep), tokens, kv, msg));
+                   StoreAlone(*d, m, absl::StrCat(m.model_id, "-alone-", rep), tokens, kv, msg));
       const std::string seq = absl::StrCat(m.model_id, "-", rep);
-      const double s = PushAll(**d, *ch, m, seq, tokens, kv);
+      const double s = PushAll(*d, *ch, m, seq, tokens, kv);
       best = std::max(best, bytes / kMiB / s);
       if (!quantized && rep == 0) {  // verify: read it back, bit for bit
         std::vector<std::string> rk, rv;
-        Die((*d)->ReadAll(seq, &rk, &rv), "ReadKv");
+        Die(d->ReadAll(seq, &rk, &rv), "ReadKv");
         for (int l = 0; l < m.num_layers; ++l) {
           if (rk[l] != kv.k[l] || rv[l] != kv.v[l]) {
             std::fprintf(stderr, "bench-transport: BF16 read-back differs at layer %d\n", l);
@@ -233,7 +240,7 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
           }
         }
       }
-      Die((*d)->Release(seq), "Release");
+      Die(d->Release(seq), "Release");
     }
     BenchResult r;
     r.name = quantized ? "ingest_ucx_quantized" : "ingest_ucx_bf16_stored";
@@ -259,15 +266,8 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
 
 void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps) {
   const int batch = absl::GetFlag(FLAGS_attn_batch);
-  TestDaemonOptions o;
-  o.ucx_tls = t.tls;
-  o.pool_bytes = size_t{1} << 30;
-  o.message_bytes = size_t{4} << 20;
-  o.staging_bytes = size_t{32} << 20;
-  o.log_level = "error";
-  auto d = TestDaemon::Start(o);
-  Die(d.status(), "TestDaemon::Start");
-  auto ch = Connect(**d, t);
+  auto d = StartBenchDaemon(t, size_t{4} << 20, size_t{32} << 20);
+  auto ch = Connect(*d, t);
   ModelShapeSpec m;
   m.model_id = "attn";
   m.num_layers = 1;
@@ -277,12 +277,12 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
   m.block_tokens = 16;
   m.sink_tokens = 64;
   m.recent_tokens = 256;
-  Die((*d)->RegisterModel(m), "RegisterModel");
+  Die(d->RegisterModel(m), "RegisterModel");
   const int chunk = std::min(4096, context);
   const Kv kv = MakeKv(m, chunk, 5);
   for (int b = 0; b < batch; ++b) {  // ingest over UCX, in pushes of `chunk` tokens
     const std::string seq = absl::StrCat("a", b);
-    Die((*d)->CreateSequence("attn", seq), "CreateSequence");
+    Die(d->CreateSequence("attn", seq), "CreateSequence");
     for (int start = 0; start < context; start += chunk) {
       auto push = ch->BeginPush({seq,
                                  static_cast<uint32_t>(start),
@@ -314,13 +314,13 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
     uq.push_back({seq, 1, q[b].data()});
     local.push_back({seq, 1, q[b]});
   }
-  server::ServiceContext* ctx = (*d)->server()->context();
+  server::ServiceContext* ctx = d->server()->context();
   auto model = ctx->registry->Get(server::kDefaultTenant, "attn");
   Die(model.status(), "model");
   std::vector<double> grpc_ms, ucx_ms, compute_ms;
   for (int rep = 0; rep < reps + 1; ++rep) {  // the first round warms up
     absl::Time t0 = absl::Now();
-    Die((*d)->AttendInline(req).status(), "Attend (gRPC)");
+    Die(d->AttendInline(req).status(), "Attend (gRPC)");
     const double g = absl::ToDoubleMilliseconds(absl::Now() - t0);
     t0 = absl::Now();
     std::vector<client::UcxAttentionResult> out;
@@ -366,15 +366,8 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
 
 void BenchOverlap(BenchReport& report, const TlsSet& t) {
   const int tokens = absl::GetFlag(FLAGS_overlap_tokens);
-  TestDaemonOptions o;
-  o.ucx_tls = t.tls;
-  o.pool_bytes = size_t{1} << 30;
-  o.message_bytes = size_t{4} << 20;
-  o.staging_bytes = size_t{32} << 20;
-  o.log_level = "error";
-  auto d = TestDaemon::Start(o);
-  Die(d.status(), "TestDaemon::Start");
-  auto ch = Connect(**d, t);
+  auto d = StartBenchDaemon(t, size_t{4} << 20, size_t{32} << 20);
+  auto ch = Connect(*d, t);
   ModelShapeSpec m;
   m.model_id = "overlap";
   m.num_layers = absl::GetFlag(FLAGS_overlap_layers);
@@ -384,13 +377,13 @@ void BenchOverlap(BenchReport& report, const TlsSet& t) {
   m.block_tokens = 16;
   m.sink_tokens = 64;
   m.recent_tokens = 256;
-  Die((*d)->RegisterModel(m), "RegisterModel");
+  Die(d->RegisterModel(m), "RegisterModel");
   const Kv kv = MakeKv(m, tokens, 9);
   // One layer's transfer + quantize alone: push layer 0 of a 1-layer view and wait for it.
   std::vector<double> one_layer_ms;
   for (int rep = 0; rep < 5; ++rep) {
     const std::string seq = absl::StrCat("one-", rep);
-    Die((*d)->CreateSequence("overlap", seq), "CreateSequence");
+    Die(d->CreateSequence("overlap", seq), "CreateSequence");
     auto push = ch->BeginPush({seq, 0, static_cast<uint32_t>(tokens), true, {}});
     Die(push.status(), "BeginPush");
     const absl::Time t0 = absl::Now();
@@ -399,7 +392,7 @@ void BenchOverlap(BenchReport& report, const TlsSet& t) {
     one_layer_ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - t0));
     (*push)->Abort();
     push->reset();
-    Die((*d)->Release(seq), "Release");
+    Die(d->Release(seq), "Release");
   }
   const double one_layer = Median(one_layer_ms);
   int compute_ms = absl::GetFlag(FLAGS_layer_compute_ms);
@@ -407,7 +400,7 @@ void BenchOverlap(BenchReport& report, const TlsSet& t) {
   std::vector<double> tails, totals;
   for (int rep = 0; rep < 3; ++rep) {
     const std::string seq = absl::StrCat("prefill-", rep);
-    Die((*d)->CreateSequence("overlap", seq), "CreateSequence");
+    Die(d->CreateSequence("overlap", seq), "CreateSequence");
     const absl::Time start = absl::Now();
     auto push = ch->BeginPush({seq, 0, static_cast<uint32_t>(tokens), true, {}});
     Die(push.status(), "BeginPush");
@@ -420,7 +413,7 @@ void BenchOverlap(BenchReport& report, const TlsSet& t) {
     const absl::Time stored = absl::Now();
     tails.push_back(absl::ToDoubleMilliseconds(stored - last_computed));
     totals.push_back(absl::ToDoubleMilliseconds(stored - start));
-    Die((*d)->Release(seq), "Release");
+    Die(d->Release(seq), "Release");
   }
   const std::map<std::string, std::string> params = {
       {"layers", std::to_string(m.num_layers)},
