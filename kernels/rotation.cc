@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 // GCC 12 reports a false -Wmaybe-uninitialized inside Eigen's AVX-512 GEMM packing
@@ -134,10 +135,6 @@ void HadamardRows(const In* in, Out* out, size_t rows, int d, const float* pre, 
     for (int j = 0; j < d; j += 8) Store8(Load8(y + j) * Load8(post_scale + j), o + j);
   }
 }
-
-// Rows per chunk on the BF16 path: large enough for an efficient GEMM, small enough that the
-// fp32 staging buffers stay in L2.
-constexpr size_t kBf16ChunkRows = 512;
 
 }  // namespace
 
@@ -394,37 +391,43 @@ absl::Status RotationSet::RotateBf16(int layer, KvTensor t, absl::Span<const Bf1
     return absl::InvalidArgumentError("rotation: input has a non-finite value");
   }
 
+  const size_t rows = in.size() / static_cast<size_t>(head_dim_);
+  RotateBf16Rows(layer, t, in.data(), out.data(), rows);
+  return AllFiniteBf16(out.data(), out.size()) ? absl::OkStatus() : OverflowError();
+}
+
+void RotationSet::RotateBf16Rows(int layer, KvTensor t, const Bf16* in, Bf16* out,
+                                 size_t rows) const {
+  const size_t d = static_cast<size_t>(head_dim_);
+  if (rows == 0) return;
   if (kind_ == RotationKind::kIdentity) {
     // x * I rounds back to the same BF16 value: copy the bits.
-    if (!in.empty()) std::memcpy(out.data(), in.data(), in.size() * sizeof(Bf16));
-    return absl::OkStatus();
+    std::memcpy(out, in, rows * d * sizeof(Bf16));
+    return;
   }
   const std::vector<float>* data = nullptr;
   if (kind_ == RotationKind::kDense || kind_ == RotationKind::kRandomizedHadamard) {
     data = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
   }
-  const size_t d = static_cast<size_t>(head_dim_);
-  const size_t rows = in.size() / d;
   if (kind_ == RotationKind::kHadamard || kind_ == RotationKind::kRandomizedHadamard) {
-    // The transform reads BF16 and rounds to BF16 itself: no fp32 staging.
-    HadamardRows(in.data(), out.data(), rows, head_dim_, data != nullptr ? data->data() : nullptr,
-                 nullptr);
-    return AllFiniteBf16(out.data(), out.size()) ? absl::OkStatus() : OverflowError();
+    // The transform reads BF16 and rounds to BF16 itself, row by row: no fp32 staging.
+    HadamardRows(in, out, rows, head_dim_, data != nullptr ? data->data() : nullptr, nullptr);
+    return;
   }
-  // Dense: stage chunks in fp32 for the GEMM.
+  // Dense: stage chunks in fp32 for the GEMM (uninitialized: every value is written first).
   const size_t chunk = std::min(rows, kBf16ChunkRows);
-  std::vector<float> x(chunk * d), y(chunk * d);
+  std::unique_ptr<float[]> staging(new float[2 * chunk * d]);
+  float* x = staging.get();
+  float* y = x + chunk * d;
   for (size_t r0 = 0; r0 < rows; r0 += chunk) {
     const size_t nr = std::min(chunk, rows - r0);
-    const Bf16* src = in.data() + r0 * d;
-    Bf16* dst = out.data() + r0 * d;
+    const Bf16* src = in + r0 * d;
+    Bf16* dst = out + r0 * d;
     // d is a multiple of 8, so whole registers cover every chunk.
-    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(src + i), x.data() + i);
-    ApplyRotation(kind_, head_dim_, data, /*inverse=*/false, x.data(), y.data(), nr);
-    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(y.data() + i), dst + i);
-    if (!AllFiniteBf16(dst, nr * d)) return OverflowError();
+    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(src + i), x + i);
+    ApplyRotation(kind_, head_dim_, data, /*inverse=*/false, x, y, nr);
+    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(y + i), dst + i);
   }
-  return absl::OkStatus();
 }
 
 }  // namespace kvpool

@@ -75,6 +75,15 @@ class RotationSet {
   absl::Status RotateBf16(int layer, KvTensor t, absl::Span<const Bf16> in,
                           absl::Span<Bf16> out) const;
 
+  // RotateBf16's kernel without its checks, for callers that tile the rows themselves (the
+  // arrival encoder): rotates `rows` rows of finite values and rounds them to BF16. Rows are
+  // processed in independent chunks of kBf16ChunkRows, so calls on consecutive ranges that start
+  // at multiples of kBf16ChunkRows produce exactly RotateBf16's bits for the whole range.
+  // Requires 0 <= layer < num_layers() and non-overlapping in/out; values that overflow are
+  // written as Inf (RotateBf16 reports them).
+  static constexpr size_t kBf16ChunkRows = 512;
+  void RotateBf16Rows(int layer, KvTensor t, const Bf16* in, Bf16* out, size_t rows) const;
+
  private:
   RotationSet() = default;
   // Rotate (inverse = false) or Unrotate (inverse = true).

@@ -15,9 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "kernels/arrival_encoder.h"
 #include "kernels/attention.h"
-#include "kernels/common/status_macros.h"
 #include "kernels/block_layout.h"
+#include "kernels/common/status_macros.h"
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"
 #include "tests/bench/bench_report.h"
@@ -65,30 +66,31 @@ void BM_Sgemm1024(benchmark::State& state) {
     c.noalias() = a * b;
     benchmark::DoNotOptimize(c.data());
   }
-  state.counters["flops"] = benchmark::Counter(2.0 * n * n * n,
-                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["flops"] =
+      benchmark::Counter(2.0 * n * n * n, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_RotateClipQuantize(benchmark::State& state) {
   const RotationSet rotation = DenseRotation();
   const QuantConfig cfg = BenchQuantConfig();
   const RowCodec codec = *RowCodec::Create(cfg, kHeadDim);
+  const ArrivalEncoder encoder = *ArrivalEncoder::Create(&rotation, codec);
   const BlockLayout layout = BlockLayout::ForModel(cfg, kKvHeads, kHeadDim);
   const size_t rows = size_t{kIngestTokens} * kKvHeads;
   const std::vector<Bf16> k_in =
       testing::ToBf16(testing::RealLikeRows(static_cast<int>(rows), kHeadDim, 1));
   const std::vector<Bf16> v_in =
       testing::ToBf16(testing::RealLikeRows(static_cast<int>(rows), kHeadDim, 2));
-  std::vector<Bf16> rotated(rows * kHeadDim);
   std::vector<uint8_t> blocks(layout.block_bytes() * (kIngestTokens / layout.tokens));
   const size_t block_rows = static_cast<size_t>(layout.tokens) * kKvHeads * kHeadDim;
   for (auto _ : state) {
+    // Unrotated BF16 rows in, one block at a time (as they arrive), codes in blocks out.
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       const std::vector<Bf16>& in = t == KvTensor::kKey ? k_in : v_in;
-      if (!rotation.RotateBf16(0, t, in, absl::MakeSpan(rotated)).ok()) std::abort();
       for (int b = 0; b < kIngestTokens / layout.tokens; ++b) {
-        const absl::Span<const Bf16> block_in(rotated.data() + b * block_rows, block_rows);
-        if (!codec.EncodeIntoBlock(t, layout, block_in, 0, &blocks[b * layout.block_bytes()]).ok())
+        const absl::Span<const Bf16> block_in(in.data() + b * block_rows, block_rows);
+        if (!encoder.EncodeIntoBlock(0, t, layout, block_in, 0, &blocks[b * layout.block_bytes()])
+                 .ok())
           std::abort();
       }
     }
@@ -133,9 +135,8 @@ void BM_AttentionInt2(benchmark::State& state) {
   }
   state.counters["bytes_per_second"] = benchmark::Counter(
       static_cast<double>(h.storage.size()), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["seconds_per_call"] =
-      benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate |
-                                  benchmark::Counter::kInvert);
+  state.counters["seconds_per_call"] = benchmark::Counter(
+      1.0, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
 void BM_AttentionBf16(benchmark::State& state) {
@@ -150,9 +151,8 @@ void BM_AttentionBf16(benchmark::State& state) {
   }
   state.counters["bytes_per_second"] = benchmark::Counter(
       2.0 * rows * kHeadDim * sizeof(Bf16), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["seconds_per_call"] =
-      benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate |
-                                  benchmark::Counter::kInvert);
+  state.counters["seconds_per_call"] = benchmark::Counter(
+      1.0, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
@@ -208,8 +208,7 @@ int main(int argc, char** argv) {
 
   const double memcpy_gbs = reporter.Get("BM_Memcpy", "bytes_per_second") / 1e9;
   const double sgemm_gflops = reporter.Get("BM_Sgemm1024", "flops") / 1e9;
-  const double rq_gbs =
-      reporter.Get("BM_RotateClipQuantize", "bytes_per_second") / 1e9;
+  const double rq_gbs = reporter.Get("BM_RotateClipQuantize", "bytes_per_second") / 1e9;
   const double int2_gbs = reporter.Get("BM_AttentionInt2", "bytes_per_second") / 1e9;
   const double int2_s = reporter.Get("BM_AttentionInt2", "seconds_per_call");
   const double bf16_s = reporter.Get("BM_AttentionBf16", "seconds_per_call");
@@ -218,24 +217,33 @@ int main(int argc, char** argv) {
   // A dense D x D rotation costs 2*D*D FLOP per row of 2*D input bytes: D FLOP per byte.
   const double implied_gbs = sgemm_gflops / kHeadDim;
   const std::map<std::string, std::string> codec_params{
-      {"D", "128"}, {"G", "128"}, {"clip_k", "0.96"}, {"clip_v", "0.92"},
+      {"D", "128"}, {"G", "128"},     {"clip_k", "0.96"},   {"clip_v", "0.92"},
       {"Hkv", "8"}, {"threads", "1"}, {"rotation", "dense"}};
-  const std::map<std::string, std::string> attn_params{
-      {"Hq", "64"}, {"Hkv", "8"}, {"D", "128"}, {"context", std::to_string(g_context)},
-      {"threads", "1"}};
+  const std::map<std::string, std::string> attn_params{{"Hq", "64"},
+                                                       {"Hkv", "8"},
+                                                       {"D", "128"},
+                                                       {"context", std::to_string(g_context)},
+                                                       {"threads", "1"}};
 
   BenchReport report("cpu");
   report.Add({"memcpy_bandwidth", {{"bytes", "268435456"}}, memcpy_gbs, "GB/s", {"", 0}, 0});
-  report.Add({"sgemm_1024_single_thread", {{"impl", "eigen"}}, sgemm_gflops, "GFLOP/s", {"", 0},
-              0});
-  report.Add({"rotate_clip_quantize_int2", codec_params, rq_gbs, "GB/s",
+  report.Add(
+      {"sgemm_1024_single_thread", {{"impl", "eigen"}}, sgemm_gflops, "GFLOP/s", {"", 0}, 0});
+  report.Add({"rotate_clip_quantize_int2",
+              codec_params,
+              rq_gbs,
+              "GB/s",
               {"sgemm_implied_rate", implied_gbs}});
-  report.Add({"int2_decode_attention", attn_params, int2_gbs, "GB/s",
-              {"memcpy_bandwidth", memcpy_gbs}});
-  report.Add({"bf16_decode_attention", attn_params, bf16_gbs, "GB/s",
-              {"memcpy_bandwidth", memcpy_gbs}});
-  report.Add({"int2_attention_speedup_vs_bf16", attn_params, int2_s > 0 ? bf16_s / int2_s : 0, "x",
-              {"bf16_decode_attention_ms", bf16_s * 1e3}, int2_s > 0 ? bf16_s / int2_s : 0});
+  report.Add(
+      {"int2_decode_attention", attn_params, int2_gbs, "GB/s", {"memcpy_bandwidth", memcpy_gbs}});
+  report.Add(
+      {"bf16_decode_attention", attn_params, bf16_gbs, "GB/s", {"memcpy_bandwidth", memcpy_gbs}});
+  report.Add({"int2_attention_speedup_vs_bf16",
+              attn_params,
+              int2_s > 0 ? bf16_s / int2_s : 0,
+              "x",
+              {"bf16_decode_attention_ms", bf16_s * 1e3},
+              int2_s > 0 ? bf16_s / int2_s : 0});
   report.PrintTable(std::cout);
   const absl::Status st = report.WriteJson(out_path);
   if (!st.ok()) {
