@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__BMI2__)
+#if defined(__AVX2__) || defined(__BMI2__) || defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 
@@ -232,10 +232,211 @@ absl::Status WithContext(const absl::Status& s, int row, int head) {
   return absl::Status(s.code(), absl::StrCat("row ", row, " head ", head, ": ", s.message()));
 }
 
+// Packs one code per byte (q, d of them) into `codes`: 2-bit codes four to a byte, 4-bit two.
+void PackCodes(const uint8_t* q, int d, int bits, uint8_t* codes) {
+  if (bits == 2) {
+#if defined(__BMI2__)
+    // Eight 2-bit codes (one per byte) gathered into 16 bits in dim order.
+    for (int j = 0; j < d / 8; ++j) {
+      uint64_t w;
+      std::memcpy(&w, q + 8 * j, sizeof(w));
+      const uint16_t packed = static_cast<uint16_t>(_pext_u64(w, 0x0303030303030303ull));
+      std::memcpy(codes + 2 * j, &packed, sizeof(packed));
+    }
+#else
+    for (int j = 0; j < d / 4; ++j) {
+      codes[j] = static_cast<uint8_t>(q[4 * j] | (q[4 * j + 1] << 2) | (q[4 * j + 2] << 4) |
+                                      (q[4 * j + 3] << 6));
+    }
+#endif
+  } else {
+    for (int j = 0; j < d / 2; ++j) {
+      codes[j] = static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// GCC 12 reports a false -Wmaybe-uninitialized for the _mm512_undefined_* passthrough operands
+// inside its own AVX-512 intrinsic headers.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// Keys >= `candidate` among 32 * kNv magnitude keys.
+template <int kNv>
+inline int CountAtLeast512(const __m512i (&keys)[kNv], uint32_t candidate) {
+  const __m512i c = _mm512_set1_epi16(static_cast<int16_t>(candidate));
+  int count = 0;
+  for (int i = 0; i < kNv; ++i) {
+    count += __builtin_popcount(static_cast<uint32_t>(_mm512_cmpge_epu16_mask(keys[i], c)));
+  }
+  return count;
+}
+
+// SelectMagnitudeBits for D = 32 * kNv: the k-th largest key (k >= 1), which is the largest V
+// with at least k keys >= V (the count falls as V grows). The BF16 exponent of the answer is
+// most often within three of the largest key's, so one step counts at the smallest key of each
+// of those four exponents (independent counts) and leaves 7 mantissa bits to decide, two per
+// step; otherwise every bit is decided from the top.
+template <int kNv>
+uint16_t SelectKthLargest512(const __m512i (&keys)[kNv], int k, uint16_t max_abs) {
+  uint32_t v = 0;
+  int bit = 31 - __builtin_clz(static_cast<uint32_t>(max_abs) | 1u);
+  const uint32_t e = max_abs >> 7;
+  if (e >= 3) {
+    const uint32_t c0 = e << 7, c1 = (e - 1) << 7, c2 = (e - 2) << 7, c3 = (e - 3) << 7;
+    const int n0 = CountAtLeast512<kNv>(keys, c0);
+    const int n1 = CountAtLeast512<kNv>(keys, c1);
+    const int n2 = CountAtLeast512<kNv>(keys, c2);
+    const int n3 = CountAtLeast512<kNv>(keys, c3);
+    if (n3 >= k) {
+      // The answer lies in [c, c + 127] (no key reaches the next exponent's smallest k times).
+      v = n0 >= k ? c0 : n1 >= k ? c1 : n2 >= k ? c2 : c3;
+      bit = 6;
+    }
+  }
+  if ((bit & 1) == 0) {  // an odd number of bits to decide: take the top one alone
+    const uint32_t candidate = v | (1u << bit);
+    if (CountAtLeast512<kNv>(keys, candidate) >= k) v = candidate;
+    --bit;
+  }
+  for (; bit >= 1; bit -= 2) {
+    const uint32_t low = bit - 1;
+    const uint32_t c1 = v | (1u << low), c2 = v | (2u << low), c3 = v | (3u << low);
+    const int n1 = CountAtLeast512<kNv>(keys, c1);
+    const int n2 = CountAtLeast512<kNv>(keys, c2);
+    const int n3 = CountAtLeast512<kNv>(keys, c3);
+    v = n3 >= k ? c3 : n2 >= k ? c2 : n1 >= k ? c1 : v;
+  }
+  return static_cast<uint16_t>(v);
+}
+
+// EncodeRowBits for the uniform quantizer with G a multiple of 16 and D = 32 * kNv, in 512-bit
+// registers: the same operations on the same values in the same order per element, so the same
+// bits (min/max are order-free except for the sign of a zero result, which is redone
+// sequentially as in GroupMinMax).
+template <int kNv>
+absl::Status EncodeUniformRow512(const QuantConfig& cfg, int g, KvTensor t, const uint16_t* words,
+                                 uint8_t* codes, uint8_t* meta_out) {
+  constexpr int d = 32 * kNv;
+  __m512i keys[kNv];
+  __m512i vmax = _mm512_setzero_si512();
+  const __m512i abs_mask = _mm512_set1_epi16(0x7fff);
+  for (int i = 0; i < kNv; ++i) {
+    keys[i] = _mm512_and_si512(_mm512_loadu_si512(words + 32 * i), abs_mask);
+    vmax = _mm512_max_epu16(vmax, keys[i]);
+  }
+  const uint16_t max_abs = static_cast<uint16_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(
+      _mm512_srli_epi32(vmax, 16), _mm512_and_si512(vmax, _mm512_set1_epi32(0xffff)))));
+  if (max_abs >= kNonFiniteAbsBits) {
+    return absl::InvalidArgumentError("row contains NaN or Inf");
+  }
+
+  const float ratio = cfg.ClipRatio(t);
+  bool clip = false;
+  float tau = std::numeric_limits<float>::infinity();
+  if (ratio > 0.0f) {
+    const int c = ClipIndex(ratio, d);
+    const uint16_t tau_bits = c < d - 1 ? SelectKthLargest512<kNv>(keys, d - c, max_abs) : max_abs;
+    clip = tau_bits < max_abs;
+    tau = Bf16BitsToFloat(tau_bits);
+  }
+  // x = clip(BF16 -> fp32): std::min(std::max(x, -tau), tau) is MAXPS(-tau, x), then
+  // MINPS(tau, .) (the first operand wins unless the second is strictly beyond it).
+  __m512 x[2 * kNv];
+  const __m512 vtau = _mm512_set1_ps(tau), vntau = _mm512_set1_ps(-tau);
+  for (int i = 0; i < 2 * kNv; ++i) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16 * i));
+    x[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+    if (clip) x[i] = _mm512_min_ps(vtau, _mm512_max_ps(vntau, x[i]));
+  }
+
+  const int groups = d / g;
+  const int per_group = g / 16;
+  const int levels = (1 << cfg.bits) - 1;
+  GroupMeta meta[kMaxHeadDim / 16];
+  float scale[kMaxHeadDim / 16];
+  float minimum[kMaxHeadDim / 16];
+  for (int k = 0; k < groups; ++k) {
+    __m512 vmn = x[k * per_group], vmx = vmn;
+    for (int i = 1; i < per_group; ++i) {
+      vmn = _mm512_min_ps(x[k * per_group + i], vmn);
+      vmx = _mm512_max_ps(x[k * per_group + i], vmx);
+    }
+    float mn = _mm512_reduce_min_ps(vmn);
+    float mx = _mm512_reduce_max_ps(vmx);
+    if (mn == 0.0f || mx == 0.0f) {  // the sign of a zero result follows the scan order
+      alignas(64) float xs[kMaxHeadDim];
+      for (int i = 0; i < per_group; ++i) _mm512_store_ps(xs + 16 * i, x[k * per_group + i]);
+      mn = xs[0];
+      mx = xs[0];
+      for (int j = 1; j < g; ++j) {
+        mn = xs[j] < mn ? xs[j] : mn;
+        mx = mx < xs[j] ? xs[j] : mx;
+      }
+    }
+    const float s32 = (mx - mn) / static_cast<float>(levels);
+    meta[k].scale = FloatToScaleWord(s32, cfg.scale_dtype);
+    meta[k].min = FloatToScaleWord(mn, cfg.scale_dtype);
+  }
+  for (int k = 0; k < groups; ++k) {
+    scale[k] = ScaleWordToFloat(meta[k].scale, cfg.scale_dtype);
+    minimum[k] = ScaleWordToFloat(meta[k].min, cfg.scale_dtype);
+    if (std::isinf(scale[k]) || std::isinf(minimum[k])) {
+      return absl::OutOfRangeError(
+          absl::StrCat("group ", k, ": scale or min overflows ", ScaleDtypeName(cfg.scale_dtype)));
+    }
+  }
+
+  // code = trunc(min(max((x - m) / s + 0.5f, 0), top)), one code per byte.
+  alignas(64) uint8_t q[kMaxHeadDim];
+  const __m512 half = _mm512_set1_ps(0.5f), zero = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(static_cast<float>(levels));
+  for (int k = 0; k < groups; ++k) {
+    const float s = scale[k];
+    if (s == 0.0f) {
+      std::memset(q + k * g, 0, g);
+      continue;
+    }
+    const __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(minimum[k]);
+    for (int i = 0; i < per_group; ++i) {
+      const __m512 v =
+          _mm512_add_ps(_mm512_div_ps(_mm512_sub_ps(x[k * per_group + i], vm), vs), half);
+      const __m512i code = _mm512_cvttps_epi32(_mm512_min_ps(top, _mm512_max_ps(zero, v)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(q + 16 * (k * per_group + i)),
+                      _mm512_cvtepi32_epi8(code));
+    }
+  }
+  PackCodes(q, d, cfg.bits, codes);
+  StoreMeta(meta_out, meta, groups);
+  return absl::OkStatus();
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // __AVX512F__ && __AVX512BW__
+
 // Encodes one BF16 row (as raw words). Everything is computed before the first byte is
 // written, so an error leaves `codes` and `meta_out` untouched. `meta_out` may be unaligned.
 absl::Status EncodeRowBits(const QuantConfig& cfg, int d, int g, KvTensor t, const uint16_t* words,
                            uint8_t* codes, uint8_t* meta_out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (cfg.method == QuantMethod::kUniform && g % 16 == 0) {
+    switch (d) {
+      case 32:
+        return EncodeUniformRow512<1>(cfg, g, t, words, codes, meta_out);
+      case 64:
+        return EncodeUniformRow512<2>(cfg, g, t, words, codes, meta_out);
+      case 128:
+        return EncodeUniformRow512<4>(cfg, g, t, words, codes, meta_out);
+      case 256:
+        return EncodeUniformRow512<8>(cfg, g, t, words, codes, meta_out);
+      default:
+        break;
+    }
+  }
+#endif
   uint16_t max_abs = 0;
   for (int j = 0; j < d; ++j) max_abs = std::max<uint16_t>(max_abs, words[j] & 0x7fff);
   if (max_abs >= kNonFiniteAbsBits) {
@@ -325,26 +526,7 @@ absl::Status EncodeRowBits(const QuantConfig& cfg, int d, int g, KvTensor t, con
     }
   }
 
-  if (cfg.bits == 2) {
-#if defined(__BMI2__)
-    // Eight 2-bit codes (one per byte) gathered into 16 bits in dim order.
-    for (int j = 0; j < d / 8; ++j) {
-      uint64_t w;
-      std::memcpy(&w, q + 8 * j, sizeof(w));
-      const uint16_t packed = static_cast<uint16_t>(_pext_u64(w, 0x0303030303030303ull));
-      std::memcpy(codes + 2 * j, &packed, sizeof(packed));
-    }
-#else
-    for (int j = 0; j < d / 4; ++j) {
-      codes[j] = static_cast<uint8_t>(q[4 * j] | (q[4 * j + 1] << 2) | (q[4 * j + 2] << 4) |
-                                      (q[4 * j + 3] << 6));
-    }
-#endif
-  } else {
-    for (int j = 0; j < d / 2; ++j) {
-      codes[j] = static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
-    }
-  }
+  PackCodes(q, d, cfg.bits, codes);
   StoreMeta(meta_out, meta, groups);
   return absl::OkStatus();
 }
