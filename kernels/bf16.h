@@ -9,6 +9,7 @@
 //   float f = b.ToFloat();
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -31,8 +32,17 @@ struct Bf16 {
     std::memcpy(&f, &u, sizeof(f));
     return f;
   }
+  bool IsFinite() const { return (bits & 0x7f80u) != 0x7f80u; }  // exponent all ones: Inf/NaN
 };
 static_assert(sizeof(Bf16) == 2, "Bf16 must be a plain 16-bit word");
+
+// Whether none of `n` words is Inf or NaN.
+inline bool AllFinite(const Bf16* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!x[i].IsFinite()) return false;
+  }
+  return true;
+}
 
 struct Fp16 {
   uint16_t bits = 0;
@@ -43,7 +53,7 @@ struct Fp16 {
     std::memcpy(&u, &f, sizeof(u));
     const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
     const uint32_t abs = u & 0x7fffffffu;
-    if (abs > 0x7f800000u) return Fp16{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+    if (abs > 0x7f800000u) return Fp16{static_cast<uint16_t>(sign | 0x7e00u)};   // NaN
     if (abs >= 0x477ff000u) return Fp16{static_cast<uint16_t>(sign | 0x7c00u)};  // overflow
     if (abs < 0x38800000u) {
       // Result is subnormal (or zero) in half: value = abs_float * 2^24 rounded to integer.

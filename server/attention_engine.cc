@@ -15,9 +15,10 @@ struct AttentionEngine::Batch {
   std::vector<AttentionQuery> queries;
   std::vector<std::unique_ptr<SequenceSnapshot>> snapshots;
   std::vector<size_t> row_offset;  // first query row of each sequence in `rotated_q`
-  std::vector<float> rotated_q;    // all queries, rotated, [rows][head_dim]
-  std::vector<float> out;          // all outputs, rotated basis, same shape
+  std::vector<float> q;            // all queries [rows][head_dim]: rotated unless batched
+  std::vector<float> out;          // all outputs, same shape: rotated basis unless batched
   std::vector<AttentionResult> results;
+  std::vector<absl::Status> errors;  // per sequence (per-sequence CPU path)
   std::atomic<size_t> pending{0};
   AttentionDone done;
 };
@@ -66,42 +67,79 @@ absl::Status AttentionEngine::Prepare(Batch* b) {
     b->row_offset.push_back(rows);
     rows += static_cast<size_t>(q.num_queries) * m.q_heads;
   }
-  // One batched rotation for every query row of the request.
   std::vector<float> q_all;
   q_all.reserve(rows * m.head_dim);
   for (const AttentionQuery& q : b->queries) q_all.insert(q_all.end(), q.q.begin(), q.q.end());
-  b->rotated_q.resize(q_all.size());
-  KVPOOL_RETURN_IF_ERROR(backend_->RotateFloat(m.codec.rotations, b->layer, KvTensor::kKey, q_all,
-                                               absl::MakeSpan(b->rotated_q)));
   b->out.assign(q_all.size(), 0.0f);
   b->results.resize(b->queries.size());
+  b->errors.assign(b->queries.size(), absl::OkStatus());
+  for (size_t i = 0; i < b->queries.size(); ++i) {
+    b->results[i].sequence_id = b->queries[i].sequence_id;
+    b->results[i].attended_tokens = b->snapshots[i]->total();
+    b->results[i].lse.resize(static_cast<size_t>(b->queries[i].num_queries) * m.q_heads);
+  }
+  if (backend_->batched_attention()) {  // the backend rotates on the device
+    b->q = std::move(q_all);
+    return absl::OkStatus();
+  }
+  // One batched rotation for every query row of the request.
+  b->q.resize(q_all.size());
+  return backend_->RotateFloat(m.codec.rotations, b->layer, KvTensor::kKey, q_all,
+                               absl::MakeSpan(b->q));
+}
+
+absl::Status AttentionEngine::AttendBatched(Batch* b) {
+  const Model& m = *b->model;
+  std::vector<SequenceTiers> tiers;
+  tiers.reserve(b->snapshots.size());
+  for (const auto& snap : b->snapshots) tiers.push_back(snap->Tiers(0));
+  AttentionBatch batch;
+  batch.layer = b->layer;
+  for (size_t i = 0; i < tiers.size(); ++i) {
+    for (int j = 0; j < b->queries[i].num_queries; ++j) batch.tiers.push_back(&tiers[i]);
+  }
+  std::vector<float> lse(batch.tiers.size() * m.q_heads);
+  batch.queries = b->q;
+  batch.out = absl::MakeSpan(b->out);
+  batch.lse = absl::MakeSpan(lse);
+  KVPOOL_RETURN_IF_ERROR(backend_->AttendBatch(m, batch));
+  size_t at = 0;
+  for (AttentionResult& r : b->results) {
+    std::copy(lse.begin() + at, lse.begin() + at + r.lse.size(), r.lse.begin());
+    at += r.lse.size();
+  }
   return absl::OkStatus();
 }
 
 void AttentionEngine::AttendOne(Batch* b, size_t i) {
   const Model& m = *b->model;
-  const SequenceSnapshot& snap = *b->snapshots[i];
-  const AttentionShape shape{m.q_heads, m.kv_heads, m.head_dim};
-  const SequenceTiers tiers = snap.Tiers(0);
+  const SequenceTiers tiers = b->snapshots[i]->Tiers(0);
   const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
   AttentionResult& r = b->results[i];
-  r.sequence_id = b->queries[i].sequence_id;
-  r.attended_tokens = snap.total();
-  r.lse.resize(static_cast<size_t>(b->queries[i].num_queries) * m.q_heads);
   for (int j = 0; j < b->queries[i].num_queries; ++j) {
     const size_t at = (b->row_offset[i] + static_cast<size_t>(j) * m.q_heads) * m.head_dim;
-    AttentionOutput o = backend_->Attend(shape, m.row_codec, m.block_layout, tiers,
-                                         absl::MakeConstSpan(b->rotated_q).subspan(at, per_query));
-    std::copy(o.out.begin(), o.out.end(), b->out.begin() + at);
-    std::copy(o.lse.begin(), o.lse.end(), r.lse.begin() + static_cast<size_t>(j) * m.q_heads);
+    absl::StatusOr<AttentionOutput> o =
+        backend_->AttendRotated(m, tiers, absl::MakeConstSpan(b->q).subspan(at, per_query));
+    if (!o.ok()) {
+      b->errors[i] = o.status();
+      return;
+    }
+    std::copy(o->out.begin(), o->out.end(), b->out.begin() + at);
+    std::copy(o->lse.begin(), o->lse.end(), r.lse.begin() + static_cast<size_t>(j) * m.q_heads);
   }
 }
 
 absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Finish(Batch* b) {
   const Model& m = *b->model;
-  std::vector<float> unrotated(b->out.size());
-  KVPOOL_RETURN_IF_ERROR(backend_->UnrotateFloat(m.codec.rotations, b->layer, KvTensor::kValue,
-                                                 b->out, absl::MakeSpan(unrotated)));
+  for (const absl::Status& s : b->errors) KVPOOL_RETURN_IF_ERROR(s);
+  std::vector<float> unrotated;
+  if (backend_->batched_attention()) {
+    unrotated = std::move(b->out);  // already in the original basis
+  } else {
+    unrotated.resize(b->out.size());
+    KVPOOL_RETURN_IF_ERROR(backend_->UnrotateFloat(m.codec.rotations, b->layer, KvTensor::kValue,
+                                                   b->out, absl::MakeSpan(unrotated)));
+  }
   const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
   for (size_t i = 0; i < b->results.size(); ++i) {
     const size_t at = b->row_offset[i] * m.head_dim;
@@ -122,7 +160,11 @@ absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Run(
   b.layer = layer;
   b.queries = std::move(queries);
   KVPOOL_RETURN_IF_ERROR(Prepare(&b));
-  for (size_t i = 0; i < b.queries.size(); ++i) AttendOne(&b, i);
+  if (backend_->batched_attention()) {
+    KVPOOL_RETURN_IF_ERROR(AttendBatched(&b));
+  } else {
+    for (size_t i = 0; i < b.queries.size(); ++i) AttendOne(&b, i);
+  }
   return Finish(&b);
 }
 
@@ -145,7 +187,16 @@ absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<cons
     if (b->pending.fetch_sub(1) == 1) b->done(Finish(b.get()));
   };
   const bool queued = workers_->TrySubmit([this, b, finish_one]() {
-    if (absl::Status s = Prepare(b.get()); !s.ok()) {
+    absl::Status s = Prepare(b.get());
+    if (s.ok() && backend_->batched_attention()) {
+      // The whole request is one device call on this worker.
+      s = AttendBatched(b.get());
+      if (s.ok()) {
+        b->done(Finish(b.get()));
+        return;
+      }
+    }
+    if (!s.ok()) {
       b->snapshots.clear();
       b->done(s);
       return;

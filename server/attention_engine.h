@@ -1,10 +1,12 @@
 // AttentionEngine: remote decode attention for a batch of sequences of one model and one layer.
 //
-// Per request: snapshot every sequence's layer (references keep its pages alive), rotate all
-// queries with M_K in one batched call, attend each sequence over its BF16 sink + recent rows and
-// its INT2 history (backend Attend: per-tier passes merged exactly through the log-sum-exp) in
-// parallel on the worker pool, then un-rotate all outputs with M_V^T in one batched call. The
-// output is in the engine's original basis with the natural-log LSE per query head.
+// Per request: snapshot every sequence's layer (references keep its pages alive), then either
+// (CPU) rotate all queries with M_K in one batched call, attend each sequence over its BF16 sink
+// + recent rows and its INT2 history (per-tier passes merged exactly through the log-sum-exp) in
+// parallel on the worker pool, and un-rotate all outputs with M_V^T in one batched call; or (a
+// backend with batched_attention(), the GPU) hand the whole request to one backend call that
+// rotates, attends and un-rotates on the device. The output is in the engine's original basis
+// with the natural-log LSE per query head.
 //
 //   AttentionEngine engine(&store, backend.get(), &workers);
 //   KVPOOL_RETURN_IF_ERROR(engine.Start(tenant, model, /*layer=*/3, std::move(queries),
@@ -69,7 +71,8 @@ class AttentionEngine {
  private:
   struct Batch;
   absl::Status Prepare(Batch* batch);
-  void AttendOne(Batch* batch, size_t i);
+  void AttendOne(Batch* batch, size_t i);    // one sequence, rotated queries (CPU)
+  absl::Status AttendBatched(Batch* batch);  // the whole request in one backend call (GPU)
   absl::StatusOr<std::vector<AttentionResult>> Finish(Batch* batch);
 
   SequenceStore* const store_;

@@ -74,7 +74,8 @@ TEST(AttentionEngineTest, BatchMatchesDenseAttentionOverStoredKv) {
       continue;
     }
     std::vector<float> k(n * m->row_values()), v(n * m->row_values());
-    snap->ReadRotated(core.backend.get(), 0, 0, n, absl::MakeSpan(k), absl::MakeSpan(v));
+    ASSERT_TRUE(
+        snap->ReadRotated(core.backend.get(), 0, 0, n, absl::MakeSpan(k), absl::MakeSpan(v)).ok());
     for (int j = 0; j < qs[i].num_queries; ++j) {
       const size_t per = m->q_heads * m->head_dim;
       std::vector<float> q(qs[i].q.begin() + j * per, qs[i].q.begin() + (j + 1) * per);

@@ -1,12 +1,17 @@
 // ComputeBackend: where kvpoold's pool memory lives and what runs the codec math on it.
 //
 // The CPU backend (cpu_backend.h) is the embedded default: host memory and the kernels/ CPU code.
-// A CUDA backend implements the same interface later (device arena, CUDA kernels), registered by
-// name in CreateBackend; nothing here changes with build flags.
+// The CUDA backend (cuda_backend.h) keeps the arena in GPU memory and runs the kernels/cuda
+// kernels. CreateBackend picks one by name; nothing here changes with build flags.
+//
+// Pool pages are blocks of kernels/block_layout.h: INT2 history blocks in the model's layout
+// (Model::block_layout) and BF16 sink/recent pages in the same format with 16-bit bypass rows
+// (Model::bf16_layout). Block pointers point into the backend's arena; only the backend reads or
+// writes through them (the arena may not be host memory).
 //
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<ComputeBackend> backend, CreateBackend("cpu"));
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Arena> arena, backend->AllocateArena(1 << 30));
-//   KVPOOL_RETURN_IF_ERROR(backend->RotateRows(rotations, layer, KvTensor::kKey, in, out));
+//   KVPOOL_RETURN_IF_ERROR(backend->StageRows(model, layer, k, v, writes));
 //
 // Thread-safety: a backend is shared by all worker threads; every method must be safe to call
 // concurrently (on disjoint output memory).
@@ -31,6 +36,8 @@
 
 namespace kvpool::server {
 
+struct Model;
+
 // One contiguous allocation holding the whole block pool.
 class Arena {
  public:
@@ -41,18 +48,50 @@ class Arena {
   virtual bool host_accessible() const = 0;
 };
 
-// BF16 rows of one tier segment in pool memory: K and V, each [tokens][kv_heads][head_dim].
-struct Bf16Segment {
-  const Bf16* k = nullptr;
-  const Bf16* v = nullptr;
+// Input rows [input_row, input_row + count) of an arriving chunk go to slots
+// [slot, slot + count) of one pool block: clipped and quantized into an INT2 history block
+// (`history`), or kept as rotated BF16 in a sink/recent page.
+struct RowWrite {
+  int input_row = 0;
+  int count = 0;
+  uint8_t* block = nullptr;
+  int slot = 0;
+  bool history = false;
+};
+
+// Demotion: rows of slots [src_slot, src_slot + count) of a BF16 page are quantized into slots
+// [dst_slot, dst_slot + count) of an INT2 history block.
+struct RowMove {
+  const uint8_t* src = nullptr;
+  int src_slot = 0;
+  uint8_t* dst = nullptr;
+  int dst_slot = 0;
+  int count = 0;
+};
+
+// One tier of one sequence's layer: tokens [first_token, first_token + tokens) of the block
+// list (block i holds positions [i*T, (i+1)*T)).
+struct TierBlocks {
+  std::vector<const uint8_t*> blocks;
+  int first_token = 0;
   int tokens = 0;
 };
 
-// What one sequence's layer holds, as pointers into pool memory, for attention.
+// What one sequence's layer holds, for attention: BF16 sink and recent pages, INT2 history.
 struct SequenceTiers {
-  std::vector<Bf16Segment> bf16;               // sink and recent pieces (order irrelevant)
-  std::vector<const uint8_t*> history_blocks;  // INT2 blocks in history order
-  int history_tokens = 0;
+  TierBlocks sink;
+  TierBlocks history;
+  TierBlocks recent;
+};
+
+// A batch of decode queries of one model and layer: query row i ([Hq][D], original basis)
+// attends over *tiers[i]; out[i] ([Hq][D], original basis) and lse[i] ([Hq], natural log).
+struct AttentionBatch {
+  int layer = 0;
+  std::vector<const SequenceTiers*> tiers;
+  absl::Span<const float> queries;
+  absl::Span<float> out;
+  absl::Span<float> lse;
 };
 
 class ComputeBackend {
@@ -64,39 +103,48 @@ class ComputeBackend {
   // The pool's memory, `bytes` long. ResourceExhausted when it cannot be had.
   virtual absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) = 0;
 
-  // Arrival path: BF16 rows (multiple of D values) rotated by (layer, t) and rounded to BF16.
-  // An identity rotation copies bits unchanged (so exactness holds for -0 too).
-  virtual absl::Status RotateRows(const RotationSet& rotations, int layer, KvTensor t,
-                                  absl::Span<const Bf16> in, absl::Span<Bf16> out) = 0;
-  // fp32 rows times M (queries) or times M^T (outputs), in place of a separate output.
+  // Arrival: rotates the chunk's K and V rows (BF16 [n][kv_heads][D], engine basis; V as it is
+  // when the model's V arrives pre-rotated) by (model, layer), rounds them to BF16 and writes
+  // them where `writes` say. InvalidArgument when a rotated row overflows BF16, OutOfRange when
+  // a scale or min overflows its 16-bit type. On error some writes may have happened: callers
+  // write only into slots nobody reads yet and drop them on error.
+  virtual absl::Status StageRows(const Model& model, int layer, absl::Span<const Bf16> k,
+                                 absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) = 0;
+
+  // Demotion of recent BF16 rows into INT2 history blocks (same error contract as StageRows).
+  virtual absl::Status DemoteRows(const Model& model, absl::Span<const RowMove> moves) = 0;
+
+  // Rows of slots [slot, slot + count) of a history block (`history`) or a BF16 page, tensor
+  // `t`, decoded to fp32 [count][kv_heads][D] in the rotated basis.
+  virtual absl::Status ReadRows(const Model& model, const uint8_t* block, bool history, KvTensor t,
+                                int slot, int count, absl::Span<float> out) = 0;
+  // The exact BF16 words of rows of a BF16 page, [count][kv_heads][D].
+  virtual absl::Status ReadBf16Rows(const Model& model, const uint8_t* page, KvTensor t, int slot,
+                                    int count, absl::Span<Bf16> out) = 0;
+  // Raw bytes out of pool memory (attention-ready blocks for clients).
+  virtual absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) = 0;
+
+  // fp32 rows (host memory) times M (queries) or times M^T (outputs).
   virtual absl::Status RotateFloat(const RotationSet& rotations, int layer, KvTensor t,
                                    absl::Span<const float> in, absl::Span<float> out) = 0;
   virtual absl::Status UnrotateFloat(const RotationSet& rotations, int layer, KvTensor t,
                                      absl::Span<const float> in, absl::Span<float> out) = 0;
 
-  // Clip + quantize rotated rows [n][kv_heads][D] into tokens [first_token, first_token + n) of
-  // a pool block (RowCodec::EncodeIntoBlock semantics: nothing written on error).
-  virtual absl::Status EncodeIntoBlock(const RowCodec& codec, KvTensor t, const BlockLayout& layout,
-                                       absl::Span<const Bf16> rows, int first_token,
-                                       uint8_t* block) = 0;
-  // Decodes tokens [first_token, first_token + count) of a pool block to fp32 rows.
-  virtual void DecodeFromBlock(const RowCodec& codec, KvTensor t, const BlockLayout& layout,
-                               const uint8_t* block, int first_token, int count,
-                               absl::Span<float> out) = 0;
-
-  // Byte copies into and out of pool memory.
-  virtual void CopyToPool(uint8_t* dst, const void* src, size_t bytes) = 0;
-  virtual void CopyFromPool(void* dst, const uint8_t* src, size_t bytes) = 0;
-
+  // Whether AttendBatch computes a whole request at once (GPU). Otherwise the caller spreads
+  // AttendRotated calls for single sequences over its worker threads (CPU).
+  virtual bool batched_attention() const = 0;
+  // Decode attention of every query row of `batch` (queries unrotated, outputs in the original
+  // basis). Unimplemented where batched_attention() is false.
+  virtual absl::Status AttendBatch(const Model& model, const AttentionBatch& batch) = 0;
   // Decode attention of rotated queries `q` ([Hq][D]) over one sequence's tiers; output in the
   // rotated V basis, natural-log LSE per head.
-  virtual AttentionOutput Attend(const AttentionShape& shape, const RowCodec& codec,
-                                 const BlockLayout& layout, const SequenceTiers& tiers,
-                                 absl::Span<const float> q) = 0;
+  virtual absl::StatusOr<AttentionOutput> AttendRotated(const Model& model,
+                                                        const SequenceTiers& tiers,
+                                                        absl::Span<const float> q) = 0;
 };
 
-// The backend of `name` ("cpu"; "cuda:N" later). InvalidArgument for an unknown name,
-// Unavailable for a known one this build or machine cannot provide.
+// The backend of `name`: "cpu", or "cuda:N" (GPU N) in a build with CUDA. InvalidArgument for an
+// unknown name, Unavailable for a known one this build or machine cannot provide.
 absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateBackend(absl::string_view name);
 
 }  // namespace kvpool::server

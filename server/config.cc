@@ -17,7 +17,9 @@
 ABSL_FLAG(std::string, config, "", "Optional config file of `name = value` lines (flag names)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "Address to serve gRPC on (host:port; port 0 picks a free one)");
-ABSL_FLAG(std::string, backend, "cpu", "Compute backend: cpu (cuda:N later)");
+ABSL_FLAG(std::string, device, "cpu",
+          "Where the pool lives and the codec runs: cpu (host memory, the default) or cuda:N "
+          "(GPU N's memory and the CUDA kernels; set --pool_bytes, at most 32 GiB)");
 ABSL_FLAG(uint64_t, pool_bytes, 0,
           "Block pool size in bytes; 0 = --pool_fraction of available memory, capped");
 ABSL_FLAG(double, pool_fraction, 0.25, "Fraction of MemAvailable for the pool when auto-sized");
@@ -196,7 +198,7 @@ size_t AutoPoolBytes(double fraction, size_t cap, size_t align) {
 absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   ServerConfig c;
   c.listen = absl::GetFlag(FLAGS_listen);
-  c.backend = absl::GetFlag(FLAGS_backend);
+  c.device = absl::GetFlag(FLAGS_device);
   c.slab_bytes = absl::GetFlag(FLAGS_slab_bytes);
   c.pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
   const double fraction = absl::GetFlag(FLAGS_pool_fraction);

@@ -23,8 +23,8 @@ namespace kvpool::server {
 
 struct ServerConfig {
   std::string listen = "127.0.0.1:50051";
-  std::string backend = "cpu";
-  size_t pool_bytes = 0;  // resolved: never 0 after ServerConfigFromFlags
+  std::string device = "cpu";  // "cpu" or "cuda:N"
+  size_t pool_bytes = 0;       // resolved: never 0 after ServerConfigFromFlags
   size_t slab_bytes = 4u << 20;
   int worker_threads = 0;  // resolved: >= 1
   size_t worker_queue = 1024;

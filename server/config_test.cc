@@ -15,7 +15,7 @@ TEST(ConfigTest, DefaultsServeOnLoopbackWithACappedPool) {
   auto c = ServerConfigFromFlags();
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->listen, "127.0.0.1:50051");
-  EXPECT_EQ(c->backend, "cpu");
+  EXPECT_EQ(c->device, "cpu");
   EXPECT_GT(c->pool_bytes, 0u);
   EXPECT_LE(c->pool_bytes, size_t{8} << 30);
   EXPECT_EQ(c->pool_bytes % c->slab_bytes, 0u);

@@ -2,12 +2,14 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+#include "server/model_registry.h"
 
 namespace kvpool::server {
 namespace {
@@ -25,6 +27,20 @@ class HostArena final : public Arena {
   size_t size_;
 };
 
+// Rows rotated by (layer, t) and rounded to BF16. An identity rotation copies bits unchanged
+// (a product with I would turn -0 into +0 and break exactness).
+absl::Status RotateRows(const RotationSet& rotations, int layer, KvTensor t,
+                        absl::Span<const Bf16> in, absl::Span<Bf16> out) {
+  if (rotations.kind() == RotationKind::kIdentity) {
+    if (layer < 0 || layer >= rotations.num_layers()) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+    }
+    std::memcpy(out.data(), in.data(), in.size() * sizeof(Bf16));
+    return absl::OkStatus();
+  }
+  return rotations.RotateBf16(layer, t, in, out);
+}
+
 class CpuBackend final : public ComputeBackend {
  public:
   absl::string_view name() const override { return "cpu"; }
@@ -33,81 +49,154 @@ class CpuBackend final : public ComputeBackend {
     return NewHostArena(bytes);
   }
 
-  absl::Status RotateRows(const RotationSet& rotations, int layer, KvTensor t,
-                          absl::Span<const Bf16> in, absl::Span<Bf16> out) override {
-    if (in.size() != out.size()) return absl::InternalError("RotateRows: size mismatch");
-    // Bit copy: a matrix product with I would turn -0 into +0 and break exactness.
-    if (rotations.kind() == RotationKind::kIdentity) {
-      if (layer < 0 || layer >= rotations.num_layers()) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
-      }
-      std::memcpy(out.data(), in.data(), in.size() * sizeof(Bf16));
-      return absl::OkStatus();
+  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
+                         absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
+    if (k.size() != v.size()) return absl::InternalError("StageRows: K and V sizes differ");
+    std::vector<Bf16> rk(k.size()), rv(v.size());
+    KVPOOL_RETURN_IF_ERROR(
+        RotateRows(m.codec.rotations, layer, KvTensor::kKey, k, absl::MakeSpan(rk)));
+    if (m.codec.v_prerotated) {
+      std::memcpy(rv.data(), v.data(), v.size() * sizeof(Bf16));
+    } else {
+      KVPOOL_RETURN_IF_ERROR(
+          RotateRows(m.codec.rotations, layer, KvTensor::kValue, v, absl::MakeSpan(rv)));
     }
-    return rotations.RotateBf16(layer, t, in, out);
+    if (!AllFinite(rk.data(), rk.size()) || !AllFinite(rv.data(), rv.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, ": rotated K/V overflow BF16"));
+    }
+    const size_t row = m.row_values();
+    for (const RowWrite& w : writes) {
+      const RowCodec& codec = w.history ? m.row_codec : m.bf16_codec;
+      const BlockLayout& layout = w.history ? m.block_layout : m.bf16_layout;
+      const size_t from = static_cast<size_t>(w.input_row) * row;
+      const size_t len = static_cast<size_t>(w.count) * row;
+      KVPOOL_RETURN_IF_ERROR(codec.EncodeIntoBlock(
+          KvTensor::kKey, layout, absl::MakeConstSpan(rk).subspan(from, len), w.slot, w.block));
+      KVPOOL_RETURN_IF_ERROR(codec.EncodeIntoBlock(
+          KvTensor::kValue, layout, absl::MakeConstSpan(rv).subspan(from, len), w.slot, w.block));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
+    std::vector<Bf16> rows;
+    for (const RowMove& mv : moves) {
+      rows.resize(static_cast<size_t>(mv.count) * m.row_values());
+      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+        KVPOOL_RETURN_IF_ERROR(
+            ReadBf16Rows(m, mv.src, t, mv.src_slot, mv.count, absl::MakeSpan(rows)));
+        KVPOOL_RETURN_IF_ERROR(
+            m.row_codec.EncodeIntoBlock(t, m.block_layout, rows, mv.dst_slot, mv.dst));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
+                        int count, absl::Span<float> out) override {
+    const RowCodec& codec = history ? m.row_codec : m.bf16_codec;
+    codec.DecodeFromBlock(t, history ? m.block_layout : m.bf16_layout, block, slot, count, out);
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
+                            absl::Span<Bf16> out) override {
+    const BlockLayout& l = m.bf16_layout;
+    const size_t row_bytes = static_cast<size_t>(l.head_dim) * sizeof(Bf16);
+    for (int h = 0; h < l.kv_heads; ++h) {
+      const uint8_t* src = page + l.CodesOffset(t, h) + static_cast<size_t>(slot) * row_bytes;
+      for (int r = 0; r < count; ++r) {
+        std::memcpy(out.data() + (static_cast<size_t>(r) * l.kv_heads + h) * l.head_dim,
+                    src + r * row_bytes, row_bytes);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
   }
 
   absl::Status RotateFloat(const RotationSet& rotations, int layer, KvTensor t,
                            absl::Span<const float> in, absl::Span<float> out) override {
-    if (rotations.kind() == RotationKind::kIdentity && in.size() == out.size()) {
-      std::memcpy(out.data(), in.data(), in.size() * sizeof(float));
-      return absl::OkStatus();
-    }
-    return rotations.Rotate(layer, t, in, out);
+    return RotateHostFloat(rotations, layer, t, in, out);
   }
-
   absl::Status UnrotateFloat(const RotationSet& rotations, int layer, KvTensor t,
                              absl::Span<const float> in, absl::Span<float> out) override {
-    if (rotations.kind() == RotationKind::kIdentity && in.size() == out.size()) {
-      std::memcpy(out.data(), in.data(), in.size() * sizeof(float));
-      return absl::OkStatus();
-    }
-    return rotations.Unrotate(layer, t, in, out);
+    return UnrotateHostFloat(rotations, layer, t, in, out);
   }
 
-  absl::Status EncodeIntoBlock(const RowCodec& codec, KvTensor t, const BlockLayout& layout,
-                               absl::Span<const Bf16> rows, int first_token,
-                               uint8_t* block) override {
-    return codec.EncodeIntoBlock(t, layout, rows, first_token, block);
+  bool batched_attention() const override { return false; }
+  absl::Status AttendBatch(const Model&, const AttentionBatch&) override {
+    return absl::UnimplementedError("the CPU backend attends one sequence at a time");
   }
 
-  void DecodeFromBlock(const RowCodec& codec, KvTensor t, const BlockLayout& layout,
-                       const uint8_t* block, int first_token, int count,
-                       absl::Span<float> out) override {
-    codec.DecodeFromBlock(t, layout, block, first_token, count, out);
-  }
-
-  void CopyToPool(uint8_t* dst, const void* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-  }
-  void CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-  }
-
-  AttentionOutput Attend(const AttentionShape& shape, const RowCodec& codec,
-                         const BlockLayout& layout, const SequenceTiers& tiers,
-                         absl::Span<const float> q) override {
+  absl::StatusOr<AttentionOutput> AttendRotated(const Model& m, const SequenceTiers& tiers,
+                                                absl::Span<const float> q) override {
+    const AttentionShape shape{m.q_heads, m.kv_heads, m.head_dim};
     AttentionOutput acc;
     acc.out.assign(static_cast<size_t>(shape.q_heads) * shape.head_dim, 0.0f);
     acc.lse.assign(shape.q_heads, -std::numeric_limits<float>::infinity());
-    const size_t row = static_cast<size_t>(shape.kv_heads) * shape.head_dim;
-    for (const Bf16Segment& seg : tiers.bf16) {
-      if (seg.tokens <= 0) continue;
-      const size_t n = row * seg.tokens;
-      AttentionOutput part = AttendBf16Rows(shape, q, absl::MakeConstSpan(seg.k, n),
-                                            absl::MakeConstSpan(seg.v, n), seg.tokens);
-      MergeAttention(shape, part, &acc);
+    std::vector<Bf16> k, v;
+    for (const TierBlocks* tier : {&tiers.sink, &tiers.recent}) {
+      if (tier->tokens <= 0) continue;
+      KVPOOL_RETURN_IF_ERROR(GatherBf16(m, *tier, KvTensor::kKey, &k));
+      KVPOOL_RETURN_IF_ERROR(GatherBf16(m, *tier, KvTensor::kValue, &v));
+      MergeAttention(shape, AttendBf16Rows(shape, q, k, v, tier->tokens), &acc);
     }
-    if (tiers.history_tokens > 0) {
-      AttentionOutput part = AttendBlocks(
-          shape, codec, layout, absl::MakeConstSpan(tiers.history_blocks), tiers.history_tokens, q);
+    if (tiers.history.tokens > 0) {
+      if (tiers.history.first_token != 0) {
+        return absl::InternalError("history tier must start at its first block's slot 0");
+      }
+      AttentionOutput part =
+          AttendBlocks(shape, m.row_codec, m.block_layout,
+                       absl::MakeConstSpan(tiers.history.blocks), tiers.history.tokens, q);
       MergeAttention(shape, part, &acc);
     }
     return acc;
   }
+
+ private:
+  // The tier's BF16 rows of tensor `t`, in order, [tokens][kv_heads][D].
+  absl::Status GatherBf16(const Model& m, const TierBlocks& tier, KvTensor t,
+                          std::vector<Bf16>* out) {
+    const int bt = m.block_tokens();
+    const size_t row = m.row_values();
+    out->resize(static_cast<size_t>(tier.tokens) * row);
+    for (int done = 0; done < tier.tokens;) {
+      const int pos = tier.first_token + done;
+      const int take = std::min(tier.tokens - done, bt - pos % bt);
+      KVPOOL_RETURN_IF_ERROR(
+          ReadBf16Rows(m, tier.blocks.at(pos / bt), t, pos % bt, take,
+                       absl::MakeSpan(*out).subspan(static_cast<size_t>(done) * row,
+                                                    static_cast<size_t>(take) * row)));
+      done += take;
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace
+
+absl::Status RotateHostFloat(const RotationSet& rotations, int layer, KvTensor t,
+                             absl::Span<const float> in, absl::Span<float> out) {
+  if (rotations.kind() == RotationKind::kIdentity && in.size() == out.size()) {
+    std::memcpy(out.data(), in.data(), in.size() * sizeof(float));
+    return absl::OkStatus();
+  }
+  return rotations.Rotate(layer, t, in, out);
+}
+
+absl::Status UnrotateHostFloat(const RotationSet& rotations, int layer, KvTensor t,
+                               absl::Span<const float> in, absl::Span<float> out) {
+  if (rotations.kind() == RotationKind::kIdentity && in.size() == out.size()) {
+    std::memcpy(out.data(), in.data(), in.size() * sizeof(float));
+    return absl::OkStatus();
+  }
+  return rotations.Unrotate(layer, t, in, out);
+}
 
 absl::StatusOr<std::unique_ptr<Arena>> NewHostArena(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("arena size must be > 0");
@@ -121,15 +210,5 @@ absl::StatusOr<std::unique_ptr<Arena>> NewHostArena(size_t bytes) {
 }
 
 std::unique_ptr<ComputeBackend> NewCpuBackend() { return std::make_unique<CpuBackend>(); }
-
-absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateBackend(absl::string_view name) {
-  if (name == "cpu") return NewCpuBackend();
-  if (absl::StartsWith(name, "cuda")) {
-    return absl::UnavailableError(
-        absl::StrCat("backend '", name, "' is not available in this build (CPU only so far)"));
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown backend '", name, "' (expected cpu or cuda:N)"));
-}
 
 }  // namespace kvpool::server

@@ -145,9 +145,13 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
   }
   KVPOOL_RETURN_IF_ERROR(req.codec.quant.Validate(req.head_dim));
   KVPOOL_ASSIGN_OR_RETURN(RowCodec row_codec, RowCodec::Create(req.codec.quant, req.head_dim));
+  QuantConfig bypass = req.codec.quant;
+  bypass.method = QuantMethod::kBypass;
+  KVPOOL_ASSIGN_OR_RETURN(RowCodec bf16_codec, RowCodec::Create(bypass, req.head_dim));
 
   req.codec.model_id = req.model_id;
-  auto model = std::make_shared<Model>(std::move(row_codec), std::move(req.codec));
+  auto model =
+      std::make_shared<Model>(std::move(row_codec), std::move(bf16_codec), std::move(req.codec));
   model->tenant = tenant;
   model->id = req.model_id;
   model->num_layers = req.num_layers;
@@ -167,8 +171,9 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
   }
   model->block_layout = BlockLayout::ForModel(model->codec.quant, model->kv_heads, model->head_dim);
   model->block_bytes = model->block_layout.block_bytes();
-  model->bf16_page_bytes =
-      static_cast<size_t>(model->codec.quant.block_tokens) * model->bf16_token_bytes();
+  model->bf16_layout =
+      BlockLayout::ForModel(model->bf16_codec.config(), model->kv_heads, model->head_dim);
+  model->bf16_page_bytes = model->bf16_layout.block_bytes();
   KVPOOL_ASSIGN_OR_RETURN(model->block_class, pool_->RegisterClass(model->block_bytes));
   KVPOOL_ASSIGN_OR_RETURN(model->bf16_class, pool_->RegisterClass(model->bf16_page_bytes));
   model->registered_unix_micros = std::chrono::duration_cast<std::chrono::microseconds>(

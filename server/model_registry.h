@@ -36,8 +36,10 @@ namespace kvpool::server {
 
 // A registered model. Immutable.
 struct Model {
-  Model(RowCodec row_codec_in, ModelCodec codec_in)
-      : codec(std::move(codec_in)), row_codec(std::move(row_codec_in)) {}
+  Model(RowCodec row_codec_in, RowCodec bf16_codec_in, ModelCodec codec_in)
+      : codec(std::move(codec_in)),
+        row_codec(std::move(row_codec_in)),
+        bf16_codec(std::move(bf16_codec_in)) {}
 
   TenantId tenant;
   std::string id;
@@ -49,9 +51,11 @@ struct Model {
   CodecVersion version{};    // SHA-256 over the canonical codec content
   std::string version_hex;   // 64 hex digits
   RowCodec row_codec;        // rows of head_dim
+  RowCodec bf16_codec;       // the BF16 bypass codec (sink and recent pages)
   BlockLayout block_layout;  // INT2 history block of all kv_heads
+  BlockLayout bf16_layout;   // BF16 page: the same block format with 16-bit bypass rows
   size_t block_bytes = 0;
-  size_t bf16_page_bytes = 0;  // BF16 page: block_tokens x kv_heads x head_dim, K then V
+  size_t bf16_page_bytes = 0;  // bf16_layout.block_bytes()
   PageClassId block_class = -1;
   PageClassId bf16_class = -1;
   int64_t registered_unix_micros = 0;

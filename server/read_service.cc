@@ -52,7 +52,7 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
     message_.Clear();
     if (!Next()) {
       snap_.reset();
-      return Finish(grpc::Status::OK);
+      return Finish(ToGrpcStatus(error_));
     }
     StartWrite(&message_);
   }
@@ -60,7 +60,8 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
   void OnDone() override { delete this; }
 
  private:
-  // Fills message_ with the next piece; false when everything was sent.
+  // Fills message_ with the next piece; false when everything was sent or reading failed
+  // (then error_ says why).
   bool Next() {
     const Model& m = snap_->model();
     const size_t row_bytes = m.row_values() * sizeof(Bf16);
@@ -75,8 +76,9 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
         if (pos_ < count) {
           const int n = std::min(rows_per_message, count - pos_);
           std::vector<Bf16> k(n * m.row_values()), v(n * m.row_values());
-          snap_->CopyBf16Rows(ctx_->backend, layer_, recent, pos_, n, absl::MakeSpan(k),
-                              absl::MakeSpan(v));
+          error_ = snap_->CopyBf16Rows(ctx_->backend, layer_, recent, pos_, n, absl::MakeSpan(k),
+                                       absl::MakeSpan(v));
+          if (!error_.ok()) return false;
           v1::Bf16Rows* rows = message_.mutable_rows();
           rows->set_layer(layer_id);
           rows->set_tier(recent ? v1::BF16_TIER_RECENT : v1::BF16_TIER_SINK);
@@ -100,8 +102,9 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
             block->set_valid_tokens(std::min(bt, snap_->history() - b * bt));
             std::string* data = block->mutable_data();
             data->resize(m.block_bytes);
-            ctx_->backend->CopyFromPool(data->data(), snap_->HistoryBlock(layer_, b),
-                                        m.block_bytes);
+            error_ = ctx_->backend->CopyFromPool(data->data(), snap_->HistoryBlock(layer_, b),
+                                                 m.block_bytes);
+            if (!error_.ok()) return false;
             const size_t unit = static_cast<size_t>(b + sink_units);
             if (unit < snap_->prefix_chain().size()) {
               block->set_prefix_hash(PrefixHashHex(snap_->prefix_chain()[unit].hash));
@@ -127,6 +130,7 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
   size_t layer_ = 0;
   int phase_ = 0;  // 0 sink rows, 1 history blocks, 2 recent rows
   int pos_ = 0;
+  absl::Status error_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -180,7 +184,8 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
     const int n = std::min(tokens_per_message_, end_ - pos_);
     const size_t values = static_cast<size_t>(n) * m.row_values();
     std::vector<float> k(values), v(values), ko(values), vo(values);
-    snap_->ReadRotated(ctx_->backend, layer_, pos_, n, absl::MakeSpan(k), absl::MakeSpan(v));
+    KVPOOL_RETURN_IF_ERROR(
+        snap_->ReadRotated(ctx_->backend, layer_, pos_, n, absl::MakeSpan(k), absl::MakeSpan(v)));
     const int layer_id = snap_->layers()[layer_].layer;
     const RotationSet& rot = m.codec.rotations;
     KVPOOL_RETURN_IF_ERROR(

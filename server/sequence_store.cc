@@ -12,13 +12,6 @@ namespace {
 
 int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
-bool AllFinite(absl::Span<const Bf16> rows) {
-  for (Bf16 x : rows) {
-    if ((x.bits & 0x7f80u) == 0x7f80u) return false;  // exponent all ones: Inf or NaN
-  }
-  return true;
-}
-
 }  // namespace
 
 // Per-layer storage of a sequence.
@@ -95,25 +88,16 @@ SequenceSnapshot::~SequenceSnapshot() {
 
 SequenceTiers SequenceSnapshot::Tiers(size_t i) const {
   const Layer& l = layers_.at(i);
-  const int bt = model_->block_tokens();
-  const size_t half = static_cast<size_t>(bt) * model_->row_values();  // values of K in a page
   SequenceTiers tiers;
-  for (int t = 0; t < sink_; t += bt) {
-    const Bf16* page = reinterpret_cast<const Bf16*>(pool_->Data(l.sink[t / bt]));
-    tiers.bf16.push_back({page, page + half, std::min(bt, sink_ - t)});
-  }
-  for (int done = 0; done < recent_;) {
-    const int slot = recent_head_ + done;
-    const int in_page = slot % bt;
-    const int take = std::min(recent_ - done, bt - in_page);
-    const Bf16* page = reinterpret_cast<const Bf16*>(pool_->Data(l.recent[slot / bt]));
-    const size_t off = static_cast<size_t>(in_page) * model_->row_values();
-    tiers.bf16.push_back({page + off, page + half + off, take});
-    done += take;
-  }
-  tiers.history_tokens = history_;
-  tiers.history_blocks.reserve(l.history.size());
-  for (PageId b : l.history) tiers.history_blocks.push_back(pool_->Data(b));
+  auto fill = [&](const std::vector<PageId>& pages, int first, int tokens, TierBlocks* out) {
+    out->first_token = first;
+    out->tokens = tokens;
+    out->blocks.reserve(pages.size());
+    for (PageId p : pages) out->blocks.push_back(pool_->Data(p));
+  };
+  fill(l.sink, 0, sink_, &tiers.sink);
+  fill(l.history, 0, history_, &tiers.history);
+  fill(l.recent, recent_head_, recent_, &tiers.recent);
   return tiers;
 }
 
@@ -121,12 +105,12 @@ const uint8_t* SequenceSnapshot::HistoryBlock(size_t i, size_t b) const {
   return pool_->Data(layers_.at(i).history.at(b));
 }
 
-void SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier, int start,
-                                    int count, absl::Span<Bf16> k, absl::Span<Bf16> v) const {
+absl::Status SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier,
+                                            int start, int count, absl::Span<Bf16> k,
+                                            absl::Span<Bf16> v) const {
   const Layer& l = layers_.at(i);
   const int bt = model_->block_tokens();
   const size_t row = model_->row_values();
-  const size_t row_bytes = row * sizeof(Bf16);
   const int base = recent_tier ? recent_head_ : 0;
   const std::vector<PageId>& pages = recent_tier ? l.recent : l.sink;
   for (int done = 0; done < count;) {
@@ -134,51 +118,48 @@ void SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, bool rece
     const int in_page = slot % bt;
     const int take = std::min(count - done, bt - in_page);
     const uint8_t* page = pool_->Data(pages[slot / bt]);
-    backend->CopyFromPool(k.data() + done * row, page + in_page * row_bytes, take * row_bytes);
-    backend->CopyFromPool(v.data() + done * row, page + (bt + in_page) * row_bytes,
-                          take * row_bytes);
+    const size_t at = static_cast<size_t>(done) * row;
+    const size_t len = static_cast<size_t>(take) * row;
+    KVPOOL_RETURN_IF_ERROR(
+        backend->ReadBf16Rows(*model_, page, KvTensor::kKey, in_page, take, k.subspan(at, len)));
+    KVPOOL_RETURN_IF_ERROR(
+        backend->ReadBf16Rows(*model_, page, KvTensor::kValue, in_page, take, v.subspan(at, len)));
     done += take;
   }
+  return absl::OkStatus();
 }
 
-void SequenceSnapshot::ReadRotated(ComputeBackend* backend, size_t i, int start, int count,
-                                   absl::Span<float> k, absl::Span<float> v) const {
+absl::Status SequenceSnapshot::ReadRotated(ComputeBackend* backend, size_t i, int start, int count,
+                                           absl::Span<float> k, absl::Span<float> v) const {
   const Layer& l = layers_.at(i);
   const Model& m = *model_;
   const int bt = m.block_tokens();
   const size_t row = m.row_values();
-  std::vector<Bf16> kb, vb;
   const int end = start + count;
-  // Sink and recent: exact BF16 rows.
-  auto copy_bf16 = [&](bool recent_tier, int tier_start, int n, int out_row) {
-    kb.resize(n * row);
-    vb.resize(n * row);
-    CopyBf16Rows(backend, i, recent_tier, tier_start, n, absl::MakeSpan(kb), absl::MakeSpan(vb));
-    for (size_t j = 0; j < n * row; ++j) {
-      k[out_row * row + j] = kb[j].ToFloat();
-      v[out_row * row + j] = vb[j].ToFloat();
+  // Tier by tier: [first, last) of the sequence's positions in `pages`, whose position 0 is
+  // at `base` of the page list.
+  auto read = [&](const std::vector<PageId>& pages, bool history, int tier_begin, int tier_end,
+                  int base) -> absl::Status {
+    const int a = std::max(start, tier_begin);
+    const int b = std::min(end, tier_end);
+    for (int t = a; t < b;) {
+      const int pos = base + (t - tier_begin);
+      const int slot = pos % bt;
+      const int take = std::min(b - t, bt - slot);
+      const uint8_t* block = pool_->Data(pages[pos / bt]);
+      const size_t out = static_cast<size_t>(t - start) * row;
+      const size_t len = static_cast<size_t>(take) * row;
+      KVPOOL_RETURN_IF_ERROR(
+          backend->ReadRows(m, block, history, KvTensor::kKey, slot, take, k.subspan(out, len)));
+      KVPOOL_RETURN_IF_ERROR(
+          backend->ReadRows(m, block, history, KvTensor::kValue, slot, take, v.subspan(out, len)));
+      t += take;
     }
+    return absl::OkStatus();
   };
-  const int sink_end = std::min(end, sink_);
-  if (start < sink_end) copy_bf16(false, start, sink_end - start, 0);
-  const int hist_start = std::max(start, sink_);
-  const int hist_end = std::min(end, sink_ + history_);
-  for (int t = hist_start; t < hist_end;) {
-    const int pos = t - sink_;
-    const int slot = pos % bt;
-    const int take = std::min(hist_end - t, bt - slot);
-    const uint8_t* block = pool_->Data(l.history[pos / bt]);
-    const size_t out = static_cast<size_t>(t - start) * row;
-    backend->DecodeFromBlock(m.row_codec, KvTensor::kKey, m.block_layout, block, slot, take,
-                             k.subspan(out, take * row));
-    backend->DecodeFromBlock(m.row_codec, KvTensor::kValue, m.block_layout, block, slot, take,
-                             v.subspan(out, take * row));
-    t += take;
-  }
-  const int rec_start = std::max(start, sink_ + history_);
-  if (rec_start < end) {
-    copy_bf16(true, rec_start - sink_ - history_, end - rec_start, rec_start - start);
-  }
+  KVPOOL_RETURN_IF_ERROR(read(l.sink, false, 0, sink_, 0));
+  KVPOOL_RETURN_IF_ERROR(read(l.history, true, sink_, sink_ + history_, 0));
+  return read(l.recent, false, sink_ + history_, sink_ + history_ + recent_, recent_head_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -204,55 +185,35 @@ uint8_t* AppendTxn::RecentPage(const LayerState& l, int index) const {
   return pool_->Data(index < base ? l.base_recent[index] : l.new_recent.at(index - base));
 }
 
-absl::Status AppendTxn::WriteRows(LayerState& l, Tier tier, int dest, absl::Span<const Bf16> k,
-                                  absl::Span<const Bf16> v) {
-  const Model& m = *model_;
-  const int bt = m.block_tokens();
-  const size_t row = m.row_values();
-  const size_t row_bytes = row * sizeof(Bf16);
-  const int n = static_cast<int>(k.size() / row);
+void AppendTxn::PlanWrites(LayerState& l, Tier tier, int dest, int input_row, int n,
+                           std::vector<RowWrite>* out) const {
+  const int bt = model_->block_tokens();
   for (int done = 0; done < n;) {
     const int pos = dest + done;
     const int slot = pos % bt;
     const int take = std::min(n - done, bt - slot);
-    const auto k_rows = k.subspan(done * row, take * row);
-    const auto v_rows = v.subspan(done * row, take * row);
-    if (tier == Tier::kHistory) {
-      uint8_t* block = HistoryBlock(l, pos / bt);
-      KVPOOL_RETURN_IF_ERROR(backend_->EncodeIntoBlock(m.row_codec, KvTensor::kKey, m.block_layout,
-                                                       k_rows, slot, block));
-      KVPOOL_RETURN_IF_ERROR(backend_->EncodeIntoBlock(m.row_codec, KvTensor::kValue,
-                                                       m.block_layout, v_rows, slot, block));
-    } else {
-      uint8_t* page = tier == Tier::kSink ? SinkPage(l, pos / bt) : RecentPage(l, pos / bt);
-      backend_->CopyToPool(page + slot * row_bytes, k_rows.data(), take * row_bytes);
-      backend_->CopyToPool(page + (bt + slot) * row_bytes, v_rows.data(), take * row_bytes);
-    }
+    uint8_t* block = tier == Tier::kHistory ? HistoryBlock(l, pos / bt)
+                     : tier == Tier::kSink  ? SinkPage(l, pos / bt)
+                                            : RecentPage(l, pos / bt);
+    out->push_back({input_row + done, take, block, slot, tier == Tier::kHistory});
     done += take;
   }
-  return absl::OkStatus();
 }
 
 absl::Status AppendTxn::Demote(LayerState& l) {
-  const Model& m = *model_;
-  const int bt = m.block_tokens();
-  const size_t row = m.row_values();
-  const size_t row_bytes = row * sizeof(Bf16);
-  std::vector<Bf16> k, v;
+  const int bt = model_->block_tokens();
+  std::vector<RowMove> moves;
   for (const Demotion& d : demotions_) {
     for (int done = 0; done < d.count;) {
       const int src = d.src + done;
-      const int take = std::min(d.count - done, bt - src % bt);
-      k.resize(take * row);
-      v.resize(take * row);
-      const uint8_t* page = RecentPage(l, src / bt);
-      backend_->CopyFromPool(k.data(), page + (src % bt) * row_bytes, take * row_bytes);
-      backend_->CopyFromPool(v.data(), page + (bt + src % bt) * row_bytes, take * row_bytes);
-      KVPOOL_RETURN_IF_ERROR(WriteRows(l, Tier::kHistory, d.dst + done, k, v));
+      const int dst = d.dst + done;
+      const int take = std::min({d.count - done, bt - src % bt, bt - dst % bt});
+      moves.push_back(
+          {RecentPage(l, src / bt), src % bt, HistoryBlock(l, dst / bt), dst % bt, take});
       done += take;
     }
   }
-  return absl::OkStatus();
+  return backend_->DemoteRows(*model_, moves);
 }
 
 absl::Status AppendTxn::StageLayer(int layer, int offset, absl::Span<const Bf16> k,
@@ -280,34 +241,20 @@ absl::Status AppendTxn::StageLayer(int layer, int offset, absl::Span<const Bf16>
         absl::StrCat("layer ", layer, ": chunk of ", n, " tokens at offset ", offset,
                      " runs past the append's ", num_tokens_, " tokens"));
   }
-  if (!AllFinite(k) || !AllFinite(v)) {
+  if (!AllFinite(k.data(), k.size()) || !AllFinite(v.data(), v.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, ": K/V contain NaN or Inf (tokens ", token_start_ + offset,
                      "..", token_start_ + offset + n - 1, ")"));
   }
-  std::vector<Bf16> rk(k.size()), rv(v.size());
-  KVPOOL_RETURN_IF_ERROR(
-      backend_->RotateRows(m.codec.rotations, layer, KvTensor::kKey, k, absl::MakeSpan(rk)));
-  if (m.codec.v_prerotated) {
-    std::memcpy(rv.data(), v.data(), v.size() * sizeof(Bf16));
-  } else {
-    KVPOOL_RETURN_IF_ERROR(
-        backend_->RotateRows(m.codec.rotations, layer, KvTensor::kValue, v, absl::MakeSpan(rv)));
-  }
-  if (!AllFinite(rk) || !AllFinite(rv)) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": rotated K/V overflow BF16"));
-  }
   const int end = offset + n;
+  std::vector<RowWrite> writes;
   for (const Segment& seg : segments_) {
     const int a = std::max(offset, seg.input);
     const int b = std::min(end, seg.input + seg.count);
     if (a >= b) continue;
-    const size_t from = static_cast<size_t>(a - offset) * row;
-    const size_t len = static_cast<size_t>(b - a) * row;
-    KVPOOL_RETURN_IF_ERROR(WriteRows(l, seg.tier, seg.dest + (a - seg.input),
-                                     absl::MakeConstSpan(rk).subspan(from, len),
-                                     absl::MakeConstSpan(rv).subspan(from, len)));
+    PlanWrites(l, seg.tier, seg.dest + (a - seg.input), a - offset, b - a, &writes);
   }
+  KVPOOL_RETURN_IF_ERROR(backend_->StageRows(m, layer, k, v, writes));
   l.cursor = end;
   if (l.cursor == num_tokens_) KVPOOL_RETURN_IF_ERROR(Demote(l));
   return absl::OkStatus();

@@ -100,12 +100,13 @@ class SequenceSnapshot {
   SequenceTiers Tiers(size_t i) const;
   // Rotated K and V of tokens [start, start + count) of layers()[i], as fp32
   // [count][kv_heads][head_dim] each (sink and recent exact, history dequantized).
-  void ReadRotated(ComputeBackend* backend, size_t i, int start, int count, absl::Span<float> k,
-                   absl::Span<float> v) const;
+  [[nodiscard]] absl::Status ReadRotated(ComputeBackend* backend, size_t i, int start, int count,
+                                         absl::Span<float> k, absl::Span<float> v) const;
   // BF16 rows of the sink (tier 0) or recent (tier 1) tokens [start, start + count) relative
   // to the tier, of layers()[i], copied into [count][kv_heads][head_dim] buffers.
-  void CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier, int start, int count,
-                    absl::Span<Bf16> k, absl::Span<Bf16> v) const;
+  [[nodiscard]] absl::Status CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier,
+                                          int start, int count, absl::Span<Bf16> k,
+                                          absl::Span<Bf16> v) const;
   // Bytes of history block `b` of layers()[i].
   const uint8_t* HistoryBlock(size_t i, size_t b) const;
 
@@ -202,8 +203,10 @@ class AppendTxn {
   uint8_t* SinkPage(const LayerState& l, int index) const;
   uint8_t* HistoryBlock(const LayerState& l, int index) const;
   uint8_t* RecentPage(const LayerState& l, int index) const;
-  absl::Status WriteRows(LayerState& l, Tier tier, int dest, absl::Span<const Bf16> k,
-                         absl::Span<const Bf16> v);
+  // Appends the writes that put input rows [input_row, input_row + n) at positions
+  // [dest, dest + n) of `tier`, split at block boundaries.
+  void PlanWrites(LayerState& l, Tier tier, int dest, int input_row, int n,
+                  std::vector<RowWrite>* out) const;
   absl::Status Demote(LayerState& l);
   void Release();
 

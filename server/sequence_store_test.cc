@@ -53,7 +53,9 @@ void ExpectExactReadback(TestCore& core, const Model& m, const std::string& id,
   const size_t row = m.row_values();
   std::vector<float> k(n * row), v(n * row);
   for (int l = 0; l < m.num_layers; ++l) {
-    (*snap)->ReadRotated(core.backend.get(), l, 0, n, absl::MakeSpan(k), absl::MakeSpan(v));
+    ASSERT_TRUE((*snap)
+                    ->ReadRotated(core.backend.get(), l, 0, n, absl::MakeSpan(k), absl::MakeSpan(v))
+                    .ok());
     ASSERT_EQ(want.k[l].size(), k.size());
     for (size_t i = 0; i < k.size(); ++i) {
       ASSERT_EQ(Bf16::FromFloat(k[i]).bits, want.k[l][i].bits) << "layer " << l << " K " << i;
@@ -159,7 +161,9 @@ TEST(SequenceStoreTest, QuantizedHistoryMatchesTheCodecBitForBit) {
       std::vector<Bf16> rotated(in.size());
       ASSERT_TRUE(m->codec.rotations.RotateBf16(l, t, in, absl::MakeSpan(rotated)).ok());
       std::vector<float> k(64 * row), v(64 * row);
-      snap->ReadRotated(core.backend.get(), l, 0, 64, absl::MakeSpan(k), absl::MakeSpan(v));
+      ASSERT_TRUE(
+          snap->ReadRotated(core.backend.get(), l, 0, 64, absl::MakeSpan(k), absl::MakeSpan(v))
+              .ok());
       const std::vector<float>& got = t == KvTensor::kKey ? k : v;
       for (int tok = 0; tok < 64; ++tok) {
         for (int h = 0; h < m->kv_heads; ++h) {
@@ -310,7 +314,8 @@ TEST(SequenceStoreTest, SnapshotSurvivesDemotionAndRelease) {
   want.Add(*m, 40, 1);
   const size_t row = m->row_values();
   std::vector<float> k(40 * row), v(40 * row);
-  snap->ReadRotated(core.backend.get(), 1, 0, 40, absl::MakeSpan(k), absl::MakeSpan(v));
+  ASSERT_TRUE(
+      snap->ReadRotated(core.backend.get(), 1, 0, 40, absl::MakeSpan(k), absl::MakeSpan(v)).ok());
   for (size_t i = 0; i < k.size(); ++i) ASSERT_EQ(Bf16::FromFloat(k[i]).bits, want.k[1][i].bits);
   snap.reset();
   EXPECT_EQ(core.pool->used_bytes(), 0u);
@@ -339,8 +344,10 @@ TEST(SequenceStoreTest, PrefixUnitsAreSharedAndCachedAfterRelease) {
   const size_t row = m->row_values();
   std::vector<float> ka(56 * row), va(56 * row), kb(56 * row), vb(56 * row);
   for (int l = 0; l < 2; ++l) {
-    sa->ReadRotated(core.backend.get(), l, 0, 56, absl::MakeSpan(ka), absl::MakeSpan(va));
-    sb->ReadRotated(core.backend.get(), l, 0, 56, absl::MakeSpan(kb), absl::MakeSpan(vb));
+    ASSERT_TRUE(
+        sa->ReadRotated(core.backend.get(), l, 0, 56, absl::MakeSpan(ka), absl::MakeSpan(va)).ok());
+    ASSERT_TRUE(
+        sb->ReadRotated(core.backend.get(), l, 0, 56, absl::MakeSpan(kb), absl::MakeSpan(vb)).ok());
     EXPECT_EQ(ka, kb);
     EXPECT_EQ(va, vb);
   }

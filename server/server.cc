@@ -35,7 +35,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   KVPOOL_RETURN_IF_ERROR(config.Validate());
   auto s = std::unique_ptr<KvpoolServer>(new KvpoolServer());
   s->config_ = config;
-  KVPOOL_ASSIGN_OR_RETURN(s->backend_, CreateBackend(config.backend));
+  KVPOOL_ASSIGN_OR_RETURN(s->backend_, CreateBackend(config.device));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Arena> arena,
                           s->backend_->AllocateArena(config.pool_bytes));
   KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));

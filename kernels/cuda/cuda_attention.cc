@@ -70,6 +70,10 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
   if (s.history_pool.scale_dtype != s.cfg.scale_dtype) {
     return absl::InvalidArgumentError("history scale dtype does not match the QuantConfig");
   }
+  if (s.history_pool.block_stride % 16 != 0 || s.bf16_pool.block_stride % 16 != 0 ||
+      s.history_pool.block_stride < 0 || s.bf16_pool.block_stride < 0) {
+    return absl::InvalidArgumentError("block strides must be 0 or a multiple of 16");
+  }
   if (s.num_seqs < 1 || s.max_history_tokens < 0 || s.max_bf16_tokens < 0) {
     return absl::InvalidArgumentError("need num_seqs >= 1 and non-negative token bounds");
   }

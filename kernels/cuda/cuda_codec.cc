@@ -60,6 +60,10 @@ absl::Status CheckModel(const QuantConfig& cfg, const PagedKvView& kv) {
     return absl::InvalidArgumentError("pool must be a non-null, 16-byte aligned device pointer");
   }
   if (kv.num_blocks < 1) return absl::InvalidArgumentError("num_blocks must be >= 1");
+  if (kv.block_stride < 0 || kv.block_stride % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_stride ", kv.block_stride, " must be 0 or a multiple of 16"));
+  }
   return absl::OkStatus();
 }
 
@@ -219,7 +223,7 @@ absl::Status CudaStatus(int err, const char* what) {
 BlockGeometry MakeGeometry(const PagedKvView& kv) {
   const BlockLayout& l = kv.layout;
   BlockGeometry g;
-  g.block_bytes = static_cast<int64_t>(l.block_bytes());
+  g.block_bytes = kv.block_stride > 0 ? kv.block_stride : static_cast<int64_t>(l.block_bytes());
   g.head_segment_bytes = static_cast<int64_t>(l.head_segment_bytes());
   for (int t = 0; t < 2; ++t) {
     const auto tensor = static_cast<KvTensor>(t);

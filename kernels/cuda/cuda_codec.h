@@ -30,11 +30,17 @@ using Stream = CUstream_st*;
 // arena of `num_blocks` blocks of `layout.block_bytes()` bytes each; block b starts at
 // pool + b * layout.block_bytes(). The layout must be BlockLayout::ForModel(cfg, Hkv, D) of the
 // model's QuantConfig.
+//
+// `block_stride` (bytes, a multiple of 16) decouples block ids from the block size: block b
+// starts at pool + b * block_stride. 0 means layout.block_bytes() (dense blocks). A pool that
+// holds blocks of several sizes at 16-byte aligned offsets (kvpoold's slab arena) uses stride 16,
+// so a block's id is its byte offset / 16; ids outside [0, num_blocks) are rejected.
 struct PagedKvView {
   uint8_t* pool = nullptr;
   BlockLayout layout;
   ScaleDtype scale_dtype = ScaleDtype::kFp16;
   int64_t num_blocks = 0;
+  int64_t block_stride = 0;
 };
 
 // Rows of several sequences, each a run of consecutive tokens. Sequence i owns the input rows

@@ -1,0 +1,524 @@
+#include "server/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <initializer_list>
+#include <map>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/common/status_macros.h"
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_codec.h"
+#include "server/cpu_backend.h"
+#include "server/model_registry.h"
+
+namespace kvpool::server {
+namespace {
+
+// Block ids are byte offsets / kBlockStride (int32 in the kernels' block tables).
+constexpr int64_t kBlockStride = 16;
+constexpr size_t kMaxArenaBytes = static_cast<size_t>(INT32_MAX) * kBlockStride;
+
+absl::Status Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
+  const std::string msg =
+      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  return e == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(msg)
+                                        : absl::InternalError(msg);
+}
+
+class DeviceArena final : public Arena {
+ public:
+  DeviceArena(int device, uint8_t* data, size_t size) : device_(device), data_(data), size_(size) {}
+  ~DeviceArena() override {
+    cudaSetDevice(device_);
+    cudaFree(data_);
+  }
+  uint8_t* data() const override { return data_; }
+  size_t size() const override { return size_; }
+  bool host_accessible() const override { return false; }
+
+ private:
+  int device_;
+  uint8_t* data_;
+  size_t size_;
+};
+
+// A device allocation that grows on demand (never shrinks).
+class DeviceBuffer {
+ public:
+  ~DeviceBuffer() { cudaFree(data_); }
+  absl::StatusOr<uint8_t*> Reserve(size_t bytes) {
+    if (bytes <= size_) return data_;
+    cudaFree(data_);
+    data_ = nullptr;
+    size_ = 0;
+    const size_t want = std::max(bytes, size_ * 2);
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&data_, want), "cudaMalloc (staging)"));
+    size_ = want;
+    return data_;
+  }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// A CUDA stream and the device memory one call needs; one call uses a lane at a time.
+struct Lane {
+  cudaStream_t stream = nullptr;
+  bool dirty = false;  // work may be in flight or the error word set (a call failed midway)
+  uint32_t* error_word = nullptr;
+  DeviceBuffer rows;       // BF16 rows in flight (arrival, demotion, reads)
+  DeviceBuffer tables;     // int32 row offsets / first tokens / block tables; attention io
+  DeviceBuffer workspace;  // attention workspace
+  ~Lane() {
+    cudaFree(error_word);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+// Host-side image of a SequenceBatch whose "sequences" are single-block row runs.
+struct RunTable {
+  std::vector<int32_t> row_offsets{0};
+  std::vector<int32_t> first_token;
+  std::vector<int32_t> block;
+  void Add(int rows, int slot, int32_t block_id) {
+    row_offsets.push_back(row_offsets.back() + rows);
+    first_token.push_back(slot);
+    block.push_back(block_id);
+  }
+  int runs() const { return static_cast<int>(block.size()); }
+  int rows() const { return row_offsets.back(); }
+};
+
+// Appends `v` to the host staging vector `bytes` at a 16-byte aligned offset; returns it.
+template <typename T>
+size_t Append(std::vector<uint8_t>* bytes, const T* v, size_t n) {
+  const size_t at = (bytes->size() + 15) / 16 * 16;
+  bytes->resize(at + n * sizeof(T));
+  if (n > 0) std::memcpy(bytes->data() + at, v, n * sizeof(T));
+  return at;
+}
+
+class CudaBackend final : public ComputeBackend {
+ public:
+  explicit CudaBackend(int device) : device_(device), name_(absl::StrCat("cuda:", device)) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    lanes_.clear();
+    for (auto& [key, ptr] : rotations_) cudaFree(ptr);
+  }
+
+  absl::string_view name() const override { return name_; }
+
+  absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("arena size must be > 0");
+    if (bytes > kMaxArenaBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("a GPU pool holds at most ", kMaxArenaBytes,
+                                                     " bytes (32 GiB), asked for ", bytes));
+    }
+    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
+    void* p = nullptr;
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&p, bytes), "cudaMalloc (pool arena)"));
+    // Fresh pages are never read before written, but a defined arena keeps tools quiet.
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMemset(p, 0, bytes), "cudaMemset (pool arena)"));
+    absl::MutexLock lock(&mu_);
+    arena_ = static_cast<uint8_t*>(p);
+    arena_bytes_ = bytes;
+    return std::unique_ptr<Arena>(new DeviceArena(device_, arena_, bytes));
+  }
+
+  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
+                         absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
+    if (k.size() != v.size()) return absl::InternalError("StageRows: K and V sizes differ");
+    KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, layer, KvTensor::kKey));
+    const float* rot_v = nullptr;
+    if (!m.codec.v_prerotated) {
+      KVPOOL_ASSIGN_OR_RETURN(rot_v, DeviceRotation(m, layer, KvTensor::kValue));
+    }
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    const size_t bytes = k.size() * sizeof(Bf16);
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(2 * bytes));
+    KVPOOL_RETURN_IF_ERROR(Check(
+        cudaMemcpyAsync(rows, k.data(), bytes, cudaMemcpyHostToDevice, lane->stream), "H2D K"));
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(rows + bytes, v.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
+              "H2D V"));
+    // One launch per tensor and per maximal run of writes of one kind that are contiguous in
+    // the input (a chunk is typically sink | history | recent: three runs).
+    const size_t row_bytes = m.row_values() * sizeof(Bf16);
+    for (size_t i = 0; i < writes.size();) {
+      size_t j = i + 1;
+      while (j < writes.size() && writes[j].history == writes[i].history &&
+             writes[j].input_row == writes[j - 1].input_row + writes[j - 1].count) {
+        ++j;
+      }
+      RunTable table;
+      for (size_t w = i; w < j; ++w) {
+        KVPOOL_ASSIGN_OR_RETURN(int32_t id, BlockId(writes[w].block));
+        table.Add(writes[w].count, writes[w].slot, id);
+      }
+      const size_t from = static_cast<size_t>(writes[i].input_row) * row_bytes;
+      const bool history = writes[i].history;
+      KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, {&table}));
+      KVPOOL_RETURN_IF_ERROR(
+          Quantize(*lane, m, history, batch[0], rows + from, rot_k, KvTensor::kKey));
+      KVPOOL_RETURN_IF_ERROR(
+          Quantize(*lane, m, history, batch[0], rows + bytes + from, rot_v, KvTensor::kValue));
+      i = j;
+    }
+    return Finish(*lane, absl::StrCat("layer ", layer));
+  }
+
+  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
+    if (moves.empty()) return absl::OkStatus();
+    RunTable src, dst;
+    for (const RowMove& mv : moves) {
+      KVPOOL_ASSIGN_OR_RETURN(int32_t s, BlockId(mv.src));
+      KVPOOL_ASSIGN_OR_RETURN(int32_t d, BlockId(mv.dst));
+      src.Add(mv.count, mv.src_slot, s);
+      dst.Add(mv.count, mv.dst_slot, d);
+    }
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    const size_t bytes = static_cast<size_t>(src.rows()) * m.row_values() * sizeof(Bf16);
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(bytes));
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
+                            UploadRuns(*lane, {&src, &dst}));
+    for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+      KVPOOL_RETURN_IF_ERROR(Dequantize(*lane, m, /*history=*/false, batch[0], t, rows));
+      // The rows are already rotated: no rotation on the way into the history blocks.
+      KVPOOL_RETURN_IF_ERROR(Quantize(*lane, m, /*history=*/true, batch[1], rows, nullptr, t));
+    }
+    return Finish(*lane, "demotion");
+  }
+
+  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
+                        int count, absl::Span<float> out) override {
+    std::vector<Bf16> words(out.size());
+    KVPOOL_RETURN_IF_ERROR(ReadWords(m, block, history, t, slot, count, absl::MakeSpan(words)));
+    for (size_t i = 0; i < words.size(); ++i) out[i] = words[i].ToFloat();
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
+                            absl::Span<Bf16> out) override {
+    return ReadWords(m, page, /*history=*/false, t, slot, count, out);
+  }
+
+  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
+    return Check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "D2H pool bytes");
+  }
+
+  // Host rows (reads in the original basis): small, so the CPU does them.
+  absl::Status RotateFloat(const RotationSet& rotations, int layer, KvTensor t,
+                           absl::Span<const float> in, absl::Span<float> out) override {
+    return RotateHostFloat(rotations, layer, t, in, out);
+  }
+  absl::Status UnrotateFloat(const RotationSet& rotations, int layer, KvTensor t,
+                             absl::Span<const float> in, absl::Span<float> out) override {
+    return UnrotateHostFloat(rotations, layer, t, in, out);
+  }
+
+  bool batched_attention() const override { return true; }
+
+  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
+    const int n = static_cast<int>(b.tiers.size());
+    const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
+    if (n == 0) return absl::OkStatus();
+    if (b.queries.size() != n * per_query || b.out.size() != n * per_query ||
+        b.lse.size() != static_cast<size_t>(n) * m.q_heads) {
+      return absl::InternalError("AttendBatch: query/output sizes do not match the batch");
+    }
+    KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, b.layer, KvTensor::kKey));
+    KVPOOL_ASSIGN_OR_RETURN(const float* rot_v, DeviceRotation(m, b.layer, KvTensor::kValue));
+
+    // Host images of the three tiers' tables, then one upload of everything.
+    struct TierImage {
+      std::vector<int32_t> table, first, count;
+      int stride = 1;
+      int max_tokens = 0;
+    };
+    auto build = [&](auto member, TierImage* img) -> absl::Status {
+      for (const SequenceTiers* s : b.tiers) {
+        img->stride = std::max<int>(img->stride, static_cast<int>((s->*member).blocks.size()));
+      }
+      img->table.assign(static_cast<size_t>(n) * img->stride, 0);
+      for (int i = 0; i < n; ++i) {
+        const TierBlocks& t = b.tiers[i]->*member;
+        for (size_t j = 0; j < t.blocks.size(); ++j) {
+          KVPOOL_ASSIGN_OR_RETURN(img->table[i * img->stride + j], BlockId(t.blocks[j]));
+        }
+        img->first.push_back(t.first_token);
+        img->count.push_back(t.tokens);
+        img->max_tokens = std::max(img->max_tokens, t.tokens);
+      }
+      return absl::OkStatus();
+    };
+    TierImage sink, hist, recent;
+    KVPOOL_RETURN_IF_ERROR(build(&SequenceTiers::sink, &sink));
+    KVPOOL_RETURN_IF_ERROR(build(&SequenceTiers::history, &hist));
+    KVPOOL_RETURN_IF_ERROR(build(&SequenceTiers::recent, &recent));
+    int max_bf16 = 0;
+    for (const SequenceTiers* s : b.tiers) {
+      max_bf16 = std::max(max_bf16, s->sink.tokens + s->recent.tokens);
+    }
+
+    cuda::DecodeAttentionShape shape;
+    shape.cfg = m.codec.quant;
+    shape.q_heads = m.q_heads;
+    shape.history_pool = View(m, /*history=*/true);
+    shape.bf16_pool = View(m, /*history=*/false);
+    shape.num_seqs = n;
+    shape.max_history_tokens = hist.max_tokens;
+    shape.max_bf16_tokens = max_bf16;
+    KVPOOL_ASSIGN_OR_RETURN(size_t ws_bytes, cuda::DecodeAttentionWorkspaceBytes(shape));
+
+    std::vector<uint8_t> host;
+    const size_t q_at = Append(&host, b.queries.data(), b.queries.size());
+    size_t at[3][3];
+    TierImage* tiers[3] = {&sink, &hist, &recent};
+    for (int t = 0; t < 3; ++t) {
+      at[t][0] = Append(&host, tiers[t]->table.data(), tiers[t]->table.size());
+      at[t][1] = Append(&host, tiers[t]->first.data(), tiers[t]->first.size());
+      at[t][2] = Append(&host, tiers[t]->count.data(), tiers[t]->count.size());
+    }
+    const size_t out_at = Append<float>(&host, nullptr, 0);
+    const size_t lse_at = (out_at + b.out.size() * sizeof(float) + 15) / 16 * 16;
+    const size_t total = lse_at + b.lse.size() * sizeof(float);
+
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * ws, lane->workspace.Reserve(std::max<size_t>(ws_bytes, 16)));
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane->stream),
+              "H2D attention inputs"));
+    auto tier = [&](int t) {
+      cuda::DecodeTier d;
+      d.block_tables = reinterpret_cast<const int32_t*>(dev + at[t][0]);
+      d.block_table_stride = tiers[t]->stride;
+      d.first_token = reinterpret_cast<const int32_t*>(dev + at[t][1]);
+      d.num_tokens = reinterpret_cast<const int32_t*>(dev + at[t][2]);
+      return d;
+    };
+    const cuda::DecodeBatch batch{tier(0), tier(1), tier(2)};
+    cuda::DecodeIo io;
+    io.queries = reinterpret_cast<const float*>(dev + q_at);
+    io.rotation_k = rot_k;
+    io.rotation_v = rot_v;
+    io.out = reinterpret_cast<float*>(dev + out_at);
+    io.lse = reinterpret_cast<float*>(dev + lse_at);
+    KVPOOL_RETURN_IF_ERROR(cuda::DecodeAttention(shape, batch, io, ws, ws_bytes, lane->stream));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(b.out.data(), io.out, b.out.size() * sizeof(float),
+                                                 cudaMemcpyDeviceToHost, lane->stream),
+                                 "D2H attention output"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(b.lse.data(), io.lse, b.lse.size() * sizeof(float),
+                                                 cudaMemcpyDeviceToHost, lane->stream),
+                                 "D2H attention LSE"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "attention"));
+    lane->dirty = false;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<AttentionOutput> AttendRotated(const Model&, const SequenceTiers&,
+                                                absl::Span<const float>) override {
+    return absl::UnimplementedError("the CUDA backend attends whole batches (AttendBatch)");
+  }
+
+ private:
+  // A lane taken from the free list; returns it when destroyed.
+  class LaneLease {
+   public:
+    LaneLease(CudaBackend* owner, std::unique_ptr<Lane> lane)
+        : owner_(owner), lane_(std::move(lane)) {}
+    LaneLease(LaneLease&&) = default;
+    ~LaneLease() {
+      if (lane_ != nullptr) owner_->ReturnLane(std::move(lane_));
+    }
+    Lane* operator->() const { return lane_.get(); }
+    Lane& operator*() const { return *lane_; }
+
+   private:
+    CudaBackend* owner_;
+    std::unique_ptr<Lane> lane_;
+  };
+
+  absl::StatusOr<LaneLease> AcquireLane() {
+    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (!lanes_.empty()) {
+        std::unique_ptr<Lane> lane = std::move(lanes_.back());
+        lanes_.pop_back();
+        lane->dirty = true;
+        return LaneLease(this, std::move(lane));
+      }
+    }
+    auto lane = std::make_unique<Lane>();
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking), "stream"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&lane->error_word, sizeof(uint32_t)), "error word"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMemset(lane->error_word, 0, sizeof(uint32_t)), "memset"));
+    lane->dirty = true;
+    return LaneLease(this, std::move(lane));
+  }
+
+  void ReturnLane(std::unique_ptr<Lane> lane) {
+    if (lane->dirty) {
+      // A call that failed midway: drain its launches and clear their error bits.
+      cudaStreamSynchronize(lane->stream);
+      cudaMemsetAsync(lane->error_word, 0, sizeof(uint32_t), lane->stream);
+      cudaStreamSynchronize(lane->stream);
+      (void)cudaGetLastError();
+      lane->dirty = false;
+    }
+    absl::MutexLock lock(&mu_);
+    lanes_.push_back(std::move(lane));
+  }
+
+  absl::StatusOr<int32_t> BlockId(const uint8_t* block) const {
+    absl::MutexLock lock(&mu_);
+    if (arena_ == nullptr || block < arena_ || block >= arena_ + arena_bytes_ ||
+        (block - arena_) % kBlockStride != 0) {
+      return absl::InternalError("a block pointer is not a 16-byte aligned pool address");
+    }
+    return static_cast<int32_t>((block - arena_) / kBlockStride);
+  }
+
+  cuda::PagedKvView View(const Model& m, bool history) const {
+    absl::MutexLock lock(&mu_);
+    cuda::PagedKvView v;
+    v.pool = arena_;
+    v.layout = history ? m.block_layout : m.bf16_layout;
+    v.scale_dtype = m.codec.quant.scale_dtype;
+    v.num_blocks = static_cast<int64_t>(arena_bytes_ / kBlockStride);
+    v.block_stride = kBlockStride;
+    return v;
+  }
+
+  // The device copy of M for (model codec, layer, tensor); nullptr for the identity.
+  absl::StatusOr<const float*> DeviceRotation(const Model& m, int layer, KvTensor t) {
+    const RotationSet& r = m.codec.rotations;
+    if (r.kind() == RotationKind::kIdentity) return nullptr;
+    if (layer < 0 || layer >= r.num_layers()) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+    }
+    const auto key = std::make_tuple(m.version_hex, layer, static_cast<int>(t));
+    absl::MutexLock lock(&mu_);
+    auto it = rotations_.find(key);
+    if (it != rotations_.end()) return it->second;
+    const std::vector<float> host = r.Matrix(layer, t);
+    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
+    float* dev = nullptr;
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaMalloc(&dev, host.size() * sizeof(float)), "cudaMalloc (rotation)"));
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaMemcpy(dev, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
+              "H2D rotation"));
+    rotations_.emplace(key, dev);
+    return dev;
+  }
+
+  // Uploads run tables into the lane's table buffer as SequenceBatches. Stream order makes
+  // reusing the buffer safe: the copy runs after earlier launches of the lane that read it.
+  absl::StatusOr<std::vector<cuda::SequenceBatch>> UploadRuns(
+      Lane& lane, std::initializer_list<const RunTable*> tables) {
+    std::vector<uint8_t> host;
+    std::vector<std::array<size_t, 3>> at;
+    for (const RunTable* t : tables) {
+      at.push_back({Append(&host, t->row_offsets.data(), t->row_offsets.size()),
+                    Append(&host, t->first_token.data(), t->first_token.size()),
+                    Append(&host, t->block.data(), t->block.size())});
+    }
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane.tables.Reserve(host.size()));
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane.stream),
+              "H2D block tables"));
+    std::vector<cuda::SequenceBatch> out;
+    size_t i = 0;
+    for (const RunTable* t : tables) {
+      cuda::SequenceBatch batch;
+      batch.num_seqs = t->runs();
+      batch.row_offsets = reinterpret_cast<const int32_t*>(dev + at[i][0]);
+      batch.first_token = reinterpret_cast<const int32_t*>(dev + at[i][1]);
+      batch.block_tables = reinterpret_cast<const int32_t*>(dev + at[i][2]);
+      batch.block_table_stride = 1;
+      batch.total_rows = t->rows();
+      out.push_back(batch);
+      ++i;
+    }
+    return out;
+  }
+
+  absl::Status Quantize(Lane& lane, const Model& m, bool history, const cuda::SequenceBatch& batch,
+                        const uint8_t* rows, const float* rotation, KvTensor tensor) {
+    cuda::ArrivalRows in;
+    in.rows = reinterpret_cast<const uint16_t*>(rows);
+    in.rotation = rotation;
+    const QuantConfig& cfg = history ? m.codec.quant : m.bf16_codec.config();
+    return cuda::QuantizeOnArrival(cfg, View(m, history), batch, tensor, in, lane.error_word,
+                                   lane.stream);
+  }
+
+  absl::Status Dequantize(Lane& lane, const Model& m, bool history,
+                          const cuda::SequenceBatch& batch, KvTensor tensor, uint8_t* out) {
+    const QuantConfig& cfg = history ? m.codec.quant : m.bf16_codec.config();
+    return cuda::DequantizeToBf16(cfg, View(m, history), batch, tensor,
+                                  reinterpret_cast<uint16_t*>(out), lane.error_word, lane.stream);
+  }
+
+  absl::Status ReadWords(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
+                         int count, absl::Span<Bf16> out) {
+    KVPOOL_ASSIGN_OR_RETURN(int32_t id, BlockId(block));
+    RunTable table;
+    table.Add(count, slot, id);
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(out.size() * sizeof(Bf16)));
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, {&table}));
+    KVPOOL_RETURN_IF_ERROR(Dequantize(*lane, m, history, batch[0], t, rows));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(out.data(), rows, out.size() * sizeof(Bf16),
+                                                 cudaMemcpyDeviceToHost, lane->stream),
+                                 "D2H rows"));
+    return Finish(*lane, "read");
+  }
+
+  // Waits for the lane's stream and turns the kernels' data checks into a status.
+  absl::Status Finish(Lane& lane, absl::string_view what) {
+    absl::Status s = cuda::TakeCodecErrors(lane.error_word, lane.stream);
+    lane.dirty = !s.ok() && s.code() == absl::StatusCode::kInternal;  // a CUDA error, not data
+    if (s.ok()) return s;
+    return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+  }
+
+  const int device_;
+  const std::string name_;
+  mutable absl::Mutex mu_;
+  uint8_t* arena_ ABSL_GUARDED_BY(mu_) = nullptr;
+  size_t arena_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::tuple<std::string, int, int>, float*> rotations_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device) {
+  const int count = cuda::CudaDeviceCount();
+  if (device >= count) {
+    return absl::UnavailableError(absl::StrCat("device cuda:", device, " is not available (", count,
+                                               " CUDA device(s) on this machine)"));
+  }
+  return std::unique_ptr<ComputeBackend>(new CudaBackend(device));
+}
+
+}  // namespace kvpool::server
