@@ -6,6 +6,10 @@
 #include <memory>
 #include <utility>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 // GCC 12 reports a false -Wmaybe-uninitialized inside Eigen's AVX-512 GEMM packing
 // (gemm_pack_lhs transposes); the warning fires at instantiation, so it is silenced file-wide.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -136,6 +140,124 @@ void HadamardRows(const In* in, Out* out, size_t rows, int d, const float* pre, 
   }
 }
 
+// Dense products y = x * B (B row-major D x D: M, or M^T for the inverse). Every output is
+// acc = +0; acc = fma(x[k], B[k][j], acc) for k = 0..D-1, whatever the SIMD width or tiling, so
+// all paths and splits agree. Register tiles of kTileRows rows x kTileVecs vectors of outputs
+// stream B one row (k) at a time.
+#if defined(__AVX512F__)
+using VecF = __m512;
+constexpr int kVecLanes = 16;
+constexpr int kTileRows = 6;  // 6 x 4 accumulators + 4 rows of B: 28 of 32 registers
+constexpr int kTileVecs = 4;
+inline VecF VZero() { return _mm512_setzero_ps(); }
+inline VecF VLoad(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF VSet1(float v) { return _mm512_set1_ps(v); }
+inline VecF VFma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline void VStore(VecF v, float* p) { _mm512_storeu_ps(p, v); }
+inline void VStore(VecF v, Bf16* p) {
+  // Bf16::FromFloat, 16 lanes: round to nearest even, NaN kept quiet.
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan,
+                            _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using VecF = __m256;
+constexpr int kVecLanes = 8;
+constexpr int kTileRows = 4;  // 4 x 2 accumulators: fits the 16 registers
+constexpr int kTileVecs = 2;
+inline VecF VZero() { return _mm256_setzero_ps(); }
+inline VecF VLoad(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF VSet1(float v) { return _mm256_set1_ps(v); }
+inline VecF VFma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline void VStore(VecF v, float* p) { _mm256_storeu_ps(p, v); }
+inline void VStore(VecF v, Bf16* p) {
+  Float8 f;
+  std::memcpy(&f, &v, sizeof(f));
+  Store8(f, p);
+}
+#else
+using VecF = float;
+constexpr int kVecLanes = 1;
+constexpr int kTileRows = 1;
+constexpr int kTileVecs = 4;
+inline VecF VZero() { return 0.0f; }
+inline VecF VLoad(const float* p) { return *p; }
+inline VecF VSet1(float v) { return v; }
+inline VecF VFma(VecF a, VecF b, VecF c) { return std::fma(a, b, c); }
+inline void VStore(VecF v, float* p) { *p = v; }
+inline void VStore(VecF v, Bf16* p) { *p = Bf16::FromFloat(v); }
+#endif
+
+// Outputs [0, R) x [j0, j0 + V * kVecLanes) of y = x * B; x is R rows of fp32 with stride d.
+template <int R, int V, typename Out>
+inline void DenseTile(const float* x, const float* b, int d, int j0, Out* y) {
+  VecF acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v] = VZero();
+  }
+  const float* bk = b + j0;
+  for (int k = 0; k < d; ++k, bk += d) {
+    VecF bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = VLoad(bk + v * kVecLanes);
+    for (int r = 0; r < R; ++r) {
+      const VecF xv = VSet1(x[r * d + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = VFma(xv, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v)
+      VStore(acc[r][v], y + static_cast<size_t>(r) * d + j0 + v * kVecLanes);
+  }
+}
+
+template <int R, typename Out>
+void DenseRowGroup(const float* x, const float* b, int d, Out* y) {
+  constexpr int kPanel = kTileVecs * kVecLanes;
+  int j0 = 0;
+  for (; j0 + kPanel <= d; j0 += kPanel) DenseTile<R, kTileVecs, Out>(x, b, d, j0, y);
+  for (; j0 < d; j0 += kVecLanes) DenseTile<R, 1, Out>(x, b, d, j0, y);  // narrow D
+}
+
+template <int R, typename Out>
+void DenseRowsRemainder(int n, const float* x, const float* b, int d, Out* y) {
+  if constexpr (R > 0) {
+    if (n == R) {
+      DenseRowGroup<R, Out>(x, b, d, y);
+    } else {
+      DenseRowsRemainder<R - 1, Out>(n, x, b, d, y);
+    }
+  }
+}
+
+inline void ToFloatRow(const float* in, float* out, size_t n) {
+  std::memcpy(out, in, n * sizeof(float));
+}
+inline void ToFloatRow(const Bf16* in, float* out, size_t n) {
+  for (size_t i = 0; i < n; i += 8) Store8(Load8(in + i), out + i);  // n is a multiple of 8
+}
+
+// y = x * B for `rows` rows of d values.
+template <typename In, typename Out>
+void DenseRows(const In* in, const float* b, int d, size_t rows, Out* out) {
+  alignas(64) float x[kTileRows * 256];  // d <= 256, checked at construction
+  for (size_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    const int nr = static_cast<int>(std::min<size_t>(kTileRows, rows - r0));
+    ToFloatRow(in + r0 * d, x, static_cast<size_t>(nr) * d);
+    Out* y = out + r0 * d;
+    if (nr == kTileRows) {
+      DenseRowGroup<kTileRows, Out>(x, b, d, y);
+    } else {
+      DenseRowsRemainder<kTileRows - 1, Out>(nr, x, b, d, y);
+    }
+  }
+}
+
 }  // namespace
 
 absl::string_view RotationKindName(RotationKind k) {
@@ -253,6 +375,16 @@ absl::StatusOr<RotationSet> RotationSet::Dense(int num_layers, int head_dim,
   r.head_dim_ = head_dim;
   r.k_ = std::move(k);
   r.v_ = std::move(v);
+  for (const auto* mats : {&r.k_, &r.v_}) {
+    auto& transposes = mats == &r.k_ ? r.kt_ : r.vt_;
+    for (const std::vector<float>& m : *mats) {
+      std::vector<float> mt(m.size());
+      for (int i = 0; i < head_dim; ++i) {
+        for (int j = 0; j < head_dim; ++j) mt[j * head_dim + i] = m[i * head_dim + j];
+      }
+      transposes.push_back(std::move(mt));
+    }
+  }
   return r;
 }
 
@@ -318,8 +450,10 @@ absl::Status OverflowError() {
 }
 
 // Shared fp32 kernel after validation. `inverse` selects x * M^T.
-void ApplyRotation(RotationKind kind, int d, const std::vector<float>* data, bool inverse,
-                   const float* in, float* out, size_t rows) {
+// `transposed` is M^T for kDense.
+void ApplyRotation(RotationKind kind, int d, const std::vector<float>* data,
+                   const std::vector<float>* transposed, bool inverse, const float* in, float* out,
+                   size_t rows) {
   const size_t n = rows * static_cast<size_t>(d);
   switch (kind) {
     case RotationKind::kIdentity:
@@ -333,18 +467,9 @@ void ApplyRotation(RotationKind kind, int d, const std::vector<float>* data, boo
       HadamardRows(in, out, rows, d, inverse ? nullptr : data->data(),
                    inverse ? data->data() : nullptr);
       return;
-    case RotationKind::kDense: {
-      const Eigen::Index m_rows = static_cast<Eigen::Index>(rows);
-      Eigen::Map<const RowMajorMatrixF> x(in, m_rows, d);
-      Eigen::Map<const RowMajorMatrixF> m(data->data(), d, d);
-      Eigen::Map<RowMajorMatrixF> y(out, m_rows, d);
-      if (!inverse) {
-        y.noalias() = x * m;
-      } else {
-        y.noalias() = x * m.transpose();
-      }
+    case RotationKind::kDense:
+      DenseRows(in, (inverse ? transposed : data)->data(), d, rows, out);
       return;
-    }
   }
 }
 
@@ -364,7 +489,10 @@ absl::Status RotationSet::RotateFloat(int layer, KvTensor t, bool inverse,
   if (kind_ == RotationKind::kDense || kind_ == RotationKind::kRandomizedHadamard) {
     data = t == KvTensor::kKey ? &k_[layer] : &v_[layer];
   }
-  ApplyRotation(kind_, head_dim_, data, inverse, in.data(), out.data(), in.size() / head_dim_);
+  const std::vector<float>* transposed = nullptr;
+  if (kind_ == RotationKind::kDense) transposed = t == KvTensor::kKey ? &kt_[layer] : &vt_[layer];
+  ApplyRotation(kind_, head_dim_, data, transposed, inverse, in.data(), out.data(),
+                in.size() / head_dim_);
   // Finite inputs near FLT_MAX can still overflow: a coordinate may grow by up to sqrt(D).
   if (!AllFinite(out.data(), out.size())) return OverflowError();
   return absl::OkStatus();
@@ -414,20 +542,8 @@ void RotationSet::RotateBf16Rows(int layer, KvTensor t, const Bf16* in, Bf16* ou
     HadamardRows(in, out, rows, head_dim_, data != nullptr ? data->data() : nullptr, nullptr);
     return;
   }
-  // Dense: stage chunks in fp32 for the GEMM (uninitialized: every value is written first).
-  const size_t chunk = std::min(rows, kBf16ChunkRows);
-  std::unique_ptr<float[]> staging(new float[2 * chunk * d]);
-  float* x = staging.get();
-  float* y = x + chunk * d;
-  for (size_t r0 = 0; r0 < rows; r0 += chunk) {
-    const size_t nr = std::min(chunk, rows - r0);
-    const Bf16* src = in + r0 * d;
-    Bf16* dst = out + r0 * d;
-    // d is a multiple of 8, so whole registers cover every chunk.
-    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(src + i), x + i);
-    ApplyRotation(kind_, head_dim_, data, /*inverse=*/false, x, y, nr);
-    for (size_t i = 0; i < nr * d; i += 8) Store8(Load8(y + i), dst + i);
-  }
+  // Dense: the GEMM reads BF16 and rounds its outputs to BF16 in registers.
+  DenseRows(in, data->data(), head_dim_, rows, out);
 }
 
 }  // namespace kvpool

@@ -7,7 +7,10 @@
 //                         H[i][j] = (-1)^popcount(i & j) / sqrt(D)
 //   randomized_hadamard   M = diag(s) * H, s a +-1 sign vector per (layer, tensor) derived from
 //                         a stored 64-bit seed with SplitMix64 (see RandomizedHadamardSigns)
-// D is a power of two from 32 to 256. Dense matrices must be orthogonal (checked on load).
+// D is a power of two from 32 to 256. Dense matrices must be orthogonal (checked on load). A dense
+// product accumulates each output value in fp32 with fused multiply-adds over k = 0..D-1 in
+// order, starting from +0, on every path (Rotate, Unrotate, RotateBf16 before its rounding), so
+// the paths agree bit for bit and no split of the rows changes a result.
 //
 //   auto set = RotationSet::Hadamard(/*num_layers=*/30, /*head_dim=*/64);
 //   set->Rotate(layer, KvTensor::kKey, rows_in, rows_out);        // rows x D, row-major
@@ -76,11 +79,10 @@ class RotationSet {
                           absl::Span<Bf16> out) const;
 
   // RotateBf16's kernel without its checks, for callers that tile the rows themselves (the
-  // arrival encoder): rotates `rows` rows of finite values and rounds them to BF16. Rows are
-  // processed in independent chunks of kBf16ChunkRows, so calls on consecutive ranges that start
-  // at multiples of kBf16ChunkRows produce exactly RotateBf16's bits for the whole range.
-  // Requires 0 <= layer < num_layers() and non-overlapping in/out; values that overflow are
-  // written as Inf (RotateBf16 reports them).
+  // arrival encoder): rotates `rows` rows of finite values and rounds them to BF16. Each row's
+  // result depends on that row alone, so any split of a call gives RotateBf16's bits. Requires
+  // 0 <= layer < num_layers() and non-overlapping in/out; values that overflow are written as
+  // Inf (RotateBf16 reports them). kBf16ChunkRows is a good number of rows per call.
   static constexpr size_t kBf16ChunkRows = 512;
   void RotateBf16Rows(int layer, KvTensor t, const Bf16* in, Bf16* out, size_t rows) const;
 
@@ -97,6 +99,9 @@ class RotationSet {
   // kDense: per layer, K then V, D*D each. kRandomizedHadamard: per layer, K then V signs.
   std::vector<std::vector<float>> k_;
   std::vector<std::vector<float>> v_;
+  // kDense: the transposes M^T (for Unrotate), per layer.
+  std::vector<std::vector<float>> kt_;
+  std::vector<std::vector<float>> vt_;
 };
 
 }  // namespace kvpool
