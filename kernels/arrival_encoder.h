@@ -1,6 +1,8 @@
-// The arrival path in one pass: rotate unrotated BF16 K/V rows of one (layer, tensor), round them
-// to BF16, clip, quantize and pack them into a paged block, chunk by chunk while the rotated rows
-// are still in cache (no full-size BF16 store and reload, one finiteness scan).
+// The arrival path for one block: rotate unrotated BF16 K/V rows of one (layer, tensor), round
+// them to BF16 into a scratch tile that stays in L1/L2 (one block's rows), then clip, quantize
+// and pack them into the block. No finiteness scan of the input (a NaN/Inf input row rotates to
+// non-finite values, which the encode rejects) and no full-size store and reload of the rotated
+// rows.
 //
 // The bytes written are exactly those of the two-step path
 //   RotationSet::RotateBf16(layer, t, rows, rotated);
@@ -16,7 +18,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -47,19 +48,11 @@ class ArrivalEncoder {
                                uint8_t* block_data) const;
 
  private:
-  ArrivalEncoder(const RotationSet* rotations, const RowCodec& codec, std::vector<float> growth);
-
-  // The two-step path itself (rows whose rotated values may fail the encode).
-  absl::Status EncodeTwoStep(int layer, KvTensor t, const BlockLayout& block,
-                             absl::Span<const Bf16> rows, int first_token,
-                             uint8_t* block_data) const;
+  ArrivalEncoder(const RotationSet* rotations, const RowCodec& codec)
+      : rotations_(rotations), codec_(codec) {}
 
   const RotationSet* rotations_;
   RowCodec codec_;
-  // Per (layer, tensor), index 2 * layer + t: an upper bound of max |x M| / max |x| over rows x
-  // (the largest column 1-norm of M, with margin), so a call's input maximum tells whether any
-  // rotated value can overflow before anything is written.
-  std::vector<float> growth_;
 };
 
 }  // namespace kvpool

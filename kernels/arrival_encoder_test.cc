@@ -104,7 +104,6 @@ std::vector<Bf16> InputRows(int tokens, int heads, int d, int shape, uint64_t se
                          std::pow(10.0f, static_cast<float>(seed % 5) - 3.0f));
       break;
     case 2: {  // outlier-heavy: large spikes on some dims, exact zeros, ties, tiny values
-      // (kept below the encoder's a-priori bound, so the fused path is the one tested)
       x = RealLikeRows(n, d, seed);
       for (size_t i = 0; i < x.size(); ++i) {
         const uint64_t u = rng() % 16;
@@ -252,8 +251,7 @@ TEST(ArrivalEncoderTest, ErrorsMatchTheTwoStepPathAndLeaveTheBlockUnchanged) {
         ExpectSameAsTwoStep(enc, 1, KvTensor::kValue, layout, rows, 0, 10,
                             fp16 ? absl::StatusCode::kOutOfRange : absl::StatusCode::kOk);
       }
-      // Large but fine values: beyond the encoder's a-priori bound, so it takes the checked
-      // path, and still succeeds.
+      // Large but fine values (above the codec's in-place bound of 8192 after rotation).
       {
         std::vector<Bf16> rows = good;
         rows[7] = Bf16::FromFloat(2000.0f);

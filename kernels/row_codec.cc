@@ -14,7 +14,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
-#include "kernels/row_codec_internal.h"
 
 namespace kvpool {
 namespace {
@@ -560,15 +559,6 @@ void DecodeRow(const QuantConfig& cfg, int d, int g, const uint8_t* codes, const
 }
 
 }  // namespace
-
-namespace internal {
-
-absl::Status EncodeRowWords(const QuantConfig& cfg, int d, int g, KvTensor t, const uint16_t* words,
-                            uint8_t* codes, uint8_t* meta) {
-  return EncodeRowBits(cfg, d, g, t, words, codes, meta);
-}
-
-}  // namespace internal
 
 float ClipThreshold(absl::Span<const float> row, float ratio, absl::Span<float> scratch) {
   if (!(ratio > 0.0f) || row.empty()) return std::numeric_limits<float>::infinity();
