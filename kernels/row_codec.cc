@@ -256,11 +256,12 @@ void PackCodes(const uint8_t* q, int d, int bits, uint8_t* codes) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// GCC 12 reports a false -Wmaybe-uninitialized for the _mm512_undefined_* passthrough operands
+// GCC 12 reports false -W(maybe-)uninitialized for the _mm512_undefined_* passthrough operands
 // inside its own AVX-512 intrinsic headers.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 // Keys >= `candidate` among 32 * kNv magnitude keys.
 template <int kNv>
@@ -315,7 +316,7 @@ uint16_t SelectKthLargest512(const __m512i (&keys)[kNv], int k, uint16_t max_abs
 // registers: the same operations on the same values in the same order per element, so the same
 // bits (min/max are order-free except for the sign of a zero result, which is redone
 // sequentially as in GroupMinMax).
-template <int kNv>
+template <int kNv, bool kOneGroup>
 absl::Status EncodeUniformRow512(const QuantConfig& cfg, int g, KvTensor t, const uint16_t* words,
                                  uint8_t* codes, uint8_t* meta_out) {
   constexpr int d = 32 * kNv;
@@ -351,8 +352,9 @@ absl::Status EncodeUniformRow512(const QuantConfig& cfg, int g, KvTensor t, cons
     if (clip) x[i] = _mm512_min_ps(vtau, _mm512_max_ps(vntau, x[i]));
   }
 
-  const int groups = d / g;
-  const int per_group = g / 16;
+  // G = D (the default) with compile-time trip counts, so x stays in registers.
+  const int groups = kOneGroup ? 1 : d / g;
+  const int per_group = kOneGroup ? 2 * kNv : g / 16;
   const int levels = (1 << cfg.bits) - 1;
   GroupMeta meta[kMaxHeadDim / 16];
   float scale[kMaxHeadDim / 16];
@@ -424,13 +426,17 @@ absl::Status EncodeRowBits(const QuantConfig& cfg, int d, int g, KvTensor t, con
   if (cfg.method == QuantMethod::kUniform && g % 16 == 0) {
     switch (d) {
       case 32:
-        return EncodeUniformRow512<1>(cfg, g, t, words, codes, meta_out);
+        return g == d ? EncodeUniformRow512<1, true>(cfg, g, t, words, codes, meta_out)
+                      : EncodeUniformRow512<1, false>(cfg, g, t, words, codes, meta_out);
       case 64:
-        return EncodeUniformRow512<2>(cfg, g, t, words, codes, meta_out);
+        return g == d ? EncodeUniformRow512<2, true>(cfg, g, t, words, codes, meta_out)
+                      : EncodeUniformRow512<2, false>(cfg, g, t, words, codes, meta_out);
       case 128:
-        return EncodeUniformRow512<4>(cfg, g, t, words, codes, meta_out);
+        return g == d ? EncodeUniformRow512<4, true>(cfg, g, t, words, codes, meta_out)
+                      : EncodeUniformRow512<4, false>(cfg, g, t, words, codes, meta_out);
       case 256:
-        return EncodeUniformRow512<8>(cfg, g, t, words, codes, meta_out);
+        return g == d ? EncodeUniformRow512<8, true>(cfg, g, t, words, codes, meta_out)
+                      : EncodeUniformRow512<8, false>(cfg, g, t, words, codes, meta_out);
       default:
         break;
     }
