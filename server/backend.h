@@ -94,11 +94,18 @@ struct AttentionBatch {
   absl::Span<float> lse;
 };
 
+// Device time spent in the backend's kernels since start (zero where nothing measures it).
+struct BackendTimes {
+  double arrival_seconds = 0;    // StageRows and DemoteRows kernels
+  double attention_seconds = 0;  // AttendBatch kernels
+};
+
 class ComputeBackend {
  public:
   virtual ~ComputeBackend() = default;
 
   virtual absl::string_view name() const = 0;
+  virtual BackendTimes times() const { return {}; }
 
   // The pool's memory, `bytes` long. ResourceExhausted when it cannot be had.
   virtual absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) = 0;

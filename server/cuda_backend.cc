@@ -76,12 +76,15 @@ class DeviceBuffer {
 // A CUDA stream and the device memory one call needs; one call uses a lane at a time.
 struct Lane {
   cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;  // kernel time of the call
   bool dirty = false;  // work may be in flight or the error word set (a call failed midway)
   uint32_t* error_word = nullptr;
   DeviceBuffer rows;       // BF16 rows in flight (arrival, demotion, reads)
   DeviceBuffer tables;     // int32 row offsets / first tokens / block tables; attention io
   DeviceBuffer workspace;  // attention workspace
   ~Lane() {
+    if (start != nullptr) cudaEventDestroy(start);
+    if (stop != nullptr) cudaEventDestroy(stop);
     cudaFree(error_word);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -122,6 +125,11 @@ class CudaBackend final : public ComputeBackend {
 
   absl::string_view name() const override { return name_; }
 
+  BackendTimes times() const override {
+    absl::MutexLock lock(&mu_);
+    return times_;
+  }
+
   absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) override {
     if (bytes == 0) return absl::InvalidArgumentError("arena size must be > 0");
     if (bytes > kMaxArenaBytes) {
@@ -155,6 +163,7 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(rows + bytes, v.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
               "H2D V"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     // One launch per tensor and per maximal run of writes of one kind that are contiguous in
     // the input (a chunk is typically sink | history | recent: three runs).
     const size_t row_bytes = m.row_values() * sizeof(Bf16);
@@ -178,7 +187,10 @@ class CudaBackend final : public ComputeBackend {
           Quantize(*lane, m, history, batch[0], rows + bytes + from, rot_v, KvTensor::kValue));
       i = j;
     }
-    return Finish(*lane, absl::StrCat("layer ", layer));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
+    AddTime(*lane, &BackendTimes::arrival_seconds);
+    return absl::OkStatus();
   }
 
   absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
@@ -195,19 +207,27 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(bytes));
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
                             UploadRuns(*lane, {&src, &dst}));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       KVPOOL_RETURN_IF_ERROR(Dequantize(*lane, m, /*history=*/false, batch[0], t, rows));
       // The rows are already rotated: no rotation on the way into the history blocks.
       KVPOOL_RETURN_IF_ERROR(Quantize(*lane, m, /*history=*/true, batch[1], rows, nullptr, t));
     }
-    return Finish(*lane, "demotion");
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(Finish(*lane, "demotion"));
+    AddTime(*lane, &BackendTimes::arrival_seconds);
+    return absl::OkStatus();
   }
 
+  // Reads (ReadKv, not a hot path) must equal the CPU backend's fp32 values exactly, which the
+  // BF16 dequantization kernel would round: copy the block and decode it with the CPU codec.
   absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
                         int count, absl::Span<float> out) override {
-    std::vector<Bf16> words(out.size());
-    KVPOOL_RETURN_IF_ERROR(ReadWords(m, block, history, t, slot, count, absl::MakeSpan(words)));
-    for (size_t i = 0; i < words.size(); ++i) out[i] = words[i].ToFloat();
+    const BlockLayout& layout = history ? m.block_layout : m.bf16_layout;
+    std::vector<uint8_t> bytes(layout.block_bytes());
+    KVPOOL_RETURN_IF_ERROR(CopyFromPool(bytes.data(), block, bytes.size()));
+    (history ? m.row_codec : m.bf16_codec).DecodeFromBlock(t, layout, bytes.data(), slot, count,
+                                                           out);
     return absl::OkStatus();
   }
 
@@ -319,7 +339,9 @@ class CudaBackend final : public ComputeBackend {
     io.rotation_v = rot_v;
     io.out = reinterpret_cast<float*>(dev + out_at);
     io.lse = reinterpret_cast<float*>(dev + lse_at);
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DecodeAttention(shape, batch, io, ws, ws_bytes, lane->stream));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(b.out.data(), io.out, b.out.size() * sizeof(float),
                                                  cudaMemcpyDeviceToHost, lane->stream),
                                  "D2H attention output"));
@@ -328,6 +350,7 @@ class CudaBackend final : public ComputeBackend {
                                  "D2H attention LSE"));
     KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "attention"));
     lane->dirty = false;
+    AddTime(*lane, &BackendTimes::attention_seconds);
     return absl::OkStatus();
   }
 
@@ -368,6 +391,8 @@ class CudaBackend final : public ComputeBackend {
     auto lane = std::make_unique<Lane>();
     KVPOOL_RETURN_IF_ERROR(
         Check(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking), "stream"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventCreate(&lane->start), "event"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventCreate(&lane->stop), "event"));
     KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&lane->error_word, sizeof(uint32_t)), "error word"));
     KVPOOL_RETURN_IF_ERROR(Check(cudaMemset(lane->error_word, 0, sizeof(uint32_t)), "memset"));
     lane->dirty = true;
@@ -493,6 +518,17 @@ class CudaBackend final : public ComputeBackend {
     return Finish(*lane, "read");
   }
 
+  // Adds the time between the lane's start and stop events (both complete) to `field`.
+  void AddTime(const Lane& lane, double BackendTimes::*field) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, lane.start, lane.stop) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    times_.*field += ms * 1e-3;
+  }
+
   // Waits for the lane's stream and turns the kernels' data checks into a status.
   absl::Status Finish(Lane& lane, absl::string_view what) {
     absl::Status s = cuda::TakeCodecErrors(lane.error_word, lane.stream);
@@ -507,6 +543,7 @@ class CudaBackend final : public ComputeBackend {
   uint8_t* arena_ ABSL_GUARDED_BY(mu_) = nullptr;
   size_t arena_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
+  BackendTimes times_ ABSL_GUARDED_BY(mu_);
   std::map<std::tuple<std::string, int, int>, float*> rotations_ ABSL_GUARDED_BY(mu_);
 };
 

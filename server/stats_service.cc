@@ -61,6 +61,9 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   s->set_attention_calls(ctx_->counters.attention_calls.load());
   s->set_attention_sequences(ctx_->counters.attention_sequences.load());
   s->set_version(KvpoolVersion());
+  const BackendTimes times = ctx_->backend->times();
+  s->set_arrival_device_seconds(times.arrival_seconds);
+  s->set_attention_device_seconds(times.attention_seconds);
 
   const ServerConfig& cfg = *ctx_->config;
   v1::ServerLimits* l = response->mutable_limits();

@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
-# Builds the GPU test and benchmark binaries on THIS machine (Debian 12, nvcc 13, no GPU needed)
-# and collects them with the shared libraries they need that the GPU machine lacks (Abseil)
-# into .gpu-carry/ (ignored by git), for tests/gpu/run.sh on the lent GPU machine.
+# Builds the GPU binaries on THIS machine (Debian 12, nvcc 13, no GPU needed) and packs them
+# with the shared libraries the GPU machine lacks (gRPC, protobuf, Abseil, UCX, OpenSSL, spdlog;
+# it has none of them and runs Ubuntu 24.04, whose glibc and libstdc++ are newer than ours) into
+# .gpu-carry/ (ignored by git), for tests/gpu/run.sh on the lent GPU machine:
 #
 #   bash tests/gpu/package.sh            # then: run with carry [".gpu-carry"]
+#
+# .gpu-carry/bundle.tar.xz holds bin/ (kernel tests and benchmark, kvpoold, the kvpool CLI,
+# the integration tests, the GPU daemon benchmark) and lib/ (every library ldd lists outside
+# glibc and the compiler runtime); run.sh unpacks it and sets LD_LIBRARY_PATH. xz keeps the
+# carry well under the 64 MiB a call may take (the size prints at the end).
 #
 # Built for x86-64-v3 (not -march=native) so the binaries run on the GPU host's CPU.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu-carry}
 JOBS=${JOBS:-1}
-TARGETS="cuda_codec_test cuda_attention_test kvpool-gpu-bench"
+KERNEL_TARGETS="cuda_codec_test cuda_attention_test kvpool-gpu-bench"
+DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip_test
+  integration_attention_test integration_prefix_test integration_concurrency_test
+  integration_bad_input_test integration_cli_test"
 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPOOL_NATIVE=OFF \
-  -DKVPOOL_BUILD_SERVICE=OFF >/dev/null
+  -DKVPOOL_BUILD_SERVICE=ON >/dev/null
 # shellcheck disable=SC2086
-cmake --build "$BUILD" -j"$JOBS" --target $TARGETS
+cmake --build "$BUILD" -j"$JOBS" --target $KERNEL_TARGETS $DAEMON_TARGETS
 
-rm -rf .gpu-carry
-mkdir -p .gpu-carry/bin .gpu-carry/lib
-cp "$BUILD/tests/cuda_codec_test" "$BUILD/tests/cuda_attention_test" \
-  "$BUILD/bin/kvpool-gpu-bench" .gpu-carry/bin/
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$STAGE/bin" "$STAGE/lib"
+for t in $KERNEL_TARGETS $DAEMON_TARGETS; do
+  f=$(find "$BUILD/bin" "$BUILD/tests" -maxdepth 1 -type f -name "$t" | head -n 1)
+  [ "$t" = kvpool_cli ] && f="$BUILD/bin/kvpool"
+  cp "$f" "$STAGE/bin/"
+done
+strip --strip-unneeded "$STAGE"/bin/* 2>/dev/null || true
 # Every shared library outside glibc and the compiler runtime (those exist, newer, there).
-for b in .gpu-carry/bin/*; do ldd "$b"; done | awk '/=> \// {print $3}' | sort -u |
+for b in "$STAGE"/bin/*; do ldd "$b"; done | awk '/=> \// {print $3}' | sort -u |
   grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|ld-linux-x86-64)\.so' |
-  while read -r lib; do cp -L "$lib" .gpu-carry/lib/; done
+  while read -r lib; do cp -L "$lib" "$STAGE/lib/"; done
 
 # Register and spill report of every kernel (ptxas), for the closing note.
 {
@@ -40,8 +54,11 @@ PY
     eval "$cmd -Xptxas -v -o /tmp/kvpool-ptxas.o" 2>&1 | grep -E "Compiling entry|registers|spill" |
       sed -e 's/ptxas info *: //' -e 's/_ZN6kvpool4cuda8internal//'
   done
-} > .gpu-carry/ptxas.txt || true
+} > "$STAGE/ptxas.txt" || true
 
+rm -rf .gpu-carry
+mkdir -p .gpu-carry
+du -sh "$STAGE"
+tar -C "$STAGE" -cf - bin lib ptxas.txt | xz -T0 -6 > .gpu-carry/bundle.tar.xz
 grep -qx '/.gpu-carry/' .git/info/exclude 2>/dev/null || echo '/.gpu-carry/' >> .git/info/exclude
-du -sh .gpu-carry
-ls .gpu-carry/bin .gpu-carry/lib | head -50
+du -sh .gpu-carry/bundle.tar.xz

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # kvpool GPU checks on the lent H200 machine: correctness (GPU vs CPU reference), the
-# compute-sanitizer memcheck and racecheck, and the benchmark (ours vs torch SDPA BF16 vs the
-# byte floor). Uses the binaries that tests/gpu/package.sh built on the CPU machine
-# (.gpu-carry/, carried with the call), so nothing needs Abseil or gRPC here.
+# compute-sanitizer memcheck and racecheck, the kernel benchmark (ours vs torch SDPA BF16 vs the
+# byte floor), and kvpoold --device=cuda:0 end to end (the integration suite of the CPU daemon
+# against the GPU backend, and the GPU daemon benchmark). Uses the binaries and libraries that
+# tests/gpu/package.sh built on the CPU machine (.gpu-carry/bundle.tar.xz, carried with the
+# call), so nothing needs gRPC, protobuf, Abseil or UCX packages here.
 #
-#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick]      (default: all)
+#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick]   (default: all)
 #
 # Logs and JSON go to $OUT (the device tool's folder; ./gpu-out otherwise); the summary table
 # prints last. Exit status: 0 when every step passed.
@@ -13,7 +15,10 @@ cd "$(dirname "$0")/../.."
 MODE=${1:-all}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT" bench-results
-CARRY=$PWD/.gpu-carry
+CARRY=${TMPDIR:-/tmp}/kvpool-gpu-carry
+if [ -f .gpu-carry/bundle.tar.xz ]; then
+  rm -rf "$CARRY" && mkdir -p "$CARRY" && tar -C "$CARRY" -xJf .gpu-carry/bundle.tar.xz
+fi
 BIN=$CARRY/bin
 export LD_LIBRARY_PATH="$CARRY/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
@@ -77,6 +82,22 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
   cp "$OUT/gpu.json" bench-results/gpu.json 2>/dev/null
   echo
   sed -n '/^device /,$p' "$OUT/bench.log" | tail -n 80
+fi
+if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
+  # The CPU daemon's integration suite, unchanged, against kvpoold --device=cuda:0.
+  export KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold KVPOOL_CLI=$BIN/kvpool
+  export UCX_TLS=${UCX_TLS:-posix,sysv,self,tcp}
+  for t in roundtrip attention prefix concurrency bad_input cli; do
+    step "conformance $t (cuda:0)" "$OUT/daemon.log" "$BIN/integration_${t}_test" --gtest_color=no
+  done
+  unset KVPOOL_TEST_DEVICE
+  QUICK=""
+  [ "$MODE" = daemon-quick ] && QUICK="--quick"
+  step "GPU daemon benchmark" "$OUT/daemon.log" "$BIN/kvpool-gpu-daemon-bench" \
+    --kvpoold "$BIN/kvpoold" --device cuda:0 --out "$OUT/gpu-daemon.json" $QUICK
+  cp "$OUT/gpu-daemon.json" bench-results/gpu-daemon.json 2>/dev/null
+  echo
+  sed -n '/^gpu-daemon benchmark/,$p' "$OUT/daemon.log" | head -n 40
 fi
 echo
 echo "step                               status       time"

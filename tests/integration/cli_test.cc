@@ -35,7 +35,7 @@ class CliTest : public DaemonTest {
   void TearDown() override { client::RemoveTree(dir_); }
 
   CliResult Run(const std::vector<std::string>& args, bool with_target = true) {
-    std::string cmd = KVPOOL_CLI_PATH;
+    std::string cmd = BinaryPath("KVPOOL_CLI", KVPOOL_CLI_PATH);
     if (with_target) absl::StrAppend(&cmd, " --target=", daemon().target());
     for (const std::string& a : args) absl::StrAppend(&cmd, " '", a, "'");
     absl::StrAppend(&cmd, " 2>&1");

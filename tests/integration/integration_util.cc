@@ -1,6 +1,7 @@
 #include "tests/integration/integration_util.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -11,7 +12,21 @@ namespace kvpool::integration {
 
 std::unique_ptr<LocalDaemon> DaemonTest::daemon_;
 
-std::string KvpooldPath() { return KVPOOL_KVPOOLD_PATH; }
+std::string BinaryPath(const char* env, const char* built) {
+  const char* v = std::getenv(env);
+  return v != nullptr && *v != '\0' ? std::string(v) : std::string(built);
+}
+
+bool TestingOnGpu() {
+  const char* device = std::getenv("KVPOOL_TEST_DEVICE");
+  return device != nullptr && absl::StartsWith(device, "cuda");
+}
+
+AttentionTolerance RemoteAttentionTolerance() {
+  return TestingOnGpu() ? AttentionTolerance{1e-2, 1e-4} : AttentionTolerance{2e-5, 2e-5};
+}
+
+std::string KvpooldPath() { return BinaryPath("KVPOOL_KVPOOLD", KVPOOL_KVPOOLD_PATH); }
 
 absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags) {
   client::LocalDaemonOptions options;
@@ -20,6 +35,13 @@ absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string
     return absl::StartsWith(f, "--log_level");
   });
   if (!has_level) flags.push_back("--log_level=warn");
+  const char* device = std::getenv("KVPOOL_TEST_DEVICE");
+  const bool has_device = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
+    return absl::StartsWith(f, "--device");
+  });
+  if (device != nullptr && *device != '\0' && !has_device) {
+    flags.push_back(absl::StrCat("--device=", device));
+  }
   options.flags = std::move(flags);
   options.startup_timeout = absl::Seconds(180);
   return LocalDaemon::Start(options);

@@ -38,11 +38,31 @@ using client::LocalDaemon;
     ASSERT_TRUE(kv_assert_status_.ok()) << kv_assert_status_; \
   } while (false)
 
-// Path of the kvpoold binary built with these tests.
+// `built` (a path fixed at build time), or the environment variable `env` when it is set: the
+// GPU machine runs these tests from binaries carried to another folder (tests/gpu/daemon_run.sh).
+std::string BinaryPath(const char* env, const char* built);
+
+// Path of the kvpoold binary built with these tests ($KVPOOL_KVPOOLD overrides).
 std::string KvpooldPath();
 
-// Starts kvpoold with `flags` (plus --log_level=warn unless given), waits for SERVING.
+// Starts kvpoold with `flags` (plus --log_level=warn unless given, and --device=$KVPOOL_TEST_DEVICE
+// when that is set and `flags` name no device, so one suite runs against every backend), waits
+// for SERVING.
 absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags);
+
+// Whether the suite runs against a GPU daemon (KVPOOL_TEST_DEVICE=cuda:N).
+bool TestingOnGpu();
+
+// Agreement of remote attention with the CPU kernels' float arithmetic: outputs within
+// `out` x the largest output magnitude, LSE within `lse` relative. The CPU backend computes the
+// same float operations (2e-5 covers summation order); the GPU kernel runs P x scale through
+// fp16 tensor cores (its contract, kernels/cuda/cuda_attention.h: output error well under 1e-2,
+// LSE within 1e-4).
+struct AttentionTolerance {
+  double out;
+  double lse;
+};
+AttentionTolerance RemoteAttentionTolerance();
 
 // A test suite with one daemon shared by its tests. Override DaemonFlags() for other limits.
 class DaemonTest : public ::testing::Test {
