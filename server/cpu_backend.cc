@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/arrival_encoder.h"
 #include "kernels/common/status_macros.h"
 #include "server/model_registry.h"
 
@@ -27,20 +28,6 @@ class HostArena final : public Arena {
   size_t size_;
 };
 
-// Rows rotated by (layer, t) and rounded to BF16. An identity rotation copies bits unchanged
-// (a product with I would turn -0 into +0 and break exactness).
-absl::Status RotateRows(const RotationSet& rotations, int layer, KvTensor t,
-                        absl::Span<const Bf16> in, absl::Span<Bf16> out) {
-  if (rotations.kind() == RotationKind::kIdentity) {
-    if (layer < 0 || layer >= rotations.num_layers()) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
-    }
-    std::memcpy(out.data(), in.data(), in.size() * sizeof(Bf16));
-    return absl::OkStatus();
-  }
-  return rotations.RotateBf16(layer, t, in, out);
-}
-
 class CpuBackend final : public ComputeBackend {
  public:
   absl::string_view name() const override { return "cpu"; }
@@ -49,32 +36,30 @@ class CpuBackend final : public ComputeBackend {
     return NewHostArena(bytes);
   }
 
+  // Rotation and encode per block in one pass (ArrivalEncoder: the rotated rows stay in cache).
+  // A V that arrives pre-rotated is encoded as it is.
   absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
                          absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
     if (k.size() != v.size()) return absl::InternalError("StageRows: K and V sizes differ");
-    std::vector<Bf16> rk(k.size()), rv(v.size());
-    KVPOOL_RETURN_IF_ERROR(
-        RotateRows(m.codec.rotations, layer, KvTensor::kKey, k, absl::MakeSpan(rk)));
-    if (m.codec.v_prerotated) {
-      std::memcpy(rv.data(), v.data(), v.size() * sizeof(Bf16));
-    } else {
-      KVPOOL_RETURN_IF_ERROR(
-          RotateRows(m.codec.rotations, layer, KvTensor::kValue, v, absl::MakeSpan(rv)));
-    }
-    if (!AllFinite(rk.data(), rk.size()) || !AllFinite(rv.data(), rv.size())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layer ", layer, ": rotated K/V overflow BF16"));
-    }
+    KVPOOL_ASSIGN_OR_RETURN(ArrivalEncoder history,
+                            ArrivalEncoder::Create(&m.codec.rotations, m.row_codec));
+    KVPOOL_ASSIGN_OR_RETURN(ArrivalEncoder bf16,
+                            ArrivalEncoder::Create(&m.codec.rotations, m.bf16_codec));
     const size_t row = m.row_values();
     for (const RowWrite& w : writes) {
-      const RowCodec& codec = w.history ? m.row_codec : m.bf16_codec;
+      const ArrivalEncoder& enc = w.history ? history : bf16;
       const BlockLayout& layout = w.history ? m.block_layout : m.bf16_layout;
       const size_t from = static_cast<size_t>(w.input_row) * row;
       const size_t len = static_cast<size_t>(w.count) * row;
-      KVPOOL_RETURN_IF_ERROR(codec.EncodeIntoBlock(
-          KvTensor::kKey, layout, absl::MakeConstSpan(rk).subspan(from, len), w.slot, w.block));
-      KVPOOL_RETURN_IF_ERROR(codec.EncodeIntoBlock(
-          KvTensor::kValue, layout, absl::MakeConstSpan(rv).subspan(from, len), w.slot, w.block));
+      KVPOOL_RETURN_IF_ERROR(enc.EncodeIntoBlock(layer, KvTensor::kKey, layout,
+                                                 k.subspan(from, len), w.slot, w.block));
+      if (m.codec.v_prerotated) {
+        KVPOOL_RETURN_IF_ERROR(enc.codec().EncodeIntoBlock(KvTensor::kValue, layout,
+                                                           v.subspan(from, len), w.slot, w.block));
+      } else {
+        KVPOOL_RETURN_IF_ERROR(enc.EncodeIntoBlock(layer, KvTensor::kValue, layout,
+                                                   v.subspan(from, len), w.slot, w.block));
+      }
     }
     return absl::OkStatus();
   }
