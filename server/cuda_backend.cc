@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -53,12 +54,15 @@ class DeviceArena final : public Arena {
   size_t size_;
 };
 
-// A device allocation that grows on demand (never shrinks).
+// A device allocation of one lane that grows on demand (never shrinks).
 class DeviceBuffer {
  public:
   ~DeviceBuffer() { cudaFree(data_); }
-  absl::StatusOr<uint8_t*> Reserve(size_t bytes) {
+  // Growing waits for `stream` first: launches queued on it may still read the old buffer, and
+  // cudaFree does not wait for non-blocking streams.
+  absl::StatusOr<uint8_t*> Reserve(size_t bytes, cudaStream_t stream) {
     if (bytes <= size_) return data_;
+    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream), "sync before growing a buffer"));
     cudaFree(data_);
     data_ = nullptr;
     size_ = 0;
@@ -82,6 +86,7 @@ struct Lane {
   DeviceBuffer rows;       // BF16 rows in flight (arrival, demotion, reads)
   DeviceBuffer tables;     // int32 row offsets / first tokens / block tables; attention io
   DeviceBuffer workspace;  // attention workspace
+  DeviceBuffer bf16_copy;  // BF16 copies of sequences whose history the kernel cannot read
   ~Lane() {
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
@@ -90,17 +95,19 @@ struct Lane {
   }
 };
 
-// Host-side image of a SequenceBatch whose "sequences" are single-block row runs.
+// Host-side image of a SequenceBatch: runs of rows, each at positions first_token.. of its own
+// block table row (`stride` entries; Add makes single-block runs).
 struct RunTable {
   std::vector<int32_t> row_offsets{0};
   std::vector<int32_t> first_token;
   std::vector<int32_t> block;
+  int stride = 1;
   void Add(int rows, int slot, int32_t block_id) {
     row_offsets.push_back(row_offsets.back() + rows);
     first_token.push_back(slot);
     block.push_back(block_id);
   }
-  int runs() const { return static_cast<int>(block.size()); }
+  int runs() const { return static_cast<int>(first_token.size()); }
   int rows() const { return row_offsets.back(); }
 };
 
@@ -141,10 +148,13 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&p, bytes), "cudaMalloc (pool arena)"));
     // Fresh pages are never read before written, but a defined arena keeps tools quiet.
     KVPOOL_RETURN_IF_ERROR(Check(cudaMemset(p, 0, bytes), "cudaMemset (pool arena)"));
-    absl::MutexLock lock(&mu_);
-    arena_ = static_cast<uint8_t*>(p);
-    arena_bytes_ = bytes;
-    return std::unique_ptr<Arena>(new DeviceArena(device_, arena_, bytes));
+    if (arena_.load() != nullptr) {
+      cudaFree(p);
+      return absl::FailedPreconditionError("the CUDA backend holds one pool arena");
+    }
+    arena_bytes_.store(bytes);
+    arena_.store(static_cast<uint8_t*>(p));
+    return std::unique_ptr<Arena>(new DeviceArena(device_, static_cast<uint8_t*>(p), bytes));
   }
 
   absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
@@ -157,7 +167,7 @@ class CudaBackend final : public ComputeBackend {
     }
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
     const size_t bytes = k.size() * sizeof(Bf16);
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(2 * bytes));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(2 * bytes, lane->stream));
     KVPOOL_RETURN_IF_ERROR(Check(
         cudaMemcpyAsync(rows, k.data(), bytes, cudaMemcpyHostToDevice, lane->stream), "H2D K"));
     KVPOOL_RETURN_IF_ERROR(
@@ -204,7 +214,7 @@ class CudaBackend final : public ComputeBackend {
     }
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
     const size_t bytes = static_cast<size_t>(src.rows()) * m.row_values() * sizeof(Bf16);
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(bytes));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(bytes, lane->stream));
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
                             UploadRuns(*lane, {&src, &dst}));
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
@@ -226,8 +236,8 @@ class CudaBackend final : public ComputeBackend {
     const BlockLayout& layout = history ? m.block_layout : m.bf16_layout;
     std::vector<uint8_t> bytes(layout.block_bytes());
     KVPOOL_RETURN_IF_ERROR(CopyFromPool(bytes.data(), block, bytes.size()));
-    (history ? m.row_codec : m.bf16_codec).DecodeFromBlock(t, layout, bytes.data(), slot, count,
-                                                           out);
+    (history ? m.row_codec : m.bf16_codec)
+        .DecodeFromBlock(t, layout, bytes.data(), slot, count, out);
     return absl::OkStatus();
   }
 
@@ -263,46 +273,35 @@ class CudaBackend final : public ComputeBackend {
     }
     KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, b.layer, KvTensor::kKey));
     KVPOOL_ASSIGN_OR_RETURN(const float* rot_v, DeviceRotation(m, b.layer, KvTensor::kValue));
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
 
-    // Host images of the three tiers' tables, then one upload of everything.
-    struct TierImage {
-      std::vector<int32_t> table, first, count;
-      int stride = 1;
-      int max_tokens = 0;
-    };
-    auto build = [&](auto member, TierImage* img) -> absl::Status {
-      for (const SequenceTiers* s : b.tiers) {
-        img->stride = std::max<int>(img->stride, static_cast<int>((s->*member).blocks.size()));
-      }
-      img->table.assign(static_cast<size_t>(n) * img->stride, 0);
-      for (int i = 0; i < n; ++i) {
-        const TierBlocks& t = b.tiers[i]->*member;
-        for (size_t j = 0; j < t.blocks.size(); ++j) {
-          KVPOOL_ASSIGN_OR_RETURN(img->table[i * img->stride + j], BlockId(t.blocks[j]));
-        }
-        img->first.push_back(t.first_token);
-        img->count.push_back(t.tokens);
-        img->max_tokens = std::max(img->max_tokens, t.tokens);
-      }
-      return absl::OkStatus();
-    };
     TierImage sink, hist, recent;
-    KVPOOL_RETURN_IF_ERROR(build(&SequenceTiers::sink, &sink));
-    KVPOOL_RETURN_IF_ERROR(build(&SequenceTiers::history, &hist));
-    KVPOOL_RETURN_IF_ERROR(build(&SequenceTiers::recent, &recent));
-    int max_bf16 = 0;
-    for (const SequenceTiers* s : b.tiers) {
-      max_bf16 = std::max(max_bf16, s->sink.tokens + s->recent.tokens);
-    }
-
     cuda::DecodeAttentionShape shape;
     shape.cfg = m.codec.quant;
     shape.q_heads = m.q_heads;
     shape.history_pool = View(m, /*history=*/true);
     shape.bf16_pool = View(m, /*history=*/false);
     shape.num_seqs = n;
+    if (m.block_layout.bits == 2 && m.block_layout.group_size == m.head_dim) {
+      KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::sink, &sink));
+      KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::history, &hist));
+      KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::recent, &recent));
+    } else {
+      // The kernel reads INT2 histories with one group per row; other models' sequences (INT4,
+      // smaller groups, BF16 bypass) are first copied to BF16 blocks on the device (the
+      // dequantization and bypass kernels) and attended as one BF16 tier.
+      KVPOOL_RETURN_IF_ERROR(CopyToBf16Blocks(*lane, m, b, &sink, &shape.bf16_pool));
+      EmptyImage(n, &hist);
+      EmptyImage(n, &recent);
+      shape.cfg = QuantConfig{};
+      shape.cfg.block_tokens = m.codec.quant.block_tokens;
+      shape.cfg.scale_dtype = m.codec.quant.scale_dtype;
+      shape.history_pool.layout = BlockLayout::ForModel(shape.cfg, m.kv_heads, m.head_dim);
+    }
     shape.max_history_tokens = hist.max_tokens;
-    shape.max_bf16_tokens = max_bf16;
+    for (int i = 0; i < n; ++i) {
+      shape.max_bf16_tokens = std::max(shape.max_bf16_tokens, sink.count[i] + recent.count[i]);
+    }
     KVPOOL_ASSIGN_OR_RETURN(size_t ws_bytes, cuda::DecodeAttentionWorkspaceBytes(shape));
 
     std::vector<uint8_t> host;
@@ -318,9 +317,9 @@ class CudaBackend final : public ComputeBackend {
     const size_t lse_at = (out_at + b.out.size() * sizeof(float) + 15) / 16 * 16;
     const size_t total = lse_at + b.lse.size() * sizeof(float);
 
-    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total));
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * ws, lane->workspace.Reserve(std::max<size_t>(ws_bytes, 16)));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total, lane->stream));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * ws,
+                            lane->workspace.Reserve(std::max<size_t>(ws_bytes, 16), lane->stream));
     KVPOOL_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane->stream),
               "H2D attention inputs"));
@@ -348,8 +347,7 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(b.lse.data(), io.lse, b.lse.size() * sizeof(float),
                                                  cudaMemcpyDeviceToHost, lane->stream),
                                  "D2H attention LSE"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "attention"));
-    lane->dirty = false;
+    KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));
     AddTime(*lane, &BackendTimes::attention_seconds);
     return absl::OkStatus();
   }
@@ -413,18 +411,18 @@ class CudaBackend final : public ComputeBackend {
   }
 
   absl::StatusOr<int32_t> BlockId(const uint8_t* block) const {
-    absl::MutexLock lock(&mu_);
-    if (arena_ == nullptr || block < arena_ || block >= arena_ + arena_bytes_ ||
-        (block - arena_) % kBlockStride != 0) {
+    const uint8_t* base = arena_.load(std::memory_order_relaxed);
+    if (base == nullptr || block < base ||
+        block >= base + arena_bytes_.load(std::memory_order_relaxed) ||
+        (block - base) % kBlockStride != 0) {
       return absl::InternalError("a block pointer is not a 16-byte aligned pool address");
     }
-    return static_cast<int32_t>((block - arena_) / kBlockStride);
+    return static_cast<int32_t>((block - base) / kBlockStride);
   }
 
   cuda::PagedKvView View(const Model& m, bool history) const {
-    absl::MutexLock lock(&mu_);
     cuda::PagedKvView v;
-    v.pool = arena_;
+    v.pool = arena_.load();
     v.layout = history ? m.block_layout : m.bf16_layout;
     v.scale_dtype = m.codec.quant.scale_dtype;
     v.num_blocks = static_cast<int64_t>(arena_bytes_ / kBlockStride);
@@ -466,7 +464,7 @@ class CudaBackend final : public ComputeBackend {
                     Append(&host, t->first_token.data(), t->first_token.size()),
                     Append(&host, t->block.data(), t->block.size())});
     }
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane.tables.Reserve(host.size()));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane.tables.Reserve(host.size(), lane.stream));
     KVPOOL_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane.stream),
               "H2D block tables"));
@@ -478,7 +476,7 @@ class CudaBackend final : public ComputeBackend {
       batch.row_offsets = reinterpret_cast<const int32_t*>(dev + at[i][0]);
       batch.first_token = reinterpret_cast<const int32_t*>(dev + at[i][1]);
       batch.block_tables = reinterpret_cast<const int32_t*>(dev + at[i][2]);
-      batch.block_table_stride = 1;
+      batch.block_table_stride = t->stride;
       batch.total_rows = t->rows();
       out.push_back(batch);
       ++i;
@@ -509,13 +507,107 @@ class CudaBackend final : public ComputeBackend {
     RunTable table;
     table.Add(count, slot, id);
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(out.size() * sizeof(Bf16)));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows,
+                            lane->rows.Reserve(out.size() * sizeof(Bf16), lane->stream));
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, {&table}));
     KVPOOL_RETURN_IF_ERROR(Dequantize(*lane, m, history, batch[0], t, rows));
     KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(out.data(), rows, out.size() * sizeof(Bf16),
                                                  cudaMemcpyDeviceToHost, lane->stream),
                                  "D2H rows"));
     return Finish(*lane, "read");
+  }
+
+  // Host image of one tier's DecodeTier for every query row of a batch.
+  struct TierImage {
+    std::vector<int32_t> table, first, count;
+    int stride = 1;
+    int max_tokens = 0;
+  };
+
+  absl::Status ImageOf(const AttentionBatch& b, TierBlocks SequenceTiers::*member,
+                       TierImage* img) const {
+    const int n = static_cast<int>(b.tiers.size());
+    for (const SequenceTiers* s : b.tiers) {
+      img->stride = std::max<int>(img->stride, static_cast<int>((s->*member).blocks.size()));
+    }
+    img->table.assign(static_cast<size_t>(n) * img->stride, 0);
+    for (int i = 0; i < n; ++i) {
+      const TierBlocks& t = b.tiers[i]->*member;
+      for (size_t j = 0; j < t.blocks.size(); ++j) {
+        KVPOOL_ASSIGN_OR_RETURN(img->table[i * img->stride + j], BlockId(t.blocks[j]));
+      }
+      img->first.push_back(t.first_token);
+      img->count.push_back(t.tokens);
+      img->max_tokens = std::max(img->max_tokens, t.tokens);
+    }
+    return absl::OkStatus();
+  }
+
+  static void EmptyImage(int n, TierImage* img) {
+    img->table.assign(n, 0);
+    img->first.assign(n, 0);
+    img->count.assign(n, 0);
+  }
+
+  // Copies every query row's sink, history and recent tokens, in order, into BF16 blocks of
+  // the lane's bf16_copy buffer (query row i owns blocks [i * nb, (i + 1) * nb)); `sink` and
+  // `view` come back describing them as one BF16 tier.
+  absl::Status CopyToBf16Blocks(Lane& lane, const Model& m, const AttentionBatch& b,
+                                TierImage* sink, cuda::PagedKvView* view) {
+    const int n = static_cast<int>(b.tiers.size());
+    const int bt = m.block_tokens();
+    int nb = 1;
+    for (const SequenceTiers* s : b.tiers) {
+      const int total = s->sink.tokens + s->history.tokens + s->recent.tokens;
+      nb = std::max(nb, (total + bt - 1) / bt);
+    }
+    const size_t block_bytes = m.bf16_layout.block_bytes();
+    KVPOOL_ASSIGN_OR_RETURN(
+        uint8_t * blocks,
+        lane.bf16_copy.Reserve(static_cast<size_t>(n) * nb * block_bytes, lane.stream));
+    *view = cuda::PagedKvView{blocks, m.bf16_layout, m.codec.quant.scale_dtype,
+                              static_cast<int64_t>(n) * nb, 0};
+    sink->stride = nb;
+    sink->table.resize(static_cast<size_t>(n) * nb);
+    for (size_t j = 0; j < sink->table.size(); ++j) sink->table[j] = static_cast<int32_t>(j);
+    sink->first.assign(n, 0);
+    sink->count.clear();
+    for (const SequenceTiers* s : b.tiers) {
+      sink->count.push_back(s->sink.tokens + s->history.tokens + s->recent.tokens);
+    }
+    std::vector<int> offset(n, 0);  // where the next tier starts in query row i's copy
+    for (TierBlocks SequenceTiers::*member :
+         {&SequenceTiers::sink, &SequenceTiers::history, &SequenceTiers::recent}) {
+      const bool history = member == &SequenceTiers::history;
+      TierImage src;
+      KVPOOL_RETURN_IF_ERROR(ImageOf(b, member, &src));
+      RunTable read, write;
+      read.stride = src.stride;
+      read.block = src.table;
+      write.stride = nb;
+      write.block = sink->table;
+      for (int i = 0; i < n; ++i) {
+        read.row_offsets.push_back(read.row_offsets.back() + src.count[i]);
+        read.first_token.push_back(src.first[i]);
+        write.row_offsets.push_back(write.row_offsets.back() + src.count[i]);
+        write.first_token.push_back(offset[i]);
+        offset[i] += src.count[i];
+      }
+      if (read.rows() == 0) continue;
+      KVPOOL_ASSIGN_OR_RETURN(
+          uint8_t * rows,
+          lane.rows.Reserve(static_cast<size_t>(read.rows()) * m.row_values() * 2, lane.stream));
+      KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
+                              UploadRuns(lane, {&read, &write}));
+      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+        KVPOOL_RETURN_IF_ERROR(Dequantize(lane, m, history, batch[0], t, rows));
+        cuda::ArrivalRows in;
+        in.rows = reinterpret_cast<const uint16_t*>(rows);
+        KVPOOL_RETURN_IF_ERROR(cuda::QuantizeOnArrival(m.bf16_codec.config(), *view, batch[1], t,
+                                                       in, lane.error_word, lane.stream));
+      }
+    }
+    return absl::OkStatus();
   }
 
   // Adds the time between the lane's start and stop events (both complete) to `field`.
@@ -540,8 +632,9 @@ class CudaBackend final : public ComputeBackend {
   const int device_;
   const std::string name_;
   mutable absl::Mutex mu_;
-  uint8_t* arena_ ABSL_GUARDED_BY(mu_) = nullptr;
-  size_t arena_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set once by AllocateArena, before any other call; read lock-free (BlockId runs per block).
+  std::atomic<uint8_t*> arena_{nullptr};
+  std::atomic<size_t> arena_bytes_{0};
   std::vector<std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
   BackendTimes times_ ABSL_GUARDED_BY(mu_);
   std::map<std::tuple<std::string, int, int>, float*> rotations_ ABSL_GUARDED_BY(mu_);

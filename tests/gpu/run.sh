@@ -90,6 +90,16 @@ if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
   for t in roundtrip attention prefix concurrency bad_input cli; do
     step "conformance $t (cuda:0)" "$OUT/daemon.log" "$BIN/integration_${t}_test" --gtest_color=no
   done
+  # kvpoold itself under compute-sanitizer memcheck (a failed check makes its exit status, and
+  # so the suite's teardown, fail).
+  SAN=$OUT/kvpoold-memcheck.sh
+  printf '#!/bin/sh\nexec compute-sanitizer --error-exitcode 9 --print-limit 20 --tool memcheck %s "$@"\n' \
+    "$BIN/kvpoold" >"$SAN"
+  chmod +x "$SAN"
+  for t in roundtrip attention; do
+    KVPOOL_KVPOOLD=$SAN step "memcheck kvpoold: $t (cuda:0)" "$OUT/daemon.log" \
+      "$BIN/integration_${t}_test" --gtest_color=no
+  done
   unset KVPOOL_TEST_DEVICE
   QUICK=""
   [ "$MODE" = daemon-quick ] && QUICK="--quick"
