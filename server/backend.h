@@ -118,6 +118,17 @@ class ComputeBackend {
   virtual absl::Status StageRows(const Model& model, int layer, absl::Span<const Bf16> k,
                                  absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) = 0;
 
+  // StageRows for rows already in GPU memory: `k` and `v` ([rows][kv_heads][D] BF16) are device
+  // pointers on this backend's GPU, or a peer GPU's memory mapped into this process (CUDA IPC).
+  // Unimplemented on a host backend.
+  virtual absl::Status StageDeviceRows(const Model& /*model*/, int /*layer*/, const Bf16* /*k*/,
+                                       const Bf16* /*v*/, int /*rows*/,
+                                       absl::Span<const RowWrite> /*writes*/) {
+    return absl::UnimplementedError("this backend takes K/V from host memory only");
+  }
+  // The CUDA device of the pool, or -1 for host memory.
+  virtual int device() const { return -1; }
+
   // Demotion of recent BF16 rows into INT2 history blocks (same error contract as StageRows).
   virtual absl::Status DemoteRows(const Model& model, absl::Span<const RowMove> moves) = 0;
 

@@ -160,11 +160,6 @@ class CudaBackend final : public ComputeBackend {
   absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
                          absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
     if (k.size() != v.size()) return absl::InternalError("StageRows: K and V sizes differ");
-    KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, layer, KvTensor::kKey));
-    const float* rot_v = nullptr;
-    if (!m.codec.v_prerotated) {
-      KVPOOL_ASSIGN_OR_RETURN(rot_v, DeviceRotation(m, layer, KvTensor::kValue));
-    }
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
     const size_t bytes = k.size() * sizeof(Bf16);
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(2 * bytes, lane->stream));
@@ -173,35 +168,20 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_RETURN_IF_ERROR(
         Check(cudaMemcpyAsync(rows + bytes, v.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
               "H2D V"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
-    // One launch per tensor and per maximal run of writes of one kind that are contiguous in
-    // the input (a chunk is typically sink | history | recent: three runs).
-    const size_t row_bytes = m.row_values() * sizeof(Bf16);
-    for (size_t i = 0; i < writes.size();) {
-      size_t j = i + 1;
-      while (j < writes.size() && writes[j].history == writes[i].history &&
-             writes[j].input_row == writes[j - 1].input_row + writes[j - 1].count) {
-        ++j;
-      }
-      RunTable table;
-      for (size_t w = i; w < j; ++w) {
-        KVPOOL_ASSIGN_OR_RETURN(int32_t id, BlockId(writes[w].block));
-        table.Add(writes[w].count, writes[w].slot, id);
-      }
-      const size_t from = static_cast<size_t>(writes[i].input_row) * row_bytes;
-      const bool history = writes[i].history;
-      KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, {&table}));
-      KVPOOL_RETURN_IF_ERROR(
-          Quantize(*lane, m, history, batch[0], rows + from, rot_k, KvTensor::kKey));
-      KVPOOL_RETURN_IF_ERROR(
-          Quantize(*lane, m, history, batch[0], rows + bytes + from, rot_v, KvTensor::kValue));
-      i = j;
-    }
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
-    KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
-    AddTime(*lane, &BackendTimes::arrival_seconds);
-    return absl::OkStatus();
+    return StageOnLane(*lane, m, layer, reinterpret_cast<const Bf16*>(rows),
+                       reinterpret_cast<const Bf16*>(rows + bytes), writes);
   }
+
+  absl::Status StageDeviceRows(const Model& m, int layer, const Bf16* k, const Bf16* v, int rows,
+                               absl::Span<const RowWrite> writes) override {
+    if (k == nullptr || v == nullptr || rows < 0) {
+      return absl::InternalError("StageDeviceRows: null rows");
+    }
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    return StageOnLane(*lane, m, layer, k, v, writes);
+  }
+
+  int device() const override { return device_; }
 
   absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
     if (moves.empty()) return absl::OkStatus();
@@ -515,6 +495,47 @@ class CudaBackend final : public ComputeBackend {
                                                  cudaMemcpyDeviceToHost, lane->stream),
                                  "D2H rows"));
     return Finish(*lane, "read");
+  }
+
+  // Arrival kernels for device rows `k`, `v` on the lane's stream, then its error check.
+  absl::Status StageOnLane(Lane& lane_ref, const Model& m, int layer, const Bf16* k, const Bf16* v,
+                           absl::Span<const RowWrite> writes) {
+    Lane* lane = &lane_ref;
+    KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, layer, KvTensor::kKey));
+    const float* rot_v = nullptr;
+    if (!m.codec.v_prerotated) {
+      KVPOOL_ASSIGN_OR_RETURN(rot_v, DeviceRotation(m, layer, KvTensor::kValue));
+    }
+    const uint8_t* k_rows = reinterpret_cast<const uint8_t*>(k);
+    const uint8_t* v_rows = reinterpret_cast<const uint8_t*>(v);
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
+    // One launch per tensor and per maximal run of writes of one kind that are contiguous in
+    // the input (a chunk is typically sink | history | recent: three runs).
+    const size_t row_bytes = m.row_values() * sizeof(Bf16);
+    for (size_t i = 0; i < writes.size();) {
+      size_t j = i + 1;
+      while (j < writes.size() && writes[j].history == writes[i].history &&
+             writes[j].input_row == writes[j - 1].input_row + writes[j - 1].count) {
+        ++j;
+      }
+      RunTable table;
+      for (size_t w = i; w < j; ++w) {
+        KVPOOL_ASSIGN_OR_RETURN(int32_t id, BlockId(writes[w].block));
+        table.Add(writes[w].count, writes[w].slot, id);
+      }
+      const size_t from = static_cast<size_t>(writes[i].input_row) * row_bytes;
+      const bool history = writes[i].history;
+      KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, {&table}));
+      KVPOOL_RETURN_IF_ERROR(
+          Quantize(*lane, m, history, batch[0], k_rows + from, rot_k, KvTensor::kKey));
+      KVPOOL_RETURN_IF_ERROR(
+          Quantize(*lane, m, history, batch[0], v_rows + from, rot_v, KvTensor::kValue));
+      i = j;
+    }
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
+    AddTime(*lane, &BackendTimes::arrival_seconds);
+    return absl::OkStatus();
   }
 
   // Host image of one tier's DecodeTier for every query row of a batch.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -216,36 +217,58 @@ absl::Status AppendTxn::Demote(LayerState& l) {
   return backend_->DemoteRows(*model_, moves);
 }
 
-absl::Status AppendTxn::StageLayer(int layer, int offset, absl::Span<const Bf16> k,
-                                   absl::Span<const Bf16> v) {
+absl::Status AppendTxn::CheckChunk(int layer, int offset, int n) const {
   const Model& m = *model_;
   if (layer < 0 || layer >= m.num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " out of range [0, ", m.num_layers, ")"));
   }
-  LayerState& l = layers_[layer];
+  const LayerState& l = layers_[layer];
   if (offset != l.cursor) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk of layer ", layer, " starts at token offset ", offset, ", expected ",
                      l.cursor, " (a layer's chunks must come in order without gaps or overlaps)"));
   }
-  const size_t row = m.row_values();
+  if (n < 1 || n > num_tokens_ - offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, ": chunk of ", n, " tokens at offset ", offset,
+                     " does not fit the append's ", num_tokens_, " tokens"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AppendTxn::StageLayer(int layer, int offset, absl::Span<const Bf16> k,
+                                   absl::Span<const Bf16> v) {
+  const size_t row = model_->row_values();
   if (k.empty() || k.size() % row != 0 || v.size() != k.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer ", layer, ": k and v must each hold a positive multiple of kv_heads x head_dim = ",
         row, " values, got ", k.size(), " and ", v.size()));
   }
   const int n = static_cast<int>(k.size() / row);
-  if (n > num_tokens_ - offset) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, ": chunk of ", n, " tokens at offset ", offset,
-                     " runs past the append's ", num_tokens_, " tokens"));
-  }
+  KVPOOL_RETURN_IF_ERROR(CheckChunk(layer, offset, n));
   if (!AllFinite(k.data(), k.size()) || !AllFinite(v.data(), v.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, ": K/V contain NaN or Inf (tokens ", token_start_ + offset,
                      "..", token_start_ + offset + n - 1, ")"));
   }
+  return Stage(layer, offset, n, [&](absl::Span<const RowWrite> writes) {
+    return backend_->StageRows(*model_, layer, k, v, writes);
+  });
+}
+
+absl::Status AppendTxn::StageDeviceLayer(int layer, int offset, int n, const Bf16* k,
+                                         const Bf16* v) {
+  KVPOOL_RETURN_IF_ERROR(CheckChunk(layer, offset, n));
+  return Stage(layer, offset, n, [&](absl::Span<const RowWrite> writes) {
+    return backend_->StageDeviceRows(*model_, layer, k, v, n, writes);
+  });
+}
+
+absl::Status AppendTxn::Stage(
+    int layer, int offset, int n,
+    const std::function<absl::Status(absl::Span<const RowWrite>)>& write) {
+  LayerState& l = layers_[layer];
   const int end = offset + n;
   std::vector<RowWrite> writes;
   for (const Segment& seg : segments_) {
@@ -254,7 +277,7 @@ absl::Status AppendTxn::StageLayer(int layer, int offset, absl::Span<const Bf16>
     if (a >= b) continue;
     PlanWrites(l, seg.tier, seg.dest + (a - seg.input), a - offset, b - a, &writes);
   }
-  KVPOOL_RETURN_IF_ERROR(backend_->StageRows(m, layer, k, v, writes));
+  KVPOOL_RETURN_IF_ERROR(write(writes));
   l.cursor = end;
   if (l.cursor == num_tokens_) KVPOOL_RETURN_IF_ERROR(Demote(l));
   return absl::OkStatus();

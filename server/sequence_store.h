@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -168,6 +169,12 @@ class AppendTxn {
   [[nodiscard]] absl::Status StageLayer(int layer, int offset, absl::Span<const Bf16> k,
                                         absl::Span<const Bf16> v);
 
+  // StageLayer for K and V rows already in GPU memory (device pointers, [n][kv_heads][head_dim]
+  // BF16 each; the backend's StageDeviceRows). No host-side finiteness scan: the arrival
+  // kernels reject non-finite rows. Unimplemented on a host backend.
+  [[nodiscard]] absl::Status StageDeviceLayer(int layer, int offset, int n, const Bf16* k,
+                                              const Bf16* v);
+
   // InvalidArgument naming the first layer not fully staged, else OK.
   [[nodiscard]] absl::Status CheckComplete() const;
 
@@ -207,6 +214,12 @@ class AppendTxn {
   // [dest, dest + n) of `tier`, split at block boundaries.
   void PlanWrites(LayerState& l, Tier tier, int dest, int input_row, int n,
                   std::vector<RowWrite>* out) const;
+  // Layer range and cursor checks of a chunk of n tokens at `offset`.
+  absl::Status CheckChunk(int layer, int offset, int n) const;
+  // Plans the chunk's writes, hands them to `write` (the backend), advances the layer's cursor
+  // and demotes after its last token.
+  absl::Status Stage(int layer, int offset, int n,
+                     const std::function<absl::Status(absl::Span<const RowWrite>)>& write);
   absl::Status Demote(LayerState& l);
   void Release();
 

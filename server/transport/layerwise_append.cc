@@ -29,10 +29,20 @@ LayerwiseAppend::~LayerwiseAppend() = default;
 
 void LayerwiseAppend::Stage(int layer, int offset, int count, const Bf16* k, const Bf16* v,
                             ChunkDone done) {
+  Queue(layer, Chunk{offset, count, k, v, std::move(done), false, nullptr});
+}
+
+void LayerwiseAppend::StageDevice(int layer, int offset, int count, const Bf16* k, const Bf16* v,
+                                  std::function<absl::Status()> ready, ChunkDone done) {
+  Queue(layer, Chunk{offset, count, k, v, std::move(done), true, std::move(ready)});
+}
+
+void LayerwiseAppend::Queue(int layer, Chunk chunk) {
+  const int offset = chunk.offset;
+  const int count = chunk.count;
   Deferred d;
   {
     absl::MutexLock lock(&mu_);
-    Chunk chunk{offset, count, k, v, std::move(done)};
     if (!status_.ok() || committed_) {
       d.failed.emplace_back(
           std::move(chunk),
@@ -110,10 +120,15 @@ void LayerwiseAppend::RunChunk(int layer, Chunk chunk) {
     if (status_.ok()) txn = txn_.get();
   }
   absl::Status s;
-  if (txn != nullptr) {
-    const size_t values = static_cast<size_t>(chunk.count) * model_->row_values();
-    s = txn->StageLayer(layer, chunk.offset, absl::MakeConstSpan(chunk.k, values),
-                        absl::MakeConstSpan(chunk.v, values));
+  if (txn != nullptr && chunk.ready) s = chunk.ready();
+  if (txn != nullptr && s.ok()) {
+    if (chunk.device) {
+      s = txn->StageDeviceLayer(layer, chunk.offset, chunk.count, chunk.k, chunk.v);
+    } else {
+      const size_t values = static_cast<size_t>(chunk.count) * model_->row_values();
+      s = txn->StageLayer(layer, chunk.offset, absl::MakeConstSpan(chunk.k, values),
+                          absl::MakeConstSpan(chunk.v, values));
+    }
   }
   Deferred d;
   bool layer_complete = false;

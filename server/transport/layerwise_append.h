@@ -57,6 +57,12 @@ class LayerwiseAppend : public std::enable_shared_from_this<LayerwiseAppend> {
   // whole push with InvalidArgument; staging errors (NaN/Inf, ...) fail it too.
   void Stage(int layer, int offset, int count, const Bf16* k, const Bf16* v, ChunkDone done);
 
+  // Stage for rows in GPU memory (AppendTxn::StageDeviceLayer). `ready`, when set, runs on the
+  // worker first and returns once the rows are in place (an NCCL receive has finished); its
+  // error fails the push.
+  void StageDevice(int layer, int offset, int count, const Bf16* k, const Bf16* v,
+                   std::function<absl::Status()> ready, ChunkDone done);
+
   // Whether every layer is fully staged and nothing is running.
   bool Complete() const;
   // Commits the append (on the calling thread). FailedPrecondition while layers are missing or
@@ -75,6 +81,8 @@ class LayerwiseAppend : public std::enable_shared_from_this<LayerwiseAppend> {
     const Bf16* k = nullptr;
     const Bf16* v = nullptr;
     ChunkDone done;
+    bool device = false;                  // k and v are GPU memory
+    std::function<absl::Status()> ready;  // device chunks: waits until the rows are in place
   };
   struct LayerQueue {
     std::map<int, Chunk> waiting;  // by offset
@@ -95,6 +103,7 @@ class LayerwiseAppend : public std::enable_shared_from_this<LayerwiseAppend> {
   void ScheduleLocked(int layer, Deferred* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Finish(Deferred d);
   void RunChunk(int layer, Chunk chunk);
+  void Queue(int layer, Chunk chunk);
 
   ServiceContext* const ctx_;
   const std::shared_ptr<const Model> model_;
