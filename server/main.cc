@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 
@@ -36,6 +37,11 @@ bool WritePortFile(const std::string& path, int port) {
 
 int main(int argc, char** argv) {
   using kvpool::server::KvpoolServer;
+  // NVLink multicast stays off in this process and anything it starts (NCCL channels): on shared
+  // hosts it can take every GPU out of service.
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
   // Block the stop signals in every thread; one thread waits for them with sigwait.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);

@@ -1,5 +1,6 @@
 #include "server/sequence_service.h"
 
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <string>
@@ -8,6 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "kernels/common/status_macros.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
@@ -58,6 +60,8 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
       } else if (request_.part_case() != v1::AppendKvRequest::kChunk) {
         error = absl::InvalidArgumentError("AppendKv: only the first message may be a header");
       } else {
+        dbg_reads_++;
+        if (dbg_t0_ == 0) dbg_t0_ = absl::GetCurrentTimeNanos();
         auto chunk = std::make_shared<v1::KvChunk>();
         chunk->Swap(request_.mutable_chunk());
         queue_.push_back(std::move(chunk));
@@ -67,6 +71,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
           StartRead(&request_);
         } else {
           read_blocked_ = true;
+          dbg_blocked_++;
         }
         if (!worker_running_) error = StartWorkerLocked();
       }
@@ -89,7 +94,10 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   // more may be arriving), so a stream holds a bounded amount of memory.
   static constexpr size_t kMaxQueuedChunks = 2;
 
+  int64_t dbg_t0_ = 0, dbg_busy_ = 0;
+  int dbg_reads_ = 0, dbg_blocked_ = 0, dbg_starts_ = 0;
   absl::Status StartWorkerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    dbg_starts_++;
     if (!ctx_->workers->TrySubmit([this] { Work(); })) return BusyError();
     worker_running_ = true;
     return absl::OkStatus();
@@ -122,7 +130,9 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
         }
       }
       if (status.ok() && chunk != nullptr) {
+        const int64_t a = absl::GetCurrentTimeNanos();
         status = Stage(*chunk);
+        dbg_busy_ += absl::GetCurrentTimeNanos() - a;
         if (status.ok()) continue;
       } else if (status.ok()) {
         status = Commit();  // half-closed and drained
@@ -133,6 +143,9 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
         worker_running_ = false;
         if (!status.ok()) txn_.reset();  // roll back before answering
       }
+      spdlog::warn("append: {} chunks over {:.2f} ms, worker busy {:.2f} ms, blocked {}, starts {}",
+                   dbg_reads_, (absl::GetCurrentTimeNanos() - dbg_t0_) / 1e6, dbg_busy_ / 1e6,
+                   dbg_blocked_, dbg_starts_);
       Finish(ToGrpcStatus(status));
       return;
     }
@@ -186,9 +199,23 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
                        ") do not fit the append's ", txn_->num_tokens(), " tokens"));
     }
     const size_t values = static_cast<size_t>(c.num_tokens()) * m.row_values();
-    KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> k, DecodeToBf16(dtype_, c.k(), values, "k"));
-    KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> v, DecodeToBf16(dtype_, c.v(), values, "v"));
+    std::vector<Bf16> k_copy, v_copy;
+    KVPOOL_ASSIGN_OR_RETURN(absl::Span<const Bf16> k, Bf16View(c.k(), values, "k", &k_copy));
+    KVPOOL_ASSIGN_OR_RETURN(absl::Span<const Bf16> v, Bf16View(c.v(), values, "v", &v_copy));
     return txn_->StageLayer(c.layer(), static_cast<int>(c.token_offset()), k, v);
+  }
+
+  // The payload as `values` BF16 words: BF16 bytes of the right size are used where the
+  // message holds them (no copy); anything else is converted into `storage`, with
+  // DecodeToBf16's checks and errors.
+  absl::StatusOr<absl::Span<const Bf16>> Bf16View(const std::string& bytes, size_t values,
+                                                  const char* what, std::vector<Bf16>* storage) {
+    if (dtype_ == v1::DTYPE_BF16 && bytes.size() == values * sizeof(Bf16) &&
+        reinterpret_cast<uintptr_t>(bytes.data()) % alignof(Bf16) == 0) {
+      return absl::MakeConstSpan(reinterpret_cast<const Bf16*>(bytes.data()), values);
+    }
+    KVPOOL_ASSIGN_OR_RETURN(*storage, DecodeToBf16(dtype_, bytes, values, what));
+    return absl::MakeConstSpan(*storage);
   }
 
   absl::Status Commit() {

@@ -19,7 +19,7 @@ JOBS=${JOBS:-1}
 KERNEL_TARGETS="cuda_codec_test cuda_attention_test kvpool-gpu-bench"
 DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip_test
   integration_attention_test integration_prefix_test integration_concurrency_test
-  integration_bad_input_test integration_cli_test"
+  integration_bad_input_test integration_cli_test kvpool-gpu-transport-bench"
 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPOOL_NATIVE=OFF \
   -DKVPOOL_BUILD_SERVICE=ON >/dev/null
@@ -35,9 +35,10 @@ for t in $KERNEL_TARGETS $DAEMON_TARGETS; do
   cp "$f" "$STAGE/bin/"
 done
 strip --strip-unneeded "$STAGE"/bin/* 2>/dev/null || true
-# Every shared library outside glibc and the compiler runtime (those exist, newer, there).
+# Every shared library outside glibc and the compiler runtime (those exist, newer, there), and
+# outside NCCL (218 MB; the GPU machine has it in the nvidia-nccl wheel: run.sh points there).
 for b in "$STAGE"/bin/*; do ldd "$b"; done | awk '/=> \// {print $3}' | sort -u |
-  grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|ld-linux-x86-64)\.so' |
+  grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|ld-linux-x86-64|libnccl)\.so' |
   while read -r lib; do cp -L "$lib" "$STAGE/lib/"; done
 
 # Register and spill report of every kernel (ptxas), for the closing note.

@@ -6,7 +6,11 @@
 # tests/gpu/package.sh built on the CPU machine (.gpu-carry/bundle.tar.xz, carried with the
 # call), so nothing needs gRPC, protobuf, Abseil or UCX packages here.
 #
-#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick]   (default: all)
+#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|transport]
+#
+# (default: all). `transport` needs the two-GPU kind (nvidia-h200-x2): the GPU data plane
+# (NCCL and CUDA IPC ingest beside raw NCCL and a peer copy, the three-transport check, the
+# killed-prefill fault test); it is not part of `all`.
 #
 # Logs and JSON go to $OUT (the device tool's folder; ./gpu-out otherwise); the summary table
 # prints last. Exit status: 0 when every step passed.
@@ -20,7 +24,17 @@ if [ -f .gpu-carry/bundle.tar.xz ]; then
   rm -rf "$CARRY" && mkdir -p "$CARRY" && tar -C "$CARRY" -xJf .gpu-carry/bundle.tar.xz
 fi
 BIN=$CARRY/bin
-export LD_LIBRARY_PATH="$CARRY/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NCCL is not carried (218 MB): the machine's PyTorch image has it in the nvidia-nccl wheel.
+NCCL_DIR=$(python3 - <<'PY' 2>/dev/null
+import glob, site, os
+for d in site.getsitepackages():
+    for f in glob.glob(os.path.join(d, "nvidia", "**", "libnccl.so.2"), recursive=True):
+        print(os.path.dirname(f)); raise SystemExit
+PY
+)
+export LD_LIBRARY_PATH="$CARRY/lib${NCCL_DIR:+:$NCCL_DIR}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NVLink multicast stays off in every process started from here (shared hosts).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 if [ ! -x "$BIN/cuda_attention_test" ]; then
   echo "missing $BIN: run 'bash tests/gpu/package.sh' on the CPU machine and carry .gpu-carry"
@@ -108,6 +122,17 @@ if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
   cp "$OUT/gpu-daemon.json" bench-results/gpu-daemon.json 2>/dev/null
   echo
   sed -n '/^gpu-daemon benchmark/,$p' "$OUT/daemon.log" | head -n 40
+fi
+if [ "$MODE" = transport ]; then
+  nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
+  step "GPU data plane (NCCL, CUDA IPC)" "$OUT/transport.log" "$BIN/kvpool-gpu-transport-bench" \
+    --kvpoold "$BIN/kvpoold" --out "$OUT/gpu-transport.json"
+  step "fault: prefill killed mid-transfer" "$OUT/transport.log" \
+    "$BIN/kvpool-gpu-transport-bench" --kvpoold "$BIN/kvpoold" --fault
+  cp "$OUT/gpu-transport.json" bench-results/gpu-transport.json 2>/dev/null
+  echo
+  grep -E "^check|^fault" "$OUT/transport.log"
+  sed -n '/^gpu-transport benchmark/,$p' "$OUT/transport.log" | head -n 20
 fi
 echo
 echo "step                               status       time"

@@ -1,0 +1,227 @@
+#include "server/transport/gpu/nccl_channel.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+
+namespace kvpool::server {
+namespace {
+
+constexpr int kSlots = 2;  // one chunk being staged while the next is received
+
+ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
+cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+absl::Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+absl::Status NcclError(ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+}
+
+}  // namespace
+
+void DisableNvlinkMulticast() {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+}
+
+NcclChannel::NcclChannel(int device, void* comm, void* stream)
+    : device_(device), comm_(comm), stream_(stream) {}
+
+absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
+                                                               const std::string& unique_id,
+                                                               absl::Duration timeout) {
+  DisableNvlinkMulticast();
+  ncclUniqueId id;
+  if (unique_id.size() != sizeof(id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl_unique_id must be ", sizeof(id), " bytes, got ", unique_id.size()));
+  }
+  std::memcpy(&id, unique_id.data(), sizeof(id));
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // every wait below can give up
+  ncclComm_t comm = nullptr;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 1, &config);
+  if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
+  const absl::Time deadline = absl::Now() + timeout;
+  ncclResult_t state = ncclInProgress;
+  while (true) {
+    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
+    if (absl::Now() > deadline) {
+      ncclCommAbort(comm);
+      return absl::DeadlineExceededError("the client did not join the NCCL communicator in time");
+    }
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  if (state != ncclSuccess) {
+    ncclCommAbort(comm);
+    return NcclError(state, "joining the NCCL communicator");
+  }
+  cudaStream_t stream = nullptr;
+  if (absl::Status s =
+          CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+      !s.ok()) {
+    ncclCommAbort(comm);
+    return s;
+  }
+  return std::unique_ptr<NcclChannel>(new NcclChannel(device, comm, stream));
+}
+
+NcclChannel::~NcclChannel() {
+  cudaSetDevice(device_);
+  Abort();  // frees the communicator's resources whether or not it is busy
+  cudaStreamSynchronize(Stream(stream_));
+  cudaStreamDestroy(Stream(stream_));
+  absl::MutexLock lock(&slots_mu_);
+  for (auto& slot : slots_) {
+    cudaFree(slot->k);
+    cudaFree(slot->v);
+    cudaEventDestroy(static_cast<cudaEvent_t>(slot->done));
+  }
+}
+
+absl::StatusOr<NcclChannel::Slot*> NcclChannel::AcquireSlot(
+    size_t bytes, const std::function<bool()>& cancelled) {
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  absl::MutexLock lock(&slots_mu_);
+  while (true) {
+    if (aborted()) return absl::FailedPreconditionError("the NCCL channel was aborted");
+    if (cancelled()) return absl::CancelledError("push cancelled");
+    Slot* free_slot = nullptr;
+    for (auto& s : slots_) {
+      if (!s->busy && (free_slot == nullptr || s->capacity > free_slot->capacity)) {
+        free_slot = s.get();
+      }
+    }
+    if (free_slot == nullptr && slots_.size() < kSlots) {
+      auto s = std::make_unique<Slot>();
+      cudaEvent_t ev = nullptr;
+      KVPOOL_RETURN_IF_ERROR(
+          CudaCheck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event"));
+      s->done = ev;
+      slots_.push_back(std::move(s));
+      free_slot = slots_.back().get();
+    }
+    if (free_slot != nullptr) {
+      if (free_slot->capacity < bytes) {
+        cudaFree(free_slot->k);
+        cudaFree(free_slot->v);
+        free_slot->k = free_slot->v = nullptr;
+        free_slot->capacity = 0;
+        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->k, bytes), "cudaMalloc (slot)"));
+        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->v, bytes), "cudaMalloc (slot)"));
+        free_slot->capacity = bytes;
+      }
+      free_slot->busy = true;
+      return free_slot;
+    }
+    auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(slots_mu_) {
+      for (auto& s : slots_) {
+        if (!s->busy) return true;
+      }
+      return false;
+    };
+    slots_mu_.AwaitWithTimeout(absl::Condition(&any_free), absl::Milliseconds(20));
+  }
+}
+
+void NcclChannel::ReleaseSlot(Slot* slot) {
+  absl::MutexLock lock(&slots_mu_);
+  slot->busy = false;
+}
+
+absl::Status NcclChannel::Settle(const std::function<bool()>& cancelled, absl::Time deadline) {
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) {
+      ncclCommAbort(Comm(comm_));
+      aborted_ = true;
+      return NcclError(state, "NCCL (the peer failed or left)");
+    }
+    if (cancelled() || absl::Now() > deadline) {
+      ncclCommAbort(Comm(comm_));
+      aborted_ = true;
+      return cancelled() ? absl::CancelledError("push cancelled")
+                         : absl::DeadlineExceededError("NCCL operation timed out");
+    }
+    absl::SleepFor(absl::Microseconds(20));
+  }
+}
+
+absl::Status NcclChannel::PostRecv(Slot* slot, size_t bytes) {
+  if (bytes > slot->capacity) return absl::InternalError("slot too small");
+  absl::MutexLock lock(&comm_mu_);
+  if (aborted_) return absl::FailedPreconditionError("the NCCL channel was aborted");
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  ncclGroupStart();
+  ncclRecv(slot->k, bytes, ncclUint8, /*peer=*/0, Comm(comm_), Stream(stream_));
+  ncclRecv(slot->v, bytes, ncclUint8, /*peer=*/0, Comm(comm_), Stream(stream_));
+  const ncclResult_t r = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress) {
+    ncclCommAbort(Comm(comm_));
+    aborted_ = true;
+    return NcclError(r, "ncclRecv");
+  }
+  KVPOOL_RETURN_IF_ERROR(Settle([] { return false; }, absl::Now() + absl::Seconds(30)));
+  return CudaCheck(cudaEventRecord(static_cast<cudaEvent_t>(slot->done), Stream(stream_)),
+                   "cudaEventRecord");
+}
+
+absl::Status NcclChannel::WaitRecv(Slot* slot, const std::function<bool()>& cancelled,
+                                   absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(slot->done));
+    if (e == cudaSuccess) {
+      absl::MutexLock lock(&comm_mu_);
+      if (aborted_) return absl::FailedPreconditionError("the NCCL channel was aborted");
+      return absl::OkStatus();
+    }
+    if (e != cudaErrorNotReady) return CudaCheck(e, "NCCL receive");
+    {
+      absl::MutexLock lock(&comm_mu_);
+      if (aborted_) return absl::FailedPreconditionError("the NCCL channel was aborted");
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(Comm(comm_), &state);
+      const bool failed = state != ncclSuccess && state != ncclInProgress;
+      const bool stop = failed || cancelled() || absl::Now() > deadline;
+      if (stop) {
+        ncclCommAbort(Comm(comm_));
+        aborted_ = true;
+        if (failed) return NcclError(state, "NCCL receive (the peer failed or left)");
+        return cancelled() ? absl::CancelledError("push cancelled")
+                           : absl::DeadlineExceededError("NCCL receive timed out");
+      }
+    }
+    absl::SleepFor(absl::Microseconds(5));
+  }
+}
+
+void NcclChannel::Abort() {
+  absl::MutexLock lock(&comm_mu_);
+  if (aborted_) return;
+  cudaSetDevice(device_);
+  ncclCommAbort(Comm(comm_));
+  aborted_ = true;
+}
+
+bool NcclChannel::aborted() const {
+  absl::MutexLock lock(&comm_mu_);
+  return aborted_;
+}
+
+}  // namespace kvpool::server

@@ -1,0 +1,92 @@
+// NcclChannel: the daemon's end (rank 1) of a two-rank NCCL communicator with one prefill
+// worker (rank 0), with a few device staging slots that K/V chunks are received into.
+//
+// The communicator runs in NCCL's non-blocking mode so that no call can hang the daemon: every
+// wait polls the communicator's asynchronous error, a cancellation callback and a deadline, and
+// aborts the communicator (ncclCommAbort) on any of them. An aborted channel fails every later
+// call; the client must open a new one.
+//
+//   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<NcclChannel> ch,
+//                           NcclChannel::Join(/*device=*/0, unique_id, absl::Seconds(60)));
+//   KVPOOL_ASSIGN_OR_RETURN(NcclChannel::Slot* slot, ch->AcquireSlot(bytes, cancelled));
+//   KVPOOL_RETURN_IF_ERROR(ch->PostRecv(slot, bytes));        // K then V from rank 0
+//   KVPOOL_RETURN_IF_ERROR(ch->WaitRecv(slot, cancelled));    // the bytes are in slot->k, slot->v
+//   ch->ReleaseSlot(slot);
+//
+// Thread-safe. Receives are posted in call order (the order of the client's sends).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace kvpool::server {
+
+// Sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 in this
+// process (NVLink multicast can take a shared host's GPUs out of service). Called before any
+// NCCL use; kvpoold also calls it at start.
+void DisableNvlinkMulticast();
+
+class NcclChannel {
+ public:
+  // Two receive buffers (K and V) of one chunk, and the event marking their arrival.
+  struct Slot {
+    void* k = nullptr;
+    void* v = nullptr;
+    size_t capacity = 0;   // bytes of each
+    void* done = nullptr;  // cudaEvent_t
+    bool busy = false;
+  };
+
+  // Joins a two-rank communicator as rank 1 on GPU `device`, waiting up to `timeout` for rank 0.
+  // InvalidArgument (id size), DeadlineExceeded, Unavailable (NCCL errors).
+  static absl::StatusOr<std::unique_ptr<NcclChannel>> Join(int device, const std::string& unique_id,
+                                                           absl::Duration timeout);
+  ~NcclChannel();
+
+  NcclChannel(const NcclChannel&) = delete;
+  NcclChannel& operator=(const NcclChannel&) = delete;
+
+  int device() const { return device_; }
+
+  // A free slot holding at least `bytes` per tensor, waiting while all are busy (backpressure).
+  // Cancelled when `cancelled()` turns true, FailedPrecondition once aborted.
+  absl::StatusOr<Slot*> AcquireSlot(size_t bytes, const std::function<bool()>& cancelled);
+  void ReleaseSlot(Slot* slot);
+
+  // Posts the receives of K and then V (`bytes` each) from rank 0 into the slot.
+  absl::Status PostRecv(Slot* slot, size_t bytes);
+  // Waits until the slot's receives completed. On cancellation, an NCCL error of the peer or
+  // `timeout` the communicator is aborted and the error returned.
+  absl::Status WaitRecv(Slot* slot, const std::function<bool()>& cancelled,
+                        absl::Duration timeout = absl::Seconds(120));
+
+  // Aborts the communicator (idempotent): pending receives end, later calls fail.
+  void Abort();
+  bool aborted() const;
+
+ private:
+  NcclChannel(int device, void* comm, void* stream);
+  // Polls until the communicator has no operation in progress; aborts on errors.
+  absl::Status Settle(const std::function<bool()>& cancelled, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(comm_mu_);
+
+  const int device_;
+  void* comm_;                   // ncclComm_t
+  void* stream_;                 // cudaStream_t the receives run on
+  mutable absl::Mutex comm_mu_;  // serializes NCCL calls on the communicator
+  bool aborted_ ABSL_GUARDED_BY(comm_mu_) = false;
+  absl::Mutex slots_mu_;
+  std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(slots_mu_);
+};
+
+}  // namespace kvpool::server
