@@ -9,7 +9,6 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "kernels/common/status_macros.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
@@ -60,8 +59,6 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
       } else if (request_.part_case() != v1::AppendKvRequest::kChunk) {
         error = absl::InvalidArgumentError("AppendKv: only the first message may be a header");
       } else {
-        dbg_reads_++;
-        if (dbg_t0_ == 0) dbg_t0_ = absl::GetCurrentTimeNanos();
         auto chunk = std::make_shared<v1::KvChunk>();
         chunk->Swap(request_.mutable_chunk());
         queue_.push_back(std::move(chunk));
@@ -71,7 +68,6 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
           StartRead(&request_);
         } else {
           read_blocked_ = true;
-          dbg_blocked_++;
         }
         if (!worker_running_) error = StartWorkerLocked();
       }
@@ -94,10 +90,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   // more may be arriving), so a stream holds a bounded amount of memory.
   static constexpr size_t kMaxQueuedChunks = 2;
 
-  int64_t dbg_t0_ = 0, dbg_busy_ = 0;
-  int dbg_reads_ = 0, dbg_blocked_ = 0, dbg_starts_ = 0;
   absl::Status StartWorkerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    dbg_starts_++;
     if (!ctx_->workers->TrySubmit([this] { Work(); })) return BusyError();
     worker_running_ = true;
     return absl::OkStatus();
@@ -130,9 +123,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
         }
       }
       if (status.ok() && chunk != nullptr) {
-        const int64_t a = absl::GetCurrentTimeNanos();
         status = Stage(*chunk);
-        dbg_busy_ += absl::GetCurrentTimeNanos() - a;
         if (status.ok()) continue;
       } else if (status.ok()) {
         status = Commit();  // half-closed and drained
@@ -143,9 +134,6 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
         worker_running_ = false;
         if (!status.ok()) txn_.reset();  // roll back before answering
       }
-      spdlog::warn("append: {} chunks over {:.2f} ms, worker busy {:.2f} ms, blocked {}, starts {}",
-                   dbg_reads_, (absl::GetCurrentTimeNanos() - dbg_t0_) / 1e6, dbg_busy_ / 1e6,
-                   dbg_blocked_, dbg_starts_);
       Finish(ToGrpcStatus(status));
       return;
     }
