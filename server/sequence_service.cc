@@ -9,6 +9,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "grpc/support/time.h"
+#include "grpcpp/alarm.h"
 #include "kernels/common/status_macros.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
@@ -61,10 +63,11 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
       } else {
         auto chunk = std::make_shared<v1::KvChunk>();
         chunk->Swap(request_.mutable_chunk());
+        queued_bytes_ += PayloadBytes(*chunk);
         queue_.push_back(std::move(chunk));
         // Receive the next chunk while this one waits or is staged, unless the queue is full;
-        // then the worker restarts the read when it takes a chunk out.
-        if (queue_.size() < kMaxQueuedChunks) {
+        // then the worker has the read resumed when it takes a chunk out.
+        if (!QueueFullLocked()) {
           StartRead(&request_);
         } else {
           read_blocked_ = true;
@@ -86,9 +89,46 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   void OnDone() override { delete this; }  // an uncommitted transaction rolls back here
 
  private:
-  // At most this many received chunks wait for the worker (one more is being staged and one
-  // more may be arriving), so a stream holds a bounded amount of memory.
-  static constexpr size_t kMaxQueuedChunks = 2;
+  // Received chunks wait for the worker (one more is being staged and one more may be
+  // arriving) until kMaxQueuedChunks wait, or at least kMinQueuedChunks holding
+  // kMaxQueuedBytes of payload: a stream holds a bounded amount of memory, and small chunks
+  // still queue deep enough to smooth out the scheduling of the receiving and staging threads.
+  static constexpr size_t kMinQueuedChunks = 2;
+  static constexpr size_t kMaxQueuedChunks = 16;
+  static constexpr size_t kMaxQueuedBytes = size_t{4} << 20;
+
+  static size_t PayloadBytes(const v1::KvChunk& c) { return c.k().size() + c.v().size(); }
+
+  bool QueueFullLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return queue_.size() >= kMaxQueuedChunks ||
+           (queue_.size() >= kMinQueuedChunks && queued_bytes_ >= kMaxQueuedBytes);
+  }
+
+  // Worker side, after taking a chunk out of a full queue: the read is restarted from a gRPC
+  // thread (an alarm due now), never from the worker, because starting a read runs gRPC's
+  // receive path (socket reads, the next message's parse) on the calling thread, and that
+  // would stall the codec. Until the alarm has run, the worker leaves answering to it.
+  void ResumeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    read_blocked_ = false;
+    resume_pending_ = true;
+    resume_alarm_ = std::make_unique<grpc::Alarm>();
+    resume_alarm_->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { OnResumeRead(); });
+  }
+
+  void OnResumeRead() {
+    grpc::Status answer;
+    {
+      absl::MutexLock lock(&mu_);
+      resume_pending_ = false;
+      if (!finished_) {
+        StartRead(&request_);
+        return;
+      }
+      // The worker finished meanwhile and left the answer to this callback.
+      answer = std::move(deferred_answer_);
+    }
+    Finish(answer);
+  }
 
   absl::Status StartWorkerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!ctx_->workers->TrySubmit([this] { Work(); })) return BusyError();
@@ -113,10 +153,8 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
         } else if (!queue_.empty()) {
           chunk = std::move(queue_.front());
           queue_.pop_front();
-          if (read_blocked_) {
-            read_blocked_ = false;
-            StartRead(&request_);
-          }
+          queued_bytes_ -= PayloadBytes(*chunk);
+          if (read_blocked_ && !QueueFullLocked()) ResumeReadLocked();
         } else if (!half_closed_) {
           worker_running_ = false;  // the next chunk starts a new task
           return;
@@ -133,6 +171,11 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
         finished_ = true;
         worker_running_ = false;
         if (!status.ok()) txn_.reset();  // roll back before answering
+        if (resume_pending_) {
+          // OnDone must not run (and delete this) before the alarm callback has: it answers.
+          deferred_answer_ = ToGrpcStatus(status);
+          return;
+        }
       }
       Finish(ToGrpcStatus(status));
       return;
@@ -232,7 +275,12 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   std::unique_ptr<AppendTxn> txn_;
   std::deque<std::shared_ptr<v1::KvChunk>> queue_ ABSL_GUARDED_BY(mu_);
   bool worker_running_ ABSL_GUARDED_BY(mu_) = false;
+  size_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;    // k + v payload bytes in queue_
   bool read_blocked_ ABSL_GUARDED_BY(mu_) = false;  // queue was full: no read pending
+  // A read resume is scheduled on resume_alarm_ and has not run yet.
+  bool resume_pending_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<grpc::Alarm> resume_alarm_ ABSL_GUARDED_BY(mu_);
+  grpc::Status deferred_answer_ ABSL_GUARDED_BY(mu_);  // for OnResumeRead after finished_
   bool half_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status pending_error_ ABSL_GUARDED_BY(mu_);  // for the running worker to answer

@@ -2,12 +2,13 @@
 // AppendDecode, seal, release, describe, prefix lookup).
 //
 // AppendKv is a read reactor that overlaps receiving with staging: it starts the next read as
-// soon as a chunk is taken out of the message and queues the chunk (at most two wait), and one
-// worker-pool task per stream stages the queue in order (decode, rotate, quantize into the
-// transaction's reserved pages). When the queue is full the read waits, so gRPC flow control
-// pushes back on a fast client. The transaction commits once the client has half-closed and the
-// queue has drained; any error, a cancelled call or a full worker queue drops it, which returns
-// every reserved page.
+// soon as a chunk is taken out of the message and queues the chunk (a bounded number of chunks
+// and bytes wait), and one worker-pool task per stream stages the queue in order (rotate and
+// quantize into the transaction's reserved pages, reading BF16 payloads where the message holds
+// them). When the queue is full the read waits, so gRPC flow control pushes back on a fast
+// client; the worker has it resumed on a gRPC thread, so that receiving never runs on a worker.
+// The transaction commits once the client has half-closed and the queue has drained; any error,
+// a cancelled call or a full worker queue drops it, which returns every reserved page.
 //
 //   SequenceServiceImpl sequences(&service_context);
 //   builder.RegisterService(&sequences);

@@ -607,6 +607,68 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
   }
 }
 
+// Streams of many small chunks keep the daemon's receive queue full, so the read is paused
+// and resumed many times while chunks are staged: a failure late in such a stream (NaN, a gap,
+// a cancel) still answers with its code and leaves the pool as it was, and a good one commits
+// every token exactly.
+TEST_F(BadInputTest, DeepStreamsFailLateOrCommitExactly) {
+  using C = absl::StatusCode;
+  v1::QuantConfig bypass;
+  bypass.set_method(v1::QUANT_METHOD_BYPASS);
+  ASSERT_TRUE(
+      RegisterDataFree(client(), "deep", kShape, v1::ROTATION_KIND_IDENTITY, 0, bypass).ok());
+  ASSERT_TRUE(RegisterDataFree(client(), "deep-int2", kShape, v1::ROTATION_KIND_HADAMARD, 0).ok());
+  constexpr uint32_t kTokens = 600;
+  const SequenceKv kv = MakeSequenceKv(kShape, kTokens, 21);
+  // One message per token and layer, layer 0 first; `edit` may change the messages.
+  auto one_token_chunks = [&](const std::string& id,
+                              const std::function<void(std::vector<v1::AppendKvRequest>*)>& edit) {
+    std::vector<v1::AppendKvRequest> m = {Header(id, 0, kTokens)};
+    for (int l = 0; l < 2; ++l) {
+      for (uint32_t t = 0; t < kTokens; ++t) {
+        m.push_back(Chunk(l, t, 1, Rows(kv.k[l], t, 1), Rows(kv.v[l], t, 1)));
+      }
+    }
+    if (edit) edit(&m);
+    return m;
+  };
+  for (const char* model : {"deep", "deep-int2"}) {
+    const std::string id = absl::StrCat(model, "-seq");
+    ASSERT_TRUE(client().CreateSequence(model, id).ok());
+    ExpectRejected(C::kInvalidArgument, absl::StrCat(model, ": NaN in the last chunks"), [&] {
+      return AppendRaw(one_token_chunks(id, [](std::vector<v1::AppendKvRequest>* m) {
+        const uint16_t nan = 0x7fc0;
+        std::memcpy(m->at(m->size() - 3).mutable_chunk()->mutable_k()->data() + 10, &nan, 2);
+      }));
+    });
+    ExpectRejected(C::kInvalidArgument, absl::StrCat(model, ": a gap late in layer 1"), [&] {
+      return AppendRaw(one_token_chunks(
+          id, [](std::vector<v1::AppendKvRequest>* m) { m->erase(m->end() - 5); }));
+    });
+    ExpectRejected(C::kCancelled, absl::StrCat(model, ": cancelled after 1000 chunks"), [&] {
+      return AppendRaw(
+          one_token_chunks(id, [](std::vector<v1::AppendKvRequest>* m) { m->resize(1001); }),
+          /*cancel=*/true);
+    });
+    ASSERT_EQ(AppendRaw(one_token_chunks(id, nullptr)), absl::OkStatus()) << model;
+    absl::StatusOr<v1::SequenceInfo> info = client().DescribeSequence(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->total_tokens(), kTokens) << model;
+  }
+  // The bypass model stores exactly what was sent.
+  v1::ReadKvRequest read;
+  read.set_sequence_id("deep-seq");
+  absl::StatusOr<client::KvRead> back = client().ReadKv(read);
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_TRUE(back->layers[l].k == AsBytes(kv.k[l])) << "layer " << l;
+    EXPECT_TRUE(back->layers[l].v == AsBytes(kv.v[l])) << "layer " << l;
+  }
+  for (const char* id : {"deep-seq", "deep-int2-seq"}) {
+    ASSERT_TRUE(client().ReleaseSequence(id).ok());
+  }
+}
+
 // Without --model_dir, server paths are refused as a precondition.
 class NoModelDirTest : public DaemonTest {};
 
