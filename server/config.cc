@@ -42,6 +42,11 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 ABSL_FLAG(int32_t, shutdown_grace_ms, 5000,
           "On SIGTERM/SIGINT, how long in-flight calls may finish before being cancelled");
+ABSL_FLAG(uint64_t, malloc_retain_bytes, uint64_t{256} << 20,
+          "Freed heap memory kept for reuse instead of being returned to the OS, so message "
+          "buffers are not unmapped and faulted in again on every message (glibc trim "
+          "threshold; allocations below min(this, 32 MiB) come from the heap); 0 = glibc's "
+          "defaults");
 ABSL_FLAG(std::string, transports, "ucx",
           "Data-plane transports offered in TransportService.Negotiate besides grpc_inline "
           "(comma list: ucx; '' = grpc_inline only)");
@@ -222,6 +227,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.port_file = absl::GetFlag(FLAGS_port_file);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
+  c.malloc_retain_bytes = absl::GetFlag(FLAGS_malloc_retain_bytes);
   c.transports = absl::GetFlag(FLAGS_transports);
   c.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   c.ucx_net_devices = absl::GetFlag(FLAGS_ucx_net_devices);

@@ -1,5 +1,11 @@
 #include "server/server.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -23,6 +29,20 @@ constexpr const char* kServiceNames[] = {"kvpool.v1.ModelService", "kvpool.v1.Se
                                          "kvpool.v1.ReadService",  "kvpool.v1.AttentionService",
                                          "kvpool.v1.StatsService", "kvpool.v1.TransportService"};
 
+// Keeps freed heap memory for reuse (config.malloc_retain_bytes): without it every large
+// message buffer (gRPC reads, parsed K/V payloads) is mapped fresh and faulted in page by page.
+void TuneMalloc(size_t retain_bytes) {
+#if defined(__GLIBC__)
+  if (retain_bytes == 0) return;
+  constexpr size_t kMaxMmapThreshold = size_t{32} << 20;  // glibc's limit on 64-bit
+  const size_t clamp = std::min<size_t>(retain_bytes, INT32_MAX);
+  mallopt(M_MMAP_THRESHOLD, static_cast<int>(std::min(clamp, kMaxMmapThreshold)));
+  mallopt(M_TRIM_THRESHOLD, static_cast<int>(clamp));
+#else
+  (void)retain_bytes;
+#endif
+}
+
 void SetHealth(grpc::Server* server, bool serving) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   if (health == nullptr) return;
@@ -34,6 +54,7 @@ void SetHealth(grpc::Server* server, bool serving) {
 
 absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerConfig& config) {
   KVPOOL_RETURN_IF_ERROR(config.Validate());
+  TuneMalloc(config.malloc_retain_bytes);
   auto s = std::unique_ptr<KvpoolServer>(new KvpoolServer());
   s->config_ = config;
   KVPOOL_ASSIGN_OR_RETURN(s->backend_, CreateBackend(config.device));
