@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/io/coded_stream.h"
 #include "kernels/common/status_macros.h"
 
 namespace kvpool::client {
@@ -30,6 +32,53 @@ size_t DTypeBytes(v1::DType dtype) {
 
 absl::Status StreamOrderError(absl::string_view rpc, absl::string_view what) {
   return absl::DataLossError(absl::StrCat(rpc, ": unexpected stream order: ", what));
+}
+
+constexpr char kAppendKvMethod[] = "/kvpool.v1.SequenceService/AppendKv";
+
+// A protobuf message as one outgoing buffer.
+grpc::ByteBuffer SerializeMessage(const google::protobuf::MessageLite& message) {
+  const size_t size = message.ByteSizeLong();
+  grpc_slice slice = grpc_slice_malloc(size);
+  message.SerializeWithCachedSizesToArray(GRPC_SLICE_START_PTR(slice));
+  grpc::Slice owned(slice, grpc::Slice::STEAL_REF);
+  return grpc::ByteBuffer(&owned, 1);
+}
+
+// AppendKvRequest{chunk: KvChunk{layer, token_offset, num_tokens, k, v}} in protobuf's wire
+// format, written directly into one outgoing buffer: K and V are copied once.
+grpc::ByteBuffer SerializeChunk(int layer, uint32_t token_offset, uint32_t num_tokens,
+                                absl::string_view k, absl::string_view v) {
+  using google::protobuf::io::CodedOutputStream;
+  constexpr uint32_t kLengthDelimited = 2;
+  auto tag = [](int field) { return (static_cast<uint32_t>(field) << 3) | kLengthDelimited; };
+  auto field_size = [&](int field, size_t bytes) {
+    return CodedOutputStream::VarintSize32(tag(field)) + CodedOutputStream::VarintSize64(bytes) +
+           bytes;
+  };
+  v1::KvChunk head;  // the small fields; K and V follow (field order is free on the wire)
+  head.set_layer(layer);
+  head.set_token_offset(token_offset);
+  head.set_num_tokens(num_tokens);
+  const size_t head_bytes = head.ByteSizeLong();
+  const size_t chunk_bytes = head_bytes + field_size(v1::KvChunk::kKFieldNumber, k.size()) +
+                             field_size(v1::KvChunk::kVFieldNumber, v.size());
+  const size_t total = field_size(v1::AppendKvRequest::kChunkFieldNumber, chunk_bytes);
+  grpc_slice slice = grpc_slice_malloc(total);
+  uint8_t* p = GRPC_SLICE_START_PTR(slice);
+  auto put_field = [&](int field, size_t bytes) {
+    p = CodedOutputStream::WriteVarint32ToArray(tag(field), p);
+    p = CodedOutputStream::WriteVarint64ToArray(bytes, p);
+  };
+  put_field(v1::AppendKvRequest::kChunkFieldNumber, chunk_bytes);
+  p = head.SerializeWithCachedSizesToArray(p);
+  put_field(v1::KvChunk::kKFieldNumber, k.size());
+  if (!k.empty()) std::memcpy(p, k.data(), k.size());
+  p += k.size();
+  put_field(v1::KvChunk::kVFieldNumber, v.size());
+  if (!v.empty()) std::memcpy(p, v.data(), v.size());
+  grpc::Slice owned(slice, grpc::Slice::STEAL_REF);
+  return grpc::ByteBuffer(&owned, 1);
 }
 
 }  // namespace
@@ -72,6 +121,8 @@ absl::Status AppendStream::Fail() {
   return final_status_;
 }
 
+bool AppendStream::WriteSerialized(grpc::ByteBuffer* message) { return writer_->Write(*message); }
+
 absl::Status AppendStream::WriteLayer(int layer, uint32_t token_offset, uint32_t num_tokens,
                                       absl::string_view k, absl::string_view v) {
   if (finished_) {
@@ -85,14 +136,12 @@ absl::Status AppendStream::WriteLayer(int layer, uint32_t token_offset, uint32_t
   }
   const size_t row_bytes = k.size() / num_tokens;
   for (const TokenChunk& c : PlanTokenChunks(num_tokens, 2 * row_bytes, chunk_bytes_)) {
-    v1::KvChunk* chunk = message_.mutable_chunk();
-    chunk->set_layer(layer);
-    chunk->set_token_offset(token_offset + c.offset);
-    chunk->set_num_tokens(c.count);
-    chunk->set_k(k.data() + c.offset * row_bytes, c.count * row_bytes);
-    chunk->set_v(v.data() + c.offset * row_bytes, c.count * row_bytes);
-    if (!writer_->Write(message_)) return Fail();
-    bytes_sent_ += 2 * c.count * row_bytes;
+    const size_t bytes = c.count * row_bytes;
+    grpc::ByteBuffer message = SerializeChunk(layer, token_offset + c.offset, c.count,
+                                              k.substr(c.offset * row_bytes, bytes),
+                                              v.substr(c.offset * row_bytes, bytes));
+    if (!WriteSerialized(&message)) return Fail();
+    bytes_sent_ += 2 * bytes;
     ++messages_sent_;
   }
   return absl::OkStatus();
@@ -103,7 +152,8 @@ absl::Status AppendStream::WriteRaw(const v1::AppendKvRequest& request) {
     return final_status_.ok() ? absl::FailedPreconditionError("AppendKv: stream already finished")
                               : final_status_;
   }
-  if (!writer_->Write(request)) return Fail();
+  grpc::ByteBuffer message = SerializeMessage(request);
+  if (!WriteSerialized(&message)) return Fail();
   ++messages_sent_;
   return absl::OkStatus();
 }
@@ -112,6 +162,11 @@ absl::StatusOr<v1::AppendKvResponse> AppendStream::Finish() {
   if (!finished_) {
     writer_->WritesDone();
     final_status_ = FromGrpcStatus(writer_->Finish(), "AppendKv");
+    if (final_status_.ok() &&
+        !grpc::SerializationTraits<v1::AppendKvResponse>::Deserialize(&response_bytes_, &response_)
+             .ok()) {
+      final_status_ = absl::DataLossError("AppendKv: the response does not parse");
+    }
     finished_ = true;
   }
   if (!final_status_.ok()) return final_status_;
@@ -149,6 +204,8 @@ absl::StatusOr<std::unique_ptr<KvpoolClient>> KvpoolClient::Connect(const std::s
   client->reads_ = v1::ReadService::NewStub(client->channel_);
   client->attention_ = v1::AttentionService::NewStub(client->channel_);
   client->stats_ = v1::StatsService::NewStub(client->channel_);
+  client->append_kv_ = std::make_unique<grpc::internal::RpcMethod>(
+      kAppendKvMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, client->channel_);
   return client;
 }
 
@@ -315,10 +372,12 @@ absl::StatusOr<std::unique_ptr<AppendStream>> KvpoolClient::OpenAppend(
   auto stream = std::unique_ptr<AppendStream>(new AppendStream());
   stream->chunk_bytes_ = chunk_bytes_.load();
   stream->context_ = NewContext();
-  stream->writer_ = sequences_->AppendKv(stream->context_.get(), &stream->response_);
+  stream->writer_.reset(grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+      channel_.get(), *append_kv_, stream->context_.get(), &stream->response_bytes_));
   v1::AppendKvRequest request;
   *request.mutable_header() = header;
-  if (!stream->writer_->Write(request)) return stream->Fail();
+  grpc::ByteBuffer message = SerializeMessage(request);
+  if (!stream->WriteSerialized(&message)) return stream->Fail();
   ++stream->messages_sent_;
   return stream;
 }

@@ -125,11 +125,16 @@ class AppendStream {
   AppendStream() = default;
   absl::Status Fail();
 
+  // Writes one serialized AppendKvRequest; false when the call has failed.
+  bool WriteSerialized(grpc::ByteBuffer* message);
+
   size_t chunk_bytes_ = 0;
   std::unique_ptr<grpc::ClientContext> context_;
+  // Messages go out pre-serialized: a chunk's K and V bytes are copied once, straight into
+  // the outgoing buffer (no copy into a protobuf message first).
+  grpc::ByteBuffer response_bytes_;
   v1::AppendKvResponse response_;
-  std::unique_ptr<grpc::ClientWriter<v1::AppendKvRequest>> writer_;
-  v1::AppendKvRequest message_;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer_;
   absl::Status final_status_;
   bool finished_ = false;
   uint64_t bytes_sent_ = 0;
@@ -259,6 +264,8 @@ class KvpoolClient {
   std::unique_ptr<v1::ReadService::Stub> reads_;
   std::unique_ptr<v1::AttentionService::Stub> attention_;
   std::unique_ptr<v1::StatsService::Stub> stats_;
+  // SequenceService.AppendKv as a client-streaming method of pre-serialized messages.
+  std::unique_ptr<grpc::internal::RpcMethod> append_kv_;
 };
 
 }  // namespace kvpool::client
