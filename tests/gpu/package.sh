@@ -61,5 +61,6 @@ rm -rf .gpu-carry
 mkdir -p .gpu-carry
 du -sh "$STAGE"
 tar -C "$STAGE" -cf - bin lib ptxas.txt | xz -T0 -6 > .gpu-carry/bundle.tar.xz
-grep -qx '/.gpu-carry/' .git/info/exclude 2>/dev/null || echo '/.gpu-carry/' >> .git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+grep -qx '/.gpu-carry/' "$EXCLUDE" 2>/dev/null || echo '/.gpu-carry/' >>"$EXCLUDE"
 du -sh .gpu-carry/bundle.tar.xz
