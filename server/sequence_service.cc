@@ -104,7 +104,14 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
            (queue_.size() >= kMinQueuedChunks && queued_bytes_ >= kMaxQueuedBytes);
   }
 
-  // Worker side, after taking a chunk out of a full queue: the read is restarted from a gRPC
+  // Whether a paused read may resume: the queue has drained to half of its bounds, so that
+  // each resume receives several chunks.
+  bool QueueLowLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return queue_.size() < kMinQueuedChunks ||
+           (queue_.size() <= kMaxQueuedChunks / 2 && queued_bytes_ <= kMaxQueuedBytes / 2);
+  }
+
+  // Worker side, once a full queue is low again: the read is restarted from a gRPC
   // thread (an alarm due now), never from the worker, because starting a read runs gRPC's
   // receive path (socket reads, the next message's parse) on the calling thread, and that
   // would stall the codec. Until the alarm has run, the worker leaves answering to it.
@@ -154,7 +161,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
           chunk = std::move(queue_.front());
           queue_.pop_front();
           queued_bytes_ -= PayloadBytes(*chunk);
-          if (read_blocked_ && !QueueFullLocked()) ResumeReadLocked();
+          if (read_blocked_ && QueueLowLocked()) ResumeReadLocked();
         } else if (!half_closed_) {
           worker_running_ = false;  // the next chunk starts a new task
           return;
