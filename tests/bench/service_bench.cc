@@ -6,6 +6,7 @@
 //                      streams of 8K tokens, 1 and 2 at once)   vs  the daemon's own arrival
 //                      arithmetic (ArrivalEncoder: rotate + clip + quantize per block) on the
 //                      same rows in this process (1 and 2 threads)               target >= 70%
+//                      (also the daemon's CPU per MB beside the codec threads' own)
 //   remote attention   p50 / p99 ms of Attend, batch 1..16, context 4K..32K    vs  the kernels'
 //                      own time for the same work (rotate, AttendBf16Rows + AttendBlocks + merge,
 //                      un-rotate on the same blocks, read back from the daemon), the batch
@@ -17,14 +18,19 @@
 // here is a pass/fail assertion.
 //
 // Usage: kvpool-bench-service [--out bench-results/service.json] [--kvpoold PATH] [--quick]
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -134,6 +140,28 @@ absl::Status CodecIngest(const ArrivalEncoder& enc, const BlockLayout& layout,
   return absl::OkStatus();
 }
 
+// CPU time (user + system) of process `pid` so far, at the kernel's tick resolution.
+double ProcessCpuSeconds(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  std::getline(in, line);
+  const size_t end = line.rfind(')');  // the name may hold spaces
+  if (end == std::string::npos) return 0;
+  std::istringstream fields(line.substr(end + 2));
+  std::string skip;
+  for (int i = 0; i < 11; ++i) fields >> skip;  // state .. cmajflt
+  double utime = 0, stime = 0;
+  fields >> utime >> stime;
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// CPU time of the calling thread so far.
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 // Runs `fn(i)` on `threads` threads at once; returns the wall time and the first error.
 absl::StatusOr<double> Parallel(int threads, const std::function<absl::Status(int)>& fn) {
   std::vector<absl::Status> status(threads);
@@ -221,18 +249,30 @@ absl::Status Run(const Options& opt) {
   };
   for (int streams : {1, 2}) {
     std::vector<double> service_s, codec_s, transport_s;
+    // CPU seconds, summed over the repetitions: the daemon's during its quantizing pushes
+    // (it is idle otherwise), the codec threads' own. Unlike the wall times they hardly depend
+    // on what else runs on the machine.
+    double daemon_cpu = 0, codec_cpu = 0;
+    std::vector<double> codec_thread_cpu(streams);
     for (int rep = 0; rep < 5; ++rep) {
+      const double cpu0 = ProcessCpuSeconds(daemon->pid());
       KVPOOL_ASSIGN_OR_RETURN(double s, push("bench", streams));
+      daemon_cpu += ProcessCpuSeconds(daemon->pid()) - cpu0;
       service_s.push_back(s);
       KVPOOL_ASSIGN_OR_RETURN(double t, push("bench-bypass", streams));
       transport_s.push_back(t);
       // The codec: the same rows, `streams` copies over as many threads.
       KVPOOL_ASSIGN_OR_RETURN(double cs, Parallel(streams, [&](int i) {
-                                return CodecIngest(encoder, layout, data, 0, ingest_tokens,
-                                                   &codec_out[i]);
+                                const double t0 = ThreadCpuSeconds();
+                                absl::Status st = CodecIngest(encoder, layout, data, 0,
+                                                              ingest_tokens, &codec_out[i]);
+                                codec_thread_cpu[i] = ThreadCpuSeconds() - t0;
+                                return st;
                               }));
       codec_s.push_back(cs);
+      for (double c : codec_thread_cpu) codec_cpu += c;
     }
+    const double total_mb = 5 * streams * stream_bytes / 1e6;
     auto best_mbs = [&](const std::vector<double>& secs) {
       return streams * stream_bytes / *std::min_element(secs.begin(), secs.end()) / 1e6;
     };
@@ -259,8 +299,18 @@ absl::Status Run(const Options& opt) {
                 1.0 / (1.0 / transport_mbs + 1.0 / codec_mbs),
                 "MB/s",
                 {"codec_arrival_encoder_same_rows", codec_mbs}});
+    // CPU per MB: the codec's arithmetic against everything the daemon spends (receiving,
+    // parsing, checking, staging, committing); ratio = the codec's share.
+    const double daemon_ms = 1e3 * daemon_cpu / total_mb, codec_ms = 1e3 * codec_cpu / total_mb;
+    report.Add({"ingest_grpc_inline_daemon_cpu",
+                params,
+                daemon_ms,
+                "ms/MB",
+                {"codec_arrival_encoder_cpu", codec_ms},
+                daemon_ms > 0 ? codec_ms / daemon_ms : 0});
     std::cerr << "ingest, " << streams << " stream(s): " << service_mbs << " MB/s vs codec "
-              << codec_mbs << " MB/s (transport alone " << transport_mbs << " MB/s)\n";
+              << codec_mbs << " MB/s (transport alone " << transport_mbs << " MB/s); CPU "
+              << daemon_ms << " ms/MB in the daemon vs " << codec_ms << " ms/MB in the codec\n";
   }
 
   if (opt.ingest_only) {
