@@ -321,6 +321,7 @@ absl::Status Run(const Options& opt) {
     KVPOOL_ASSIGN_OR_RETURN(double raw_peer, raw->PeerCopy(2 * bytes, reps));
     for (bool nccl : {true, false}) {
       std::vector<double> t;
+      KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse before, c->GetStats());
       for (int r = 0; r < reps; ++r) {
         const std::string id = absl::StrCat("s", seq++);
         KVPOOL_RETURN_IF_ERROR(c->CreateSequence("gpu", id).status());
@@ -332,6 +333,10 @@ absl::Status Run(const Options& opt) {
         KVPOOL_RETURN_IF_ERROR(resp.status());
         KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
       }
+      KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse after, c->GetStats());
+      const double kernel_s =
+          (after.service().arrival_device_seconds() - before.service().arrival_device_seconds()) /
+          reps;
       const double gbs = 2.0 * bytes / Median(t) / 1e9;
       const double base = 2.0 * bytes / (nccl ? raw_nccl : raw_peer) / 1e9;
       report.Add({nccl ? "ingest_nccl" : "ingest_cuda_ipc",
@@ -342,8 +347,14 @@ absl::Status Run(const Options& opt) {
                   gbs,
                   "GB/s",
                   {nccl ? "raw_nccl_send_recv" : "peer_copy", base}});
+      report.Add({nccl ? "arrival_kernels_during_nccl" : "arrival_kernels_during_ipc",
+                  {{"message_bytes", std::to_string(bytes)}},
+                  kernel_s > 0 ? 2.0 * bytes / kernel_s / 1e9 : 0.0,
+                  "GB/s",
+                  {"ingest", gbs}});
       std::cerr << (nccl ? "NCCL" : "IPC ") << " " << (bytes >> 20) << " MiB: " << gbs
-                << " GB/s vs raw " << base << " GB/s\n";
+                << " GB/s vs raw " << base << " GB/s (arrival kernels alone "
+                << (kernel_s > 0 ? 2.0 * bytes / kernel_s / 1e9 : 0.0) << " GB/s)\n";
     }
   }
   KVPOOL_RETURN_IF_ERROR(gpu->CloseNccl());

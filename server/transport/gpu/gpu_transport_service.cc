@@ -18,6 +18,7 @@
 #include "kernels/common/status_macros.h"
 #include "proto/kvpool/v1/gpu_transport_service.grpc.pb.h"
 #include "server/proto_convert.h"
+#include "server/transport/gpu/device_slots.h"
 #include "server/transport/gpu/nccl_channel.h"
 #include "server/transport/layerwise_append.h"
 #include "spdlog/spdlog.h"
@@ -29,6 +30,8 @@ namespace v1 = ::kvpool::v1;
 
 // Most bytes of one chunk's K (or V) over NCCL: two slots of K + V stay allocated per channel.
 constexpr size_t kMaxNcclChunkBytes = size_t{1} << 30;
+// CUDA IPC chunks are copied into these slots (shared by all pushes) before quantization.
+constexpr int kIpcSlots = 4;
 
 // Size of the allocation holding `ptr` (device memory of this process, IPC-mapped included),
 // through the driver's cuMemGetAddressRange fetched from the runtime (kvpoold does not link the
@@ -113,7 +116,11 @@ class IpcMappings {
 
 class GpuTransportServiceImpl final : public v1::GpuTransportService::CallbackService {
  public:
-  explicit GpuTransportServiceImpl(ServiceContext* ctx) : ctx_(ctx) {}
+  explicit GpuTransportServiceImpl(ServiceContext* ctx)
+      : ctx_(ctx), ipc_slots_(ctx->backend->device(), kIpcSlots) {}
+  ~GpuTransportServiceImpl() override {
+    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+  }
 
   grpc::ServerUnaryReactor* OpenNcclChannel(grpc::CallbackServerContext* call,
                                             const v1::OpenNcclChannelRequest* request,
@@ -172,6 +179,22 @@ class GpuTransportServiceImpl final : public v1::GpuTransportService::CallbackSe
 
   ServiceContext* ctx() const { return ctx_; }
   IpcMappings& ipc() { return ipc_; }
+  DeviceSlots& ipc_slots() { return ipc_slots_; }
+
+  // The stream that copies CUDA IPC chunks from the prefill GPU into slots (copy engines over
+  // NVLink, leaving the SMs to the arrival kernels).
+  absl::StatusOr<cudaStream_t> CopyStream() {
+    absl::MutexLock lock(&mu_);
+    if (copy_stream_ == nullptr) {
+      if (cudaSetDevice(ctx_->backend->device()) != cudaSuccess ||
+          cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking) != cudaSuccess) {
+        (void)cudaGetLastError();
+        copy_stream_ = nullptr;
+        return absl::InternalError("cannot create the IPC copy stream");
+      }
+    }
+    return copy_stream_;
+  }
 
   absl::StatusOr<std::shared_ptr<NcclChannel>> Channel(uint64_t id) {
     absl::MutexLock lock(&mu_);
@@ -183,6 +206,8 @@ class GpuTransportServiceImpl final : public v1::GpuTransportService::CallbackSe
  private:
   ServiceContext* const ctx_;
   IpcMappings ipc_;
+  DeviceSlots ipc_slots_;
+  cudaStream_t copy_stream_ = nullptr;
   std::atomic<uint64_t> next_channel_{1};
   absl::Mutex mu_;
   std::map<uint64_t, std::shared_ptr<NcclChannel>> channels_ ABSL_GUARDED_BY(mu_);
@@ -335,7 +360,49 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
       done(v.status(), false);
       return absl::OkStatus();
     }
-    push_->StageDevice(layer, offset, n, *k, *v, nullptr, done);
+    // Copy engines pull the chunk over NVLink into a local slot while the previous chunk is
+    // quantized (the arrival kernels reading peer memory directly ran at about a third of the
+    // link's speed).
+    auto cancelled = [call = call_] { return call->IsCancelled(); };
+    DeviceSlots& slots = service_->ipc_slots();
+    absl::StatusOr<DeviceSlots::Slot*> slot = slots.Acquire(bytes, cancelled, [] { return false; });
+    absl::StatusOr<cudaStream_t> stream = service_->CopyStream();
+    absl::Status copied = !slot.ok() ? slot.status() : stream.status();
+    if (copied.ok()) {
+      DeviceSlots::Slot* s = *slot;
+      const bool ok = cudaMemcpyAsync(s->k, *k, bytes, cudaMemcpyDefault, *stream) == cudaSuccess &&
+                      cudaMemcpyAsync(s->v, *v, bytes, cudaMemcpyDefault, *stream) == cudaSuccess &&
+                      cudaEventRecord(static_cast<cudaEvent_t>(s->done), *stream) == cudaSuccess;
+      if (!ok) {
+        (void)cudaGetLastError();
+        copied = absl::InternalError("copying a CUDA IPC chunk failed");
+      }
+    }
+    if (!copied.ok()) {
+      if (slot.ok()) {
+        cudaStreamSynchronize(*stream);
+        slots.Release(*slot);
+      }
+      done(copied, false);
+      return absl::OkStatus();
+    }
+    DeviceSlots::Slot* s = *slot;
+    push_->StageDevice(
+        layer, offset, n, static_cast<const Bf16*>(s->k), static_cast<const Bf16*>(s->v),
+        [s, cancelled] {
+          return DeviceSlots::Wait(
+              s,
+              [&]() -> absl::Status {
+                return cancelled() ? absl::CancelledError("push cancelled") : absl::OkStatus();
+              },
+              absl::Seconds(120));
+        },
+        [&slots, s, done](absl::Status st, bool complete) {
+          // A chunk dropped before staging may still have its copy in flight.
+          cudaEventSynchronize(static_cast<cudaEvent_t>(s->done));
+          slots.Release(s);
+          done(std::move(st), complete);
+        });
     return absl::OkStatus();
   }
 

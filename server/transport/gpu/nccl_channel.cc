@@ -36,7 +36,7 @@ void DisableNvlinkMulticast() {
 }
 
 NcclChannel::NcclChannel(int device, void* comm, void* stream)
-    : device_(device), comm_(comm), stream_(stream) {}
+    : device_(device), comm_(comm), stream_(stream), slots_(device, kSlots) {}
 
 absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
                                                                const std::string& unique_id,
@@ -83,63 +83,14 @@ NcclChannel::~NcclChannel() {
   Abort();  // frees the communicator's resources whether or not it is busy
   cudaStreamSynchronize(Stream(stream_));
   cudaStreamDestroy(Stream(stream_));
-  absl::MutexLock lock(&slots_mu_);
-  for (auto& slot : slots_) {
-    cudaFree(slot->k);
-    cudaFree(slot->v);
-    cudaEventDestroy(static_cast<cudaEvent_t>(slot->done));
-  }
 }
 
 absl::StatusOr<NcclChannel::Slot*> NcclChannel::AcquireSlot(
     size_t bytes, const std::function<bool()>& cancelled) {
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
-  absl::MutexLock lock(&slots_mu_);
-  while (true) {
-    if (aborted()) return absl::FailedPreconditionError("the NCCL channel was aborted");
-    if (cancelled()) return absl::CancelledError("push cancelled");
-    Slot* free_slot = nullptr;
-    for (auto& s : slots_) {
-      if (!s->busy && (free_slot == nullptr || s->capacity > free_slot->capacity)) {
-        free_slot = s.get();
-      }
-    }
-    if (free_slot == nullptr && slots_.size() < kSlots) {
-      auto s = std::make_unique<Slot>();
-      cudaEvent_t ev = nullptr;
-      KVPOOL_RETURN_IF_ERROR(
-          CudaCheck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event"));
-      s->done = ev;
-      slots_.push_back(std::move(s));
-      free_slot = slots_.back().get();
-    }
-    if (free_slot != nullptr) {
-      if (free_slot->capacity < bytes) {
-        cudaFree(free_slot->k);
-        cudaFree(free_slot->v);
-        free_slot->k = free_slot->v = nullptr;
-        free_slot->capacity = 0;
-        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->k, bytes), "cudaMalloc (slot)"));
-        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->v, bytes), "cudaMalloc (slot)"));
-        free_slot->capacity = bytes;
-      }
-      free_slot->busy = true;
-      return free_slot;
-    }
-    auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(slots_mu_) {
-      for (auto& s : slots_) {
-        if (!s->busy) return true;
-      }
-      return false;
-    };
-    slots_mu_.AwaitWithTimeout(absl::Condition(&any_free), absl::Milliseconds(20));
-  }
+  return slots_.Acquire(bytes, cancelled, [this] { return aborted(); });
 }
 
-void NcclChannel::ReleaseSlot(Slot* slot) {
-  absl::MutexLock lock(&slots_mu_);
-  slot->busy = false;
-}
+void NcclChannel::ReleaseSlot(Slot* slot) { slots_.Release(slot); }
 
 absl::Status NcclChannel::Settle(const std::function<bool()>& cancelled, absl::Time deadline) {
   while (true) {
@@ -183,32 +134,24 @@ absl::Status NcclChannel::PostRecv(Slot* slot, size_t bytes) {
 
 absl::Status NcclChannel::WaitRecv(Slot* slot, const std::function<bool()>& cancelled,
                                    absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(slot->done));
-    if (e == cudaSuccess) {
-      absl::MutexLock lock(&comm_mu_);
-      if (aborted_) return absl::FailedPreconditionError("the NCCL channel was aborted");
-      return absl::OkStatus();
-    }
-    if (e != cudaErrorNotReady) return CudaCheck(e, "NCCL receive");
-    {
-      absl::MutexLock lock(&comm_mu_);
-      if (aborted_) return absl::FailedPreconditionError("the NCCL channel was aborted");
-      ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(Comm(comm_), &state);
-      const bool failed = state != ncclSuccess && state != ncclInProgress;
-      const bool stop = failed || cancelled() || absl::Now() > deadline;
-      if (stop) {
-        ncclCommAbort(Comm(comm_));
-        aborted_ = true;
-        if (failed) return NcclError(state, "NCCL receive (the peer failed or left)");
-        return cancelled() ? absl::CancelledError("push cancelled")
-                           : absl::DeadlineExceededError("NCCL receive timed out");
-      }
-    }
-    absl::SleepFor(absl::Microseconds(5));
-  }
+  absl::Status s = DeviceSlots::Wait(
+      slot,
+      [&]() -> absl::Status {
+        absl::MutexLock lock(&comm_mu_);
+        if (aborted_) return absl::FailedPreconditionError("the NCCL channel was aborted");
+        ncclResult_t state = ncclSuccess;
+        ncclCommGetAsyncError(Comm(comm_), &state);
+        if (state != ncclSuccess && state != ncclInProgress) {
+          ncclCommAbort(Comm(comm_));
+          aborted_ = true;
+          return NcclError(state, "NCCL receive (the peer failed or left)");
+        }
+        if (cancelled()) return absl::CancelledError("push cancelled");
+        return absl::OkStatus();
+      },
+      timeout);
+  if (!s.ok()) Abort();  // a receive left pending must not complete into a reused slot
+  return s;
 }
 
 void NcclChannel::Abort() {

@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/transport/gpu/device_slots.h"
 
 namespace kvpool::server {
 
@@ -38,14 +39,7 @@ void DisableNvlinkMulticast();
 
 class NcclChannel {
  public:
-  // Two receive buffers (K and V) of one chunk, and the event marking their arrival.
-  struct Slot {
-    void* k = nullptr;
-    void* v = nullptr;
-    size_t capacity = 0;   // bytes of each
-    void* done = nullptr;  // cudaEvent_t
-    bool busy = false;
-  };
+  using Slot = DeviceSlots::Slot;
 
   // Joins a two-rank communicator as rank 1 on GPU `device`, waiting up to `timeout` for rank 0.
   // InvalidArgument (id size), DeadlineExceeded, Unavailable (NCCL errors).
@@ -85,8 +79,7 @@ class NcclChannel {
   void* stream_;                 // cudaStream_t the receives run on
   mutable absl::Mutex comm_mu_;  // serializes NCCL calls on the communicator
   bool aborted_ ABSL_GUARDED_BY(comm_mu_) = false;
-  absl::Mutex slots_mu_;
-  std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(slots_mu_);
+  DeviceSlots slots_;
 };
 
 }  // namespace kvpool::server

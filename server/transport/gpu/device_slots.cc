@@ -1,0 +1,94 @@
+#include "server/transport/gpu/device_slots.h"
+
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+
+namespace kvpool::server {
+namespace {
+
+absl::Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+}  // namespace
+
+DeviceSlots::~DeviceSlots() {
+  cudaSetDevice(device_);
+  absl::MutexLock lock(&mu_);
+  for (auto& slot : slots_) {
+    cudaFree(slot->k);
+    cudaFree(slot->v);
+    cudaEventDestroy(static_cast<cudaEvent_t>(slot->done));
+  }
+}
+
+absl::StatusOr<DeviceSlots::Slot*> DeviceSlots::Acquire(size_t bytes,
+                                                        const std::function<bool()>& cancelled,
+                                                        const std::function<bool()>& closed) {
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (closed()) return absl::FailedPreconditionError("the channel was aborted");
+    if (cancelled()) return absl::CancelledError("push cancelled");
+    Slot* free_slot = nullptr;
+    for (auto& s : slots_) {
+      if (!s->busy && (free_slot == nullptr || s->capacity > free_slot->capacity)) {
+        free_slot = s.get();
+      }
+    }
+    if (free_slot == nullptr && static_cast<int>(slots_.size()) < count_) {
+      auto s = std::make_unique<Slot>();
+      cudaEvent_t ev = nullptr;
+      KVPOOL_RETURN_IF_ERROR(
+          CudaCheck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event"));
+      s->done = ev;
+      slots_.push_back(std::move(s));
+      free_slot = slots_.back().get();
+    }
+    if (free_slot != nullptr) {
+      if (free_slot->capacity < bytes) {
+        // The slot is idle (its last chunk was staged and waited for): safe to free.
+        cudaFree(free_slot->k);
+        cudaFree(free_slot->v);
+        free_slot->k = free_slot->v = nullptr;
+        free_slot->capacity = 0;
+        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->k, bytes), "cudaMalloc (slot)"));
+        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->v, bytes), "cudaMalloc (slot)"));
+        free_slot->capacity = bytes;
+      }
+      free_slot->busy = true;
+      return free_slot;
+    }
+    auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (auto& s : slots_) {
+        if (!s->busy) return true;
+      }
+      return false;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&any_free), absl::Milliseconds(20));
+  }
+}
+
+void DeviceSlots::Release(Slot* slot) {
+  absl::MutexLock lock(&mu_);
+  slot->busy = false;
+}
+
+absl::Status DeviceSlots::Wait(const Slot* slot, const std::function<absl::Status()>& check,
+                               absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(slot->done));
+    if (e == cudaSuccess) return check();
+    if (e != cudaErrorNotReady) return CudaCheck(e, "transfer into a slot");
+    KVPOOL_RETURN_IF_ERROR(check());
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("transfer timed out");
+    absl::SleepFor(absl::Microseconds(5));
+  }
+}
+
+}  // namespace kvpool::server
