@@ -319,13 +319,16 @@ absl::Status Run(const Options& opt) {
     // The push moves K and V (2 x bytes); the raw figures move the same 2 x bytes.
     KVPOOL_ASSIGN_OR_RETURN(double raw_nccl, raw->Nccl(2 * bytes, reps));
     KVPOOL_ASSIGN_OR_RETURN(double raw_peer, raw->PeerCopy(2 * bytes, reps));
+    // Four chunks per message (receive/copy of one overlaps quantization of the previous),
+    // 8 to 64 MiB per tensor.
+    const uint32_t chunk = std::min(n, std::clamp<uint32_t>(n / 4, 4096, 32768));
     for (bool nccl : {true, false}) {
       std::vector<double> t;
       KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse before, c->GetStats());
       for (int r = 0; r < reps; ++r) {
         const std::string id = absl::StrCat("s", seq++);
         KVPOOL_RETURN_IF_ERROR(c->CreateSequence("gpu", id).status());
-        const GpuPushSpec spec{id, 0, n, true, kRowBytes, std::min<uint32_t>(n, 16384)};
+        const GpuPushSpec spec{id, 0, n, true, kRowBytes, chunk};
         const auto t0 = Clock::now();
         absl::StatusOr<v1::AppendKvResponse> resp =
             nccl ? gpu->PushNccl(spec, {&rows, 1}) : gpu->PushIpc(spec, {&rows, 1});
@@ -341,7 +344,7 @@ absl::Status Run(const Options& opt) {
       const double base = 2.0 * bytes / (nccl ? raw_nccl : raw_peer) / 1e9;
       report.Add({nccl ? "ingest_nccl" : "ingest_cuda_ipc",
                   {{"message_bytes", std::to_string(bytes)},
-                   {"chunk_tokens", std::to_string(std::min<uint32_t>(n, 16384))},
+                   {"chunk_tokens", std::to_string(chunk)},
                    {"from", "cuda:0"},
                    {"pool", "cuda:1"}},
                   gbs,
