@@ -42,7 +42,7 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 ABSL_FLAG(int32_t, shutdown_grace_ms, 5000,
           "On SIGTERM/SIGINT, how long in-flight calls may finish before being cancelled");
-ABSL_FLAG(uint64_t, malloc_retain_bytes, uint64_t{256} << 20,
+ABSL_FLAG(uint64_t, malloc_retain_bytes, uint64_t{64} << 20,
           "Freed heap memory kept for reuse instead of being returned to the OS, so message "
           "buffers are not unmapped and faulted in again on every message (glibc trim "
           "threshold; allocations below min(this, 32 MiB) come from the heap); 0 = glibc's "

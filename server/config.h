@@ -39,7 +39,7 @@ struct ServerConfig {
   int shutdown_grace_ms = 5000;
   // Freed heap memory kept for reuse rather than returned to the OS (glibc's trim threshold;
   // allocations below min(this, 32 MiB) come from the heap); 0 = glibc's defaults.
-  size_t malloc_retain_bytes = 256u << 20;
+  size_t malloc_retain_bytes = 64u << 20;
   // Data plane (server/transport/): transports offered besides grpc_inline, UCX settings,
   // staging memory and timeouts.
   std::string transports = "ucx";

@@ -115,11 +115,13 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   // thread (an alarm due now), never from the worker, because starting a read runs gRPC's
   // receive path (socket reads, the next message's parse) on the calling thread, and that
   // would stall the codec. Until the alarm has run, the worker leaves answering to it.
-  void ResumeReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Returns the alarm to set once mu_ is released (gRPC may run the callback inline when it
+  // has no executor thread); nothing replaces it before the callback has run.
+  grpc::Alarm* PrepareResumeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     read_blocked_ = false;
     resume_pending_ = true;
     resume_alarm_ = std::make_unique<grpc::Alarm>();
-    resume_alarm_->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { OnResumeRead(); });
+    return resume_alarm_.get();
   }
 
   void OnResumeRead() {
@@ -150,6 +152,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
     for (;;) {
       std::shared_ptr<v1::KvChunk> chunk;
       absl::Status status;
+      grpc::Alarm* resume = nullptr;
       {
         absl::MutexLock lock(&mu_);
         if (pending_error_.ok() && call_->IsCancelled()) {
@@ -161,11 +164,14 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
           chunk = std::move(queue_.front());
           queue_.pop_front();
           queued_bytes_ -= PayloadBytes(*chunk);
-          if (read_blocked_ && QueueLowLocked()) ResumeReadLocked();
+          if (read_blocked_ && QueueLowLocked()) resume = PrepareResumeLocked();
         } else if (!half_closed_) {
           worker_running_ = false;  // the next chunk starts a new task
           return;
         }
+      }
+      if (resume != nullptr) {
+        resume->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { OnResumeRead(); });
       }
       if (status.ok() && chunk != nullptr) {
         status = Stage(*chunk);
