@@ -84,8 +84,7 @@ absl::Status AttentionEngine::Prepare(Batch* b) {
   }
   // One batched rotation for every query row of the request.
   b->q.resize(q_all.size());
-  return backend_->RotateFloat(m.codec.rotations, b->layer, KvTensor::kKey, q_all,
-                               absl::MakeSpan(b->q));
+  return m.codec.rotations.Rotate(b->layer, KvTensor::kKey, q_all, absl::MakeSpan(b->q));
 }
 
 absl::Status AttentionEngine::AttendBatched(Batch* b) {
@@ -137,8 +136,8 @@ absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Finish(Batch* b) {
     unrotated = std::move(b->out);  // already in the original basis
   } else {
     unrotated.resize(b->out.size());
-    KVPOOL_RETURN_IF_ERROR(backend_->UnrotateFloat(m.codec.rotations, b->layer, KvTensor::kValue,
-                                                   b->out, absl::MakeSpan(unrotated)));
+    KVPOOL_RETURN_IF_ERROR(
+        m.codec.rotations.Unrotate(b->layer, KvTensor::kValue, b->out, absl::MakeSpan(unrotated)));
   }
   const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
   for (size_t i = 0; i < b->results.size(); ++i) {

@@ -142,12 +142,6 @@ class ComputeBackend {
   // Raw bytes out of pool memory (attention-ready blocks for clients).
   virtual absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) = 0;
 
-  // fp32 rows (host memory) times M (queries) or times M^T (outputs).
-  virtual absl::Status RotateFloat(const RotationSet& rotations, int layer, KvTensor t,
-                                   absl::Span<const float> in, absl::Span<float> out) = 0;
-  virtual absl::Status UnrotateFloat(const RotationSet& rotations, int layer, KvTensor t,
-                                     absl::Span<const float> in, absl::Span<float> out) = 0;
-
   // Whether AttendBatch computes a whole request at once (GPU). Otherwise the caller spreads
   // AttendRotated calls for single sequences over its worker threads (CPU).
   virtual bool batched_attention() const = 0;

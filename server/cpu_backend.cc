@@ -104,15 +104,6 @@ class CpuBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  absl::Status RotateFloat(const RotationSet& rotations, int layer, KvTensor t,
-                           absl::Span<const float> in, absl::Span<float> out) override {
-    return RotateHostFloat(rotations, layer, t, in, out);
-  }
-  absl::Status UnrotateFloat(const RotationSet& rotations, int layer, KvTensor t,
-                             absl::Span<const float> in, absl::Span<float> out) override {
-    return UnrotateHostFloat(rotations, layer, t, in, out);
-  }
-
   bool batched_attention() const override { return false; }
   absl::Status AttendBatch(const Model&, const AttentionBatch&) override {
     return absl::UnimplementedError("the CPU backend attends one sequence at a time");
@@ -164,24 +155,6 @@ class CpuBackend final : public ComputeBackend {
 };
 
 }  // namespace
-
-absl::Status RotateHostFloat(const RotationSet& rotations, int layer, KvTensor t,
-                             absl::Span<const float> in, absl::Span<float> out) {
-  if (rotations.kind() == RotationKind::kIdentity && in.size() == out.size()) {
-    std::memcpy(out.data(), in.data(), in.size() * sizeof(float));
-    return absl::OkStatus();
-  }
-  return rotations.Rotate(layer, t, in, out);
-}
-
-absl::Status UnrotateHostFloat(const RotationSet& rotations, int layer, KvTensor t,
-                               absl::Span<const float> in, absl::Span<float> out) {
-  if (rotations.kind() == RotationKind::kIdentity && in.size() == out.size()) {
-    std::memcpy(out.data(), in.data(), in.size() * sizeof(float));
-    return absl::OkStatus();
-  }
-  return rotations.Unrotate(layer, t, in, out);
-}
 
 absl::StatusOr<std::unique_ptr<Arena>> NewHostArena(size_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("arena size must be > 0");

@@ -18,7 +18,6 @@
 #include "kernels/common/status_macros.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
-#include "server/cpu_backend.h"
 #include "server/model_registry.h"
 
 namespace kvpool::server {
@@ -229,16 +228,6 @@ class CudaBackend final : public ComputeBackend {
   absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
     KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
     return Check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "D2H pool bytes");
-  }
-
-  // Host rows (reads in the original basis): small, so the CPU does them.
-  absl::Status RotateFloat(const RotationSet& rotations, int layer, KvTensor t,
-                           absl::Span<const float> in, absl::Span<float> out) override {
-    return RotateHostFloat(rotations, layer, t, in, out);
-  }
-  absl::Status UnrotateFloat(const RotationSet& rotations, int layer, KvTensor t,
-                             absl::Span<const float> in, absl::Span<float> out) override {
-    return UnrotateHostFloat(rotations, layer, t, in, out);
   }
 
   bool batched_attention() const override { return true; }

@@ -188,13 +188,11 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
         snap_->ReadRotated(ctx_->backend, layer_, pos_, n, absl::MakeSpan(k), absl::MakeSpan(v)));
     const int layer_id = snap_->layers()[layer_].layer;
     const RotationSet& rot = m.codec.rotations;
-    KVPOOL_RETURN_IF_ERROR(
-        ctx_->backend->UnrotateFloat(rot, layer_id, KvTensor::kKey, k, absl::MakeSpan(ko)));
+    KVPOOL_RETURN_IF_ERROR(rot.Unrotate(layer_id, KvTensor::kKey, k, absl::MakeSpan(ko)));
     if (m.codec.v_prerotated) {
       vo = v;  // the engine sent V in the rotated basis: return it in that basis
     } else {
-      KVPOOL_RETURN_IF_ERROR(
-          ctx_->backend->UnrotateFloat(rot, layer_id, KvTensor::kValue, v, absl::MakeSpan(vo)));
+      KVPOOL_RETURN_IF_ERROR(rot.Unrotate(layer_id, KvTensor::kValue, v, absl::MakeSpan(vo)));
     }
     message_.Clear();
     v1::KvRows* rows = message_.mutable_rows();
