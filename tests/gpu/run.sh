@@ -112,12 +112,12 @@ if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
   cat >"$SAN" <<EOS
 #!/bin/bash
 log=\$(mktemp)
-compute-sanitizer --print-limit 20 --tool memcheck $BIN/kvpoold "\$@" 2> >(tee "\$log" >&2) &
+compute-sanitizer --print-limit 20 --tool memcheck --log-file "\$log" $BIN/kvpoold "\$@" &
 cs=\$!
 trap 'pkill -TERM -P \$cs' TERM INT
 wait \$cs
 [ \$? -gt 128 ] && wait \$cs
-sleep 0.2
+cat "\$log" >&2
 # kvpoold's own exit status does not survive the sanitizer; its verdict does.
 grep -q "ERROR SUMMARY: 0 errors" "\$log"
 EOS
