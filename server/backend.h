@@ -128,6 +128,9 @@ class ComputeBackend {
   }
   // The CUDA device of the pool, or -1 for host memory.
   virtual int device() const { return -1; }
+  // Free memory of that device and the largest arena it can hold (0 for host memory).
+  virtual size_t device_free_bytes() const { return 0; }
+  virtual size_t max_arena_bytes() const { return 0; }
 
   // Demotion of recent BF16 rows into INT2 history blocks (same error contract as StageRows).
   virtual absl::Status DemoteRows(const Model& model, absl::Span<const RowMove> moves) = 0;

@@ -19,7 +19,8 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "Address to serve gRPC on (host:port; port 0 picks a free one)");
 ABSL_FLAG(std::string, device, "cpu",
           "Where the pool lives and the codec runs: cpu (host memory, the default) or cuda:N "
-          "(GPU N's memory and the CUDA kernels; set --pool_bytes, at most 32 GiB)");
+          "(GPU N's memory and the CUDA kernels; the pool is then sized from the GPU's free "
+          "memory, at most 32 GiB)");
 ABSL_FLAG(uint64_t, pool_bytes, 0,
           "Block pool size in bytes; 0 = --pool_fraction of available memory, capped");
 ABSL_FLAG(double, pool_fraction, 0.25, "Fraction of MemAvailable for the pool when auto-sized");
@@ -194,6 +195,10 @@ size_t AutoPoolBytes(double fraction, size_t cap, size_t align) {
     }
   }
   if (available == 0) available = size_t{1} << 30;  // unknown: assume 1 GiB
+  return PoolBytesOf(available, fraction, cap, align);
+}
+
+size_t PoolBytesOf(size_t available, double fraction, size_t cap, size_t align) {
   size_t bytes = static_cast<size_t>(static_cast<double>(available) * fraction);
   if (bytes > cap) bytes = cap;
   bytes = bytes / align * align;
@@ -210,8 +215,11 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   if (!(fraction > 0.0 && fraction <= 0.9)) {
     return absl::InvalidArgumentError("--pool_fraction must be in (0, 0.9]");
   }
+  c.pool_fraction = fraction;
+  c.pool_max_bytes = absl::GetFlag(FLAGS_pool_max_bytes);
   if (c.pool_bytes == 0 && c.slab_bytes > 0) {
-    c.pool_bytes = AutoPoolBytes(fraction, absl::GetFlag(FLAGS_pool_max_bytes), c.slab_bytes);
+    c.pool_bytes = AutoPoolBytes(fraction, c.pool_max_bytes, c.slab_bytes);
+    c.pool_auto = true;
   }
   c.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   if (c.worker_threads == 0) {

@@ -25,6 +25,11 @@ struct ServerConfig {
   std::string listen = "127.0.0.1:50051";
   std::string device = "cpu";  // "cpu" or "cuda:N"
   size_t pool_bytes = 0;       // resolved: never 0 after ServerConfigFromFlags
+  // The pool was sized from host memory (no --pool_bytes): a GPU daemon re-sizes it from the
+  // device's free memory with the same fraction and cap.
+  bool pool_auto = false;
+  double pool_fraction = 0.25;
+  size_t pool_max_bytes = 0;
   size_t slab_bytes = 4u << 20;
   int worker_threads = 0;  // resolved: >= 1
   size_t worker_queue = 1024;
@@ -68,5 +73,7 @@ struct ServerConfig {
 
 // `fraction` of MemAvailable, at most `cap` bytes, rounded down to `align`.
 size_t AutoPoolBytes(double fraction, size_t cap, size_t align);
+// `fraction` of `available` bytes, at most `cap`, rounded down to `align` (at least `align`).
+size_t PoolBytesOf(size_t available, double fraction, size_t cap, size_t align);
 
 }  // namespace kvpool::server

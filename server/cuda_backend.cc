@@ -182,6 +182,17 @@ class CudaBackend final : public ComputeBackend {
 
   int device() const override { return device_; }
 
+  size_t device_free_bytes() const override {
+    size_t free_bytes = 0, total = 0;
+    if (cudaSetDevice(device_) != cudaSuccess ||
+        cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return free_bytes;
+  }
+  size_t max_arena_bytes() const override { return kMaxArenaBytes; }
+
   absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
     if (moves.empty()) return absl::OkStatus();
     RunTable src, dst;

@@ -73,7 +73,8 @@ int main(int argc, char** argv) {
   const std::string host = config->listen.substr(0, config->listen.rfind(':'));
   spdlog::info("{} serving on {}:{} (device {}, pool {} MiB, slab {} KiB, {} workers)",
                kvpool::server::KvpoolVersion(), host, port, config->device,
-               config->pool_bytes >> 20, config->slab_bytes >> 10, config->worker_threads);
+               (*server)->config().pool_bytes >> 20, config->slab_bytes >> 10,
+               config->worker_threads);
   std::printf("kvpoold listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
   if (!config->port_file.empty() && !WritePortFile(config->port_file, port)) {

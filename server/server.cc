@@ -58,8 +58,14 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   auto s = std::unique_ptr<KvpoolServer>(new KvpoolServer());
   s->config_ = config;
   KVPOOL_ASSIGN_OR_RETURN(s->backend_, CreateBackend(config.device));
+  if (config.pool_auto && s->backend_->device_free_bytes() > 0) {
+    // Sized from host memory by default; a GPU pool takes its share of the GPU's free memory.
+    s->config_.pool_bytes = PoolBytesOf(
+        s->backend_->device_free_bytes(), config.pool_fraction,
+        std::min(config.pool_max_bytes, s->backend_->max_arena_bytes()), config.slab_bytes);
+  }
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Arena> arena,
-                          s->backend_->AllocateArena(config.pool_bytes));
+                          s->backend_->AllocateArena(s->config_.pool_bytes));
   KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));
   s->index_ = std::make_unique<PrefixIndex>(s->pool_.get());
   s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get());

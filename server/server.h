@@ -42,6 +42,8 @@ class KvpoolServer {
   KvpoolServer(const KvpoolServer&) = delete;
   KvpoolServer& operator=(const KvpoolServer&) = delete;
 
+  // The configuration in effect (the pool size resolved for the backend).
+  const ServerConfig& config() const { return config_; }
   // The bound port (useful with a :0 listen address).
   int port() const { return port_; }
   ServiceContext* context() { return &ctx_; }
