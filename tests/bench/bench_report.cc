@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
+#include <iostream>
 #include <sstream>
 
 #include "nlohmann/json.hpp"
@@ -20,8 +21,9 @@ void BenchReport::Add(BenchResult r) {
 void BenchReport::PrintTable(std::ostream& os) const {
   os << "\n" << suite_ << " benchmark\n";
   os << std::left << std::setw(34) << "name" << std::setw(36) << "params" << std::right
-     << std::setw(12) << "value" << "  " << std::left << std::setw(8) << "unit" << std::setw(24)
-     << "baseline" << std::right << std::setw(12) << "base value" << std::setw(9) << "ratio"
+     << std::setw(12) << "value"
+     << "  " << std::left << std::setw(8) << "unit" << std::setw(24) << "baseline" << std::right
+     << std::setw(12) << "base value" << std::setw(9) << "ratio"
      << "\n";
   for (const BenchResult& r : results_) {
     std::ostringstream params;
@@ -34,18 +36,32 @@ void BenchReport::PrintTable(std::ostream& os) const {
   }
 }
 
+absl::Status BenchReport::Publish(const std::string& path) const {
+  PrintTable(std::cout);
+  if (absl::Status s = WriteJson(path); !s.ok()) return s;
+  std::cout << "wrote " << path << "\n";
+  return absl::OkStatus();
+}
+
+int ExitCode(const absl::Status& s) {
+  if (s.ok()) return 0;
+  std::cerr << "error: " << s << "\n";
+  return 1;
+}
+
 absl::Status BenchReport::WriteJson(const std::string& path) const {
   nlohmann::json doc;
   doc["suite"] = suite_;
   doc["machine"] = MachineInfo();
   doc["results"] = nlohmann::json::array();
   for (const BenchResult& r : results_) {
-    doc["results"].push_back({{"name", r.name},
-                              {"params", r.params},
-                              {"value", r.value},
-                              {"unit", r.unit},
-                              {"baseline", {{"name", r.baseline.name}, {"value", r.baseline.value}}},
-                              {"ratio", r.ratio}});
+    doc["results"].push_back(
+        {{"name", r.name},
+         {"params", r.params},
+         {"value", r.value},
+         {"unit", r.unit},
+         {"baseline", {{"name", r.baseline.name}, {"value", r.baseline.value}}},
+         {"ratio", r.ratio}});
   }
   std::ofstream out(path);
   if (!out) return absl::UnavailableError("cannot write " + path);

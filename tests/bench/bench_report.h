@@ -43,11 +43,16 @@ class BenchReport {
   const std::vector<BenchResult>& results() const { return results_; }
   void PrintTable(std::ostream& os) const;
   absl::Status WriteJson(const std::string& path) const;
+  // PrintTable to stdout, WriteJson to `path`, and a line naming it.
+  absl::Status Publish(const std::string& path) const;
 
  private:
   std::string suite_;
   std::vector<BenchResult> results_;
 };
+
+// A benchmark main's exit status: 0, or 1 after printing the error.
+int ExitCode(const absl::Status& s);
 
 // CPU model, core count, memory, compiler: the "machine" object.
 std::map<std::string, std::string> MachineInfo();

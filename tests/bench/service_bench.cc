@@ -481,10 +481,7 @@ absl::Status Run(const Options& opt) {
   }
 
   KVPOOL_RETURN_IF_ERROR(daemon->Stop());
-  report.PrintTable(std::cout);
-  KVPOOL_RETURN_IF_ERROR(report.WriteJson(opt.out));
-  std::cout << "wrote " << opt.out << "\n";
-  return absl::OkStatus();
+  return report.Publish(opt.out);
 }
 
 }  // namespace

@@ -214,10 +214,7 @@ absl::Status Run(const Options& opt) {
     for (const std::string& id : list) KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
   }
   KVPOOL_RETURN_IF_ERROR(daemon->Stop());
-  report.PrintTable(std::cout);
-  KVPOOL_RETURN_IF_ERROR(report.WriteJson(opt.out));
-  std::cout << "wrote " << opt.out << "\n";
-  return absl::OkStatus();
+  return report.Publish(opt.out);
 }
 
 }  // namespace
@@ -247,9 +244,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   const absl::Status s = kvpool::bench::Run(opt);
-  if (!s.ok()) {
-    std::cerr << "error: " << s << "\n";
-    return 1;
-  }
-  return 0;
+  return kvpool::bench::ExitCode(s);
 }

@@ -362,10 +362,7 @@ absl::Status Run(const Options& opt) {
   }
   KVPOOL_RETURN_IF_ERROR(gpu->CloseNccl());
   KVPOOL_RETURN_IF_ERROR(daemon->Stop());
-  report.PrintTable(std::cout);
-  KVPOOL_RETURN_IF_ERROR(report.WriteJson(opt.out));
-  std::cout << "wrote " << opt.out << "\n";
-  return absl::OkStatus();
+  return report.Publish(opt.out);
 }
 
 }  // namespace
@@ -409,9 +406,5 @@ int main(int argc, char** argv) {
     return 2;
   }
   const absl::Status s = opt.fault ? kvpool::bench::Fault(opt, argv[0]) : kvpool::bench::Run(opt);
-  if (!s.ok()) {
-    std::cerr << "error: " << s << "\n";
-    return 1;
-  }
-  return 0;
+  return kvpool::bench::ExitCode(s);
 }
