@@ -87,27 +87,80 @@ absl::Status AttentionEngine::Prepare(Batch* b) {
   return m.codec.rotations.Rotate(b->layer, KvTensor::kKey, q_all, absl::MakeSpan(b->q));
 }
 
-absl::Status AttentionEngine::AttendBatched(Batch* b) {
-  const Model& m = *b->model;
-  std::vector<SequenceTiers> tiers;
-  tiers.reserve(b->snapshots.size());
-  for (const auto& snap : b->snapshots) tiers.push_back(snap->Tiers(0));
+absl::Status AttentionEngine::AttendBatched(absl::Span<Batch* const> group) {
+  // One backend call for every query row of every request in `group` (same model and layer).
+  const Model& m = *group.front()->model;
+  std::vector<std::vector<SequenceTiers>> tiers(group.size());
   AttentionBatch batch;
-  batch.layer = b->layer;
-  for (size_t i = 0; i < tiers.size(); ++i) {
-    for (int j = 0; j < b->queries[i].num_queries; ++j) batch.tiers.push_back(&tiers[i]);
+  batch.layer = group.front()->layer;
+  std::vector<float> q, out;
+  for (size_t g = 0; g < group.size(); ++g) {
+    Batch* b = group[g];
+    tiers[g].reserve(b->snapshots.size());
+    for (const auto& snap : b->snapshots) tiers[g].push_back(snap->Tiers(0));
+    for (size_t i = 0; i < tiers[g].size(); ++i) {
+      for (int j = 0; j < b->queries[i].num_queries; ++j) batch.tiers.push_back(&tiers[g][i]);
+    }
+    q.insert(q.end(), b->q.begin(), b->q.end());
   }
+  out.resize(q.size());
   std::vector<float> lse(batch.tiers.size() * m.q_heads);
-  batch.queries = b->q;
-  batch.out = absl::MakeSpan(b->out);
+  batch.queries = q;
+  batch.out = absl::MakeSpan(out);
   batch.lse = absl::MakeSpan(lse);
   KVPOOL_RETURN_IF_ERROR(backend_->AttendBatch(m, batch));
-  size_t at = 0;
-  for (AttentionResult& r : b->results) {
-    std::copy(lse.begin() + at, lse.begin() + at + r.lse.size(), r.lse.begin());
-    at += r.lse.size();
+  size_t out_at = 0, lse_at = 0;
+  for (Batch* b : group) {
+    std::copy(out.begin() + out_at, out.begin() + out_at + b->out.size(), b->out.begin());
+    out_at += b->out.size();
+    for (AttentionResult& r : b->results) {
+      std::copy(lse.begin() + lse_at, lse.begin() + lse_at + r.lse.size(), r.lse.begin());
+      lse_at += r.lse.size();
+    }
   }
   return absl::OkStatus();
+}
+
+void AttentionEngine::AttendCoalesced(std::shared_ptr<Batch> b) {
+  {
+    absl::MutexLock lock(&coalesce_mu_);
+    waiting_.push_back(std::move(b));
+    if (coalescing_) return;  // the running round's thread picks it up
+    coalescing_ = true;
+  }
+  // This thread leads: each round takes every request that arrived meanwhile and makes one
+  // backend call per (model, layer) group.
+  while (true) {
+    std::vector<std::shared_ptr<Batch>> round;
+    {
+      absl::MutexLock lock(&coalesce_mu_);
+      if (waiting_.empty()) {
+        coalescing_ = false;
+        return;
+      }
+      round.swap(waiting_);
+    }
+    std::vector<bool> done(round.size(), false);
+    for (size_t i = 0; i < round.size(); ++i) {
+      if (done[i]) continue;
+      std::vector<Batch*> group;
+      for (size_t j = i; j < round.size(); ++j) {
+        if (!done[j] && round[j]->model == round[i]->model && round[j]->layer == round[i]->layer) {
+          group.push_back(round[j].get());
+          done[j] = true;
+        }
+      }
+      const absl::Status s = AttendBatched(group);
+      for (Batch* g : group) {
+        if (s.ok()) {
+          g->done(Finish(g));
+        } else {
+          g->snapshots.clear();
+          g->done(s);
+        }
+      }
+    }
+  }
 }
 
 void AttentionEngine::AttendOne(Batch* b, size_t i) {
@@ -160,7 +213,8 @@ absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Run(
   b.queries = std::move(queries);
   KVPOOL_RETURN_IF_ERROR(Prepare(&b));
   if (backend_->batched_attention()) {
-    KVPOOL_RETURN_IF_ERROR(AttendBatched(&b));
+    Batch* one[1] = {&b};
+    KVPOOL_RETURN_IF_ERROR(AttendBatched(one));
   } else {
     for (size_t i = 0; i < b.queries.size(); ++i) AttendOne(&b, i);
   }
@@ -188,12 +242,8 @@ absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<cons
   const bool queued = workers_->TrySubmit([this, b, finish_one]() {
     absl::Status s = Prepare(b.get());
     if (s.ok() && backend_->batched_attention()) {
-      // The whole request is one device call on this worker.
-      s = AttendBatched(b.get());
-      if (s.ok()) {
-        b->done(Finish(b.get()));
-        return;
-      }
+      AttendCoalesced(b);  // with whatever other requests are waiting
+      return;
     }
     if (!s.ok()) {
       b->snapshots.clear();

@@ -4,7 +4,8 @@
 // (CPU) rotate all queries with M_K in one batched call, attend each sequence over its BF16 sink
 // + recent rows and its INT2 history (per-tier passes merged exactly through the log-sum-exp) in
 // parallel on the worker pool, and un-rotate all outputs with M_V^T in one batched call; or (a
-// backend with batched_attention(), the GPU) hand the whole request to one backend call that
+// backend with batched_attention(), the GPU) hand the request, together with every other
+// request of the same model and layer waiting at that moment, to one backend call that
 // rotates, attends and un-rotates on the device. The output is in the engine's original basis
 // with the natural-log LSE per query head.
 //
@@ -21,8 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "server/backend.h"
 #include "server/model_registry.h"
 #include "server/sequence_store.h"
@@ -71,13 +75,20 @@ class AttentionEngine {
  private:
   struct Batch;
   absl::Status Prepare(Batch* batch);
-  void AttendOne(Batch* batch, size_t i);    // one sequence, rotated queries (CPU)
-  absl::Status AttendBatched(Batch* batch);  // the whole request in one backend call (GPU)
+  void AttendOne(Batch* batch, size_t i);  // one sequence, rotated queries (CPU)
+  // Batched backends (GPU): one backend call for a group of requests of one model and layer.
+  absl::Status AttendBatched(absl::Span<Batch* const> group);
+  // Queues a prepared request; the first thread to find no round running leads rounds that
+  // take every waiting request, so concurrent requests share device calls.
+  void AttendCoalesced(std::shared_ptr<Batch> batch);
   absl::StatusOr<std::vector<AttentionResult>> Finish(Batch* batch);
 
   SequenceStore* const store_;
   ComputeBackend* const backend_;
   WorkerPool* const workers_;
+  absl::Mutex coalesce_mu_;
+  bool coalescing_ ABSL_GUARDED_BY(coalesce_mu_) = false;
+  std::vector<std::shared_ptr<Batch>> waiting_ ABSL_GUARDED_BY(coalesce_mu_);
 };
 
 }  // namespace kvpool::server
