@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -164,6 +165,7 @@ absl::Status Run(const Options& opt) {
   const int reps = opt.quick ? 10 : 30;
   std::vector<float> q(static_cast<size_t>(kQHeads) * kHeadDim);
   for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>((i * 37) % 101) / 50.0f - 1.0f;
+  std::map<int, double> one_client_p50;  // batch 1, by context
   for (int context : contexts) {
     for (int batch : batches) {
       v1::AttendRequest request;
@@ -209,6 +211,48 @@ absl::Status Run(const Options& opt) {
                 << Percentile(ms, 0.5) << " ms, p99 " << Percentile(ms, 0.99) << " ms (kernel "
                 << kernel_ms << " ms)\n";
     }
+  }
+  // Concurrent decode workers: 8 clients, each attending one sequence at a time; the daemon
+  // coalesces their requests into shared device calls.
+  {
+    const int context = contexts[1];
+    constexpr int kClients = 8;
+    std::vector<std::unique_ptr<KvpoolClient>> clients;
+    for (int i = 0; i < kClients; ++i) {
+      KVPOOL_ASSIGN_OR_RETURN(auto k, KvpoolClient::Connect(daemon->target(), copt));
+      clients.push_back(std::move(k));
+    }
+    std::vector<std::vector<double>> ms(kClients);
+    const auto t0 = Clock::now();
+    KVPOOL_RETURN_IF_ERROR(Parallel(kClients, [&](int i) {
+      v1::AttendRequest request;
+      request.set_model_id("bench");
+      request.set_dtype(v1::DTYPE_FP32);
+      v1::SequenceQuery* sq = request.add_queries();
+      sq->set_sequence_id(ids[context][i % ids[context].size()]);
+      sq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
+      for (int rep = 0; rep < reps * 4; ++rep) {
+        const auto t = Clock::now();
+        KVPOOL_RETURN_IF_ERROR(clients[i]->Attend(request).status());
+        ms[i].push_back(1e3 * Since(t));
+      }
+      return absl::OkStatus();
+    }));
+    const double secs = Since(t0);
+    std::vector<double> all;
+    for (const auto& v : ms) all.insert(all.end(), v.begin(), v.end());
+    const double rate = all.size() / secs;
+    const auto p = params({{"clients", std::to_string(kClients)},
+                           {"batch_per_call", "1"},
+                           {"context", std::to_string(context)}});
+    report.Add({"concurrent_attention_rate",
+                p,
+                rate,
+                "calls/s",
+                {"one_client_sequential_rate", 1e3 / one_client_p50[context]}});
+    report.Add({"concurrent_attention_p50", p, Percentile(all, 0.5), "ms", {"", 0.0}});
+    std::cerr << kClients << " concurrent clients, context " << context << ": " << rate
+              << " calls/s, p50 " << Percentile(all, 0.5) << " ms\n";
   }
   for (auto& [context, list] : ids) {
     for (const std::string& id : list) KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
