@@ -197,6 +197,7 @@ absl::Status Run(const Options& opt) {
       const auto p = params({{"batch", std::to_string(batch)},
                              {"context", std::to_string(context)},
                              {"reps", std::to_string(reps)}});
+      if (batch == 1) one_client_p50[context] = Percentile(ms, 0.5);
       report.Add({"remote_attention_p50",
                   p,
                   Percentile(ms, 0.5),
