@@ -43,6 +43,22 @@ absl::Status BenchReport::Publish(const std::string& path) const {
   return absl::OkStatus();
 }
 
+bool ParseBenchArgs(int argc, char** argv, const std::map<std::string, std::string*>& values,
+                    const std::map<std::string, bool*>& switches, const char* usage) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (auto v = values.find(a); v != values.end() && i + 1 < argc) {
+      *v->second = argv[++i];
+    } else if (auto w = switches.find(a); w != switches.end()) {
+      *w->second = true;
+    } else {
+      std::cerr << "usage: " << argv[0] << " " << usage << "\n";
+      return false;
+    }
+  }
+  return true;
+}
+
 int ExitCode(const absl::Status& s) {
   if (s.ok()) return 0;
   std::cerr << "error: " << s << "\n";

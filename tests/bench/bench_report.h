@@ -51,6 +51,11 @@ class BenchReport {
   std::vector<BenchResult> results_;
 };
 
+// Command-line options of a benchmark: `--name VALUE` for each entry of `values`, `--name` for
+// each of `switches`. False (after printing `usage`) on anything else or a missing value.
+bool ParseBenchArgs(int argc, char** argv, const std::map<std::string, std::string*>& values,
+                    const std::map<std::string, bool*>& switches, const char* usage);
+
 // A benchmark main's exit status: 0, or 1 after printing the error.
 int ExitCode(const absl::Status& s);
 

@@ -489,27 +489,14 @@ absl::Status Run(const Options& opt) {
 
 int main(int argc, char** argv) {
   kvpool::bench::Options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) {
-      opt.out = argv[++i];
-    } else if (a == "--kvpoold" && i + 1 < argc) {
-      opt.kvpoold = argv[++i];
-    } else if (a == "--quick") {
-      opt.quick = true;
-    } else if (a == "--ingest_only") {
-      opt.ingest_only = true;
-    } else if (a == "--chunk_bytes" && i + 1 < argc) {
-      opt.chunk_bytes = std::stoul(argv[++i]);
-    } else {
-      std::cerr << "usage: kvpool-bench-service [--out FILE] [--kvpoold PATH] [--quick]\n";
-      return 2;
-    }
+  std::string chunk_bytes;
+  if (!kvpool::bench::ParseBenchArgs(
+          argc, argv,
+          {{"--out", &opt.out}, {"--kvpoold", &opt.kvpoold}, {"--chunk_bytes", &chunk_bytes}},
+          {{"--quick", &opt.quick}, {"--ingest_only", &opt.ingest_only}},
+          "[--out FILE] [--kvpoold PATH] [--quick] [--ingest_only] [--chunk_bytes N]")) {
+    return 2;
   }
-  const absl::Status s = kvpool::bench::Run(opt);
-  if (!s.ok()) {
-    std::cerr << "kvpool-bench-service: " << s << "\n";
-    return 1;
-  }
-  return 0;
+  if (!chunk_bytes.empty()) opt.chunk_bytes = std::stoul(chunk_bytes);
+  return kvpool::bench::ExitCode(kvpool::bench::Run(opt));
 }

@@ -267,27 +267,11 @@ absl::Status Run(const Options& opt) {
 
 int main(int argc, char** argv) {
   kvpool::bench::Options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--kvpoold") {
-      opt.kvpoold = value();
-    } else if (a == "--device") {
-      opt.device = value();
-    } else if (a == "--out") {
-      opt.out = value();
-    } else if (a == "--quick") {
-      opt.quick = true;
-    } else {
-      std::fprintf(stderr, "usage: %s --kvpoold PATH [--device cuda:0] [--out FILE] [--quick]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
-  if (opt.kvpoold.empty()) {
-    std::fprintf(stderr, "--kvpoold is required\n");
+  if (!kvpool::bench::ParseBenchArgs(
+          argc, argv, {{"--kvpoold", &opt.kvpoold}, {"--device", &opt.device}, {"--out", &opt.out}},
+          {{"--quick", &opt.quick}}, "--kvpoold PATH [--device cuda:0] [--out FILE] [--quick]") ||
+      opt.kvpoold.empty()) {
     return 2;
   }
-  const absl::Status s = kvpool::bench::Run(opt);
-  return kvpool::bench::ExitCode(s);
+  return kvpool::bench::ExitCode(kvpool::bench::Run(opt));
 }

@@ -370,23 +370,12 @@ absl::Status Run(const Options& opt) {
 
 int main(int argc, char** argv) {
   kvpool::bench::Options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--kvpoold") {
-      opt.kvpoold = value();
-    } else if (a == "--out") {
-      opt.out = value();
-    } else if (a == "--quick") {
-      opt.quick = true;
-    } else if (a == "--fault") {
-      opt.fault = true;
-    } else if (a == "--child-stall") {
-      opt.child_target = value();
-    } else {
-      std::fprintf(stderr, "usage: %s --kvpoold PATH [--out FILE] [--quick] [--fault]\n", argv[0]);
-      return 2;
-    }
+  if (!kvpool::bench::ParseBenchArgs(
+          argc, argv,
+          {{"--kvpoold", &opt.kvpoold}, {"--out", &opt.out}, {"--child-stall", &opt.child_target}},
+          {{"--quick", &opt.quick}, {"--fault", &opt.fault}},
+          "--kvpoold PATH [--out FILE] [--quick] [--fault]")) {
+    return 2;
   }
   setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off in this process and its children
   setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
