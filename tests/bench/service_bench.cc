@@ -45,6 +45,7 @@
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"
 #include "tests/bench/bench_report.h"
+#include "tests/bench/bench_timing.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::bench {
@@ -52,7 +53,7 @@ namespace {
 
 namespace v1 = ::kvpool::v1;
 using client::KvpoolClient;
-using Clock = std::chrono::steady_clock;
+using Clock = SteadyClock;
 
 constexpr int kQHeads = 64, kKvHeads = 8, kHeadDim = 128;
 constexpr size_t kRow = size_t{kKvHeads} * kHeadDim;
@@ -65,18 +66,6 @@ struct Options {
   bool ingest_only = false;
   size_t chunk_bytes = client::ClientOptions().chunk_bytes;
 };
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(std::ceil(p * v.size())) - 1);
-  return v[i];
-}
-
-double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
 
 absl::string_view Bytes(const std::vector<Bf16>& v, size_t start_row, size_t rows) {
   return absl::string_view(reinterpret_cast<const char*>(v.data() + start_row * kRow),
@@ -163,17 +152,6 @@ double ThreadCpuSeconds() {
 }
 
 // Runs `fn(i)` on `threads` threads at once; returns the wall time and the first error.
-absl::StatusOr<double> Parallel(int threads, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> status(threads);
-  std::vector<std::thread> pool;
-  const auto t0 = Clock::now();
-  for (int i = 0; i < threads; ++i) pool.emplace_back([&, i] { status[i] = fn(i); });
-  for (std::thread& t : pool) t.join();
-  const double secs = Since(t0);
-  for (const absl::Status& s : status) KVPOOL_RETURN_IF_ERROR(s);
-  return secs;
-}
-
 absl::Status Run(const Options& opt) {
   const int workers = std::max(1u, std::thread::hardware_concurrency());
   const uint64_t pool_bytes = uint64_t{3} << 29;  // 1.5 GiB
@@ -241,7 +219,7 @@ absl::Status Run(const Options& opt) {
       ids.push_back(absl::StrCat("ingest-", seq_counter++));
       KVPOOL_RETURN_IF_ERROR(c->CreateSequence(model, ids.back()).status());
     }
-    KVPOOL_ASSIGN_OR_RETURN(double s, Parallel(streams, [&](int i) {
+    KVPOOL_ASSIGN_OR_RETURN(double s, RunParallel(streams, [&](int i) {
                               return Append(*c, ids[i], data, 0, ingest_tokens);
                             }));
     for (const std::string& id : ids) KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
@@ -262,7 +240,7 @@ absl::Status Run(const Options& opt) {
       KVPOOL_ASSIGN_OR_RETURN(double t, push("bench-bypass", streams));
       transport_s.push_back(t);
       // The codec: the same rows, `streams` copies over as many threads.
-      KVPOOL_ASSIGN_OR_RETURN(double cs, Parallel(streams, [&](int i) {
+      KVPOOL_ASSIGN_OR_RETURN(double cs, RunParallel(streams, [&](int i) {
                                 const double t0 = ThreadCpuSeconds();
                                 absl::Status st = CodecIngest(encoder, layout, data, 0,
                                                               ingest_tokens, &codec_out[i]);
@@ -335,7 +313,7 @@ absl::Status Run(const Options& opt) {
   for (int context : contexts) {
     const int grow = context - length;
     // Grow every sequence (two streams at a time, as the cores allow).
-    KVPOOL_RETURN_IF_ERROR(Parallel(2, [&](int half) {
+    KVPOOL_RETURN_IF_ERROR(RunParallel(2, [&](int half) {
                              for (int i = half; i < num_seqs; i += 2) {
                                KVPOOL_RETURN_IF_ERROR(Append(*c, ids[i], data, length, grow));
                              }
@@ -370,7 +348,7 @@ absl::Status Run(const Options& opt) {
     auto kernel_batch = [&](int batch) -> absl::StatusOr<double> {
       std::vector<double> secs;
       for (int rep = 0; rep < 5; ++rep) {
-        KVPOOL_ASSIGN_OR_RETURN(double s, Parallel(std::min(batch, workers), [&](int t) {
+        KVPOOL_ASSIGN_OR_RETURN(double s, RunParallel(std::min(batch, workers), [&](int t) {
                                   for (int i = t; i < batch; i += workers) {
                                     KVPOOL_RETURN_IF_ERROR(kernel_one());
                                   }
@@ -403,7 +381,7 @@ absl::Status Run(const Options& opt) {
       for (int rep = 0; rep < reps; ++rep) {
         const auto t0 = Clock::now();
         KVPOOL_ASSIGN_OR_RETURN(v1::AttendResponse r, c->Attend(request));
-        ms.push_back(1e3 * Since(t0));
+        ms.push_back(1e3 * SecondsSince(t0));
         if (r.results(0).attended_tokens() != static_cast<uint32_t>(context)) {
           return absl::InternalError("attended the wrong number of tokens");
         }
@@ -456,11 +434,11 @@ absl::Status Run(const Options& opt) {
         conns.push_back(std::move(k));
       }
       std::vector<std::vector<double>> lat(clients);
-      KVPOOL_ASSIGN_OR_RETURN(double secs, Parallel(clients, [&](int i) {
+      KVPOOL_ASSIGN_OR_RETURN(double secs, RunParallel(clients, [&](int i) {
                                 for (int n = 0; n < calls / clients; ++n) {
                                   const auto t0 = Clock::now();
                                   KVPOOL_RETURN_IF_ERROR(rpc.call(*conns[i]));
-                                  lat[i].push_back(1e6 * Since(t0));
+                                  lat[i].push_back(1e6 * SecondsSince(t0));
                                 }
                                 return absl::OkStatus();
                               }));

@@ -26,6 +26,7 @@
 #include "client/local_daemon.h"
 #include "kernels/common/status_macros.h"
 #include "tests/bench/bench_report.h"
+#include "tests/bench/bench_timing.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::bench {
@@ -33,7 +34,7 @@ namespace {
 
 namespace v1 = ::kvpool::v1;
 using client::KvpoolClient;
-using Clock = std::chrono::steady_clock;
+using Clock = SteadyClock;
 
 constexpr int kQHeads = 64, kKvHeads = 8, kHeadDim = 128;
 constexpr size_t kRow = size_t{kKvHeads} * kHeadDim;
@@ -44,24 +45,6 @@ struct Options {
   std::string out = "bench-results/gpu-daemon.json";
   bool quick = false;
 };
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
-}
-
-absl::Status Parallel(int threads, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> status(threads);
-  std::vector<std::thread> pool;
-  for (int i = 0; i < threads; ++i) pool.emplace_back([&, i] { status[i] = fn(i); });
-  for (std::thread& t : pool) t.join();
-  for (const absl::Status& s : status) KVPOOL_RETURN_IF_ERROR(s);
-  return absl::OkStatus();
-}
 
 // A whole prefill of `tokens` tokens (layer 0, chunks of the client's size), end_of_prefill set.
 absl::Status Prefill(const KvpoolClient& c, const std::string& id, const std::vector<Bf16>& k,
@@ -138,14 +121,12 @@ absl::Status Run(const Options& opt) {
       KVPOOL_RETURN_IF_ERROR(c->CreateSequence("bench", ids[context].back()).status());
     }
     KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse before, c->GetStats());
-    const auto t0 = Clock::now();
-    KVPOOL_RETURN_IF_ERROR(Parallel(kStreams, [&](int s) {
-      for (int i = s; i < max_batch; i += kStreams) {
-        KVPOOL_RETURN_IF_ERROR(Prefill(*c, ids[context][i], k, v, context));
-      }
-      return absl::OkStatus();
-    }));
-    const double secs = Since(t0);
+    KVPOOL_ASSIGN_OR_RETURN(const double secs, RunParallel(kStreams, [&](int s) {
+                              for (int i = s; i < max_batch; i += kStreams) {
+                                KVPOOL_RETURN_IF_ERROR(Prefill(*c, ids[context][i], k, v, context));
+                              }
+                              return absl::OkStatus();
+                            }));
     KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse after, c->GetStats());
     const double bytes = 2.0 * max_batch * context * kRow * sizeof(Bf16);
     const double kernel_secs =
@@ -183,7 +164,7 @@ absl::Status Run(const Options& opt) {
       for (int rep = 0; rep < reps; ++rep) {
         const auto t0 = Clock::now();
         KVPOOL_ASSIGN_OR_RETURN(v1::AttendResponse r, c->Attend(request));
-        ms.push_back(1e3 * Since(t0));
+        ms.push_back(1e3 * SecondsSince(t0));
         if (r.results_size() != batch ||
             r.results(batch - 1).attended_tokens() != static_cast<uint32_t>(context)) {
           return absl::InternalError("attended the wrong number of tokens");
@@ -224,22 +205,21 @@ absl::Status Run(const Options& opt) {
       clients.push_back(std::move(k));
     }
     std::vector<std::vector<double>> ms(kClients);
-    const auto t0 = Clock::now();
-    KVPOOL_RETURN_IF_ERROR(Parallel(kClients, [&](int i) {
-      v1::AttendRequest request;
-      request.set_model_id("bench");
-      request.set_dtype(v1::DTYPE_FP32);
-      v1::SequenceQuery* sq = request.add_queries();
-      sq->set_sequence_id(ids[context][i % ids[context].size()]);
-      sq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
-      for (int rep = 0; rep < reps * 4; ++rep) {
-        const auto t = Clock::now();
-        KVPOOL_RETURN_IF_ERROR(clients[i]->Attend(request).status());
-        ms[i].push_back(1e3 * Since(t));
-      }
-      return absl::OkStatus();
-    }));
-    const double secs = Since(t0);
+    KVPOOL_ASSIGN_OR_RETURN(const double secs, RunParallel(kClients, [&](int i) {
+                              v1::AttendRequest request;
+                              request.set_model_id("bench");
+                              request.set_dtype(v1::DTYPE_FP32);
+                              v1::SequenceQuery* sq = request.add_queries();
+                              sq->set_sequence_id(ids[context][i % ids[context].size()]);
+                              sq->set_q(reinterpret_cast<const char*>(q.data()),
+                                        q.size() * sizeof(float));
+                              for (int rep = 0; rep < reps * 4; ++rep) {
+                                const auto t = Clock::now();
+                                KVPOOL_RETURN_IF_ERROR(clients[i]->Attend(request).status());
+                                ms[i].push_back(1e3 * SecondsSince(t));
+                              }
+                              return absl::OkStatus();
+                            }));
     std::vector<double> all;
     for (const auto& v : ms) all.insert(all.end(), v.begin(), v.end());
     const double rate = all.size() / secs;

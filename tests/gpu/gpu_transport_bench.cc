@@ -35,6 +35,7 @@
 #include "kernels/common/status_macros.h"
 #include "kernels/cuda/testing_fill.h"
 #include "tests/bench/bench_report.h"
+#include "tests/bench/bench_timing.h"
 
 namespace kvpool::bench {
 namespace {
@@ -44,7 +45,7 @@ using client::GpuLayerRows;
 using client::GpuPushClient;
 using client::GpuPushSpec;
 using client::KvpoolClient;
-using Clock = std::chrono::steady_clock;
+using Clock = SteadyClock;
 
 constexpr int kQHeads = 64, kKvHeads = 8, kHeadDim = 128;
 constexpr size_t kRowBytes = size_t{kKvHeads} * kHeadDim * 2;
@@ -61,15 +62,6 @@ struct Options {
 absl::Status Cuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-double Since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 absl::StatusOr<std::unique_ptr<client::LocalDaemon>> StartDaemon(const Options& opt) {
@@ -125,7 +117,7 @@ class RawBaselines {
       if (ncclGroupEnd() != ncclSuccess) return absl::UnavailableError("raw NCCL send/recv");
       for (int i = 0; i < 2; ++i)
         KVPOOL_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_[i]), "sync"));
-      if (r > 0) t.push_back(Since(t0));  // the first one warms up
+      if (r > 0) t.push_back(SecondsSince(t0));  // the first one warms up
     }
     return Median(t);
   }
@@ -138,7 +130,7 @@ class RawBaselines {
           Cuda(cudaMemcpyPeerAsync(buf_[1], kDaemonGpu, buf_[0], kPrefillGpu, bytes, stream_[1]),
                "peer copy"));
       KVPOOL_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_[1]), "sync"));
-      if (r > 0) t.push_back(Since(t0));
+      if (r > 0) t.push_back(SecondsSince(t0));
     }
     return Median(t);
   }
@@ -184,12 +176,12 @@ absl::Status Fault(const Options& opt, const std::string& self) {
   do {
     absl::SleepFor(absl::Milliseconds(100));
     KVPOOL_ASSIGN_OR_RETURN(use, PoolUse(*c));
-  } while (use.first != base.first && Since(t0) < 30);
+  } while (use.first != base.first && SecondsSince(t0) < 30);
   if (use.first != base.first) {
     return absl::InternalError(absl::StrCat("pool bytes ", use.first, " != baseline ", base.first,
                                             " 30 s after the kill"));
   }
-  std::cout << "fault: pool back to " << use.first << " bytes after " << Since(t0)
+  std::cout << "fault: pool back to " << use.first << " bytes after " << SecondsSince(t0)
             << " s; open pushes " << use.second << "\n";
   // The daemon keeps serving: a fresh channel and push of the same sequence succeed.
   KVPOOL_ASSIGN_OR_RETURN(
@@ -332,7 +324,7 @@ absl::Status Run(const Options& opt) {
         const auto t0 = Clock::now();
         absl::StatusOr<v1::AppendKvResponse> resp =
             nccl ? gpu->PushNccl(spec, {&rows, 1}) : gpu->PushIpc(spec, {&rows, 1});
-        t.push_back(Since(t0));
+        t.push_back(SecondsSince(t0));
         KVPOOL_RETURN_IF_ERROR(resp.status());
         KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
       }
