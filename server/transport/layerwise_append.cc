@@ -98,11 +98,25 @@ void LayerwiseAppend::FailLocked(absl::Status why, Deferred* d) {
     for (auto& [offset, c] : q.waiting) d->failed.emplace_back(std::move(c), status_);
     q.waiting.clear();
   }
-  if (running_ == 0 && !committed_) d->drop = std::move(txn_);
+  DropIfIdleLocked(d);
+}
+
+void LayerwiseAppend::DropIfIdleLocked(Deferred* d) {
+  if (running_ > 0 || committed_ || txn_ == nullptr) return;
+  d->drop = std::move(txn_);
+  for (auto& fn : on_rolled_back_) d->rolled_back.push_back(std::move(fn));
+  on_rolled_back_.clear();
+}
+
+void LayerwiseAppend::RollBack(Deferred* d) {
+  d->drop.reset();
+  std::vector<std::function<void()>> callbacks = std::move(d->rolled_back);
+  d->rolled_back.clear();
+  for (auto& fn : callbacks) fn();
 }
 
 void LayerwiseAppend::Finish(Deferred d) {
-  d.drop.reset();  // roll back before telling anyone
+  RollBack(&d);  // roll back before telling anyone
   for (auto& [c, s] : d.failed) {
     if (c.done) c.done(s, false);
   }
@@ -148,10 +162,11 @@ void LayerwiseAppend::RunChunk(int layer, Chunk chunk) {
     }
     if (status_.ok()) {
       ScheduleLocked(layer, &d);
-    } else if (running_ == 0 && !committed_) {
-      d.drop = std::move(txn_);
+    } else {
+      DropIfIdleLocked(&d);
     }
   }
+  RollBack(&d);  // a failed push is rolled back before its last chunk reports
   if (chunk.done) chunk.done(s, layer_complete);
   Finish(std::move(d));
 }
@@ -187,12 +202,18 @@ absl::StatusOr<AppendResult> LayerwiseAppend::Commit() {
   return r;
 }
 
-void LayerwiseAppend::Abort(absl::Status why) {
+void LayerwiseAppend::Abort(absl::Status why, std::function<void()> rolled_back) {
   Deferred d;
   {
     absl::MutexLock lock(&mu_);
-    if (committed_) return;
-    FailLocked(std::move(why), &d);
+    if (rolled_back) {
+      if (committed_ || txn_ == nullptr) {
+        d.rolled_back.push_back(std::move(rolled_back));
+      } else {
+        on_rolled_back_.push_back(std::move(rolled_back));
+      }
+    }
+    if (!committed_) FailLocked(std::move(why), &d);
   }
   Finish(std::move(d));
 }

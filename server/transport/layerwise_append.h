@@ -70,7 +70,9 @@ class LayerwiseAppend : public std::enable_shared_from_this<LayerwiseAppend> {
   [[nodiscard]] absl::StatusOr<AppendResult> Commit();
   // Rolls the append back (idempotent; no effect after a commit). Queued chunks finish with
   // `why`; chunks being staged finish normally and the transaction is dropped after them.
-  void Abort(absl::Status why);
+  // `rolled_back`, when set, runs once the transaction is gone (at once when it already is, or
+  // after a commit) so that the caller can answer only when the sequence is free again.
+  void Abort(absl::Status why, std::function<void()> rolled_back = nullptr);
   // OK, or the push's first error.
   absl::Status status() const;
 
@@ -94,10 +96,15 @@ class LayerwiseAppend : public std::enable_shared_from_this<LayerwiseAppend> {
     std::vector<std::pair<Chunk, absl::Status>> failed;
     std::vector<std::pair<int, Chunk>> run;
     std::unique_ptr<AppendTxn> drop;
+    std::vector<std::function<void()>> rolled_back;  // run after `drop` is gone
   };
 
   LayerwiseAppend(ServiceContext* ctx, std::unique_ptr<AppendTxn> txn, std::string sequence_id);
   void FailLocked(absl::Status why, Deferred* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands the transaction and the rollback callbacks to `d` when nothing runs any more.
+  void DropIfIdleLocked(Deferred* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rolls back what `d` holds and runs its rollback callbacks.
+  static void RollBack(Deferred* d);
   // Whether [offset, offset + count) overlaps tokens staged, staging or queued in `q`.
   static bool Overlaps(const LayerQueue& q, int offset, int count);
   void ScheduleLocked(int layer, Deferred* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -116,6 +123,7 @@ class LayerwiseAppend : public std::enable_shared_from_this<LayerwiseAppend> {
   int complete_layers_ ABSL_GUARDED_BY(mu_) = 0;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   bool committed_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::function<void()>> on_rolled_back_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvpool::server

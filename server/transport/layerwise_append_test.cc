@@ -90,5 +90,51 @@ TEST_F(LayerwiseAppendTest, OverlappingChunkFailsAndRollsBack) {
   EXPECT_EQ(info->total(), 0);
 }
 
+// A failed push frees the sequence before anyone hears of the failure: the failing chunk's
+// callback and the Abort callback both find the sequence free, and the Abort callback waits for
+// the chunk that is still running.
+TEST_F(LayerwiseAppendTest, RollsBackBeforeReportingAFailure) {
+  const std::vector<Bf16> rows = TestRows(10, model_->row_values(), 1);
+  auto a = LayerwiseAppend::Begin(&ctx_, kDefaultTenant, "s", {0, 10, AppendKind::kPrefill, {}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::Notification running, release, chunk_done, rolled_back;
+  absl::Status chunk_status, begin_in_chunk, begin_in_abort;
+  (*a)->StageDevice(
+      0, 0, 10, rows.data(), rows.data(),
+      [&]() -> absl::Status {
+        running.Notify();
+        release.WaitForNotification();
+        return absl::DataLossError("the transfer broke");
+      },
+      [&](absl::Status s, bool) {
+        chunk_status = s;
+        begin_in_chunk =
+            LayerwiseAppend::Begin(&ctx_, kDefaultTenant, "s", {0, 10, AppendKind::kPrefill, {}})
+                .status();
+        chunk_done.Notify();
+      });
+  running.WaitForNotification();
+  (*a)->Abort(absl::CancelledError("client gone"), [&] {
+    EXPECT_TRUE(chunk_status.ok());  // not yet reported: the rollback comes first
+    begin_in_abort =
+        LayerwiseAppend::Begin(&ctx_, kDefaultTenant, "s", {0, 10, AppendKind::kPrefill, {}})
+            .status();
+    rolled_back.Notify();
+  });
+  EXPECT_FALSE(rolled_back.HasBeenNotified());  // the chunk still runs
+  release.Notify();
+  chunk_done.WaitForNotification();
+  ASSERT_TRUE(rolled_back.HasBeenNotified());
+  EXPECT_TRUE(begin_in_abort.ok()) << begin_in_abort;
+  EXPECT_TRUE(begin_in_chunk.ok()) << begin_in_chunk;
+  EXPECT_EQ(chunk_status.code(), absl::StatusCode::kDataLoss);     // the chunk's own error
+  EXPECT_EQ((*a)->status().code(), absl::StatusCode::kCancelled);  // the push's first error
+  // After the rollback the callback runs at once.
+  bool again = false;
+  (*a)->Abort(absl::CancelledError("twice"), [&] { again = true; });
+  EXPECT_TRUE(again);
+  workers_.Shutdown();
+}
+
 }  // namespace
 }  // namespace kvpool::server

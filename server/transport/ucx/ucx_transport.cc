@@ -457,11 +457,13 @@ void UcxTransport::FailPush(const std::shared_ptr<Session>& session,
                             const std::shared_ptr<Push>& push, const absl::Status& why) {
   if (push->finished) return;
   push->finished = true;
-  push->append->Abort(why);
   --open_pushes_;
   ++pushes_aborted_;
   session->pushes.erase(push->id);
-  if (!session->dead) SendPushDone(session, push->id, why);
+  // Answer only once the sequence is free again, so that the client may push to it at once.
+  push->append->Abort(why, [this, session, id = push->id, why] {
+    rt_->Post([this, session, id, why] { SendPushDone(session, id, why); });
+  });
 }
 
 void UcxTransport::MaybeCommit(const std::shared_ptr<Session>& session,
