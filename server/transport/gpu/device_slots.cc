@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
+#include "server/transport/gpu/poll_backoff.h"
 
 namespace kvpool::server {
 namespace {
@@ -81,13 +82,14 @@ void DeviceSlots::Release(Slot* slot) {
 absl::Status DeviceSlots::Wait(const Slot* slot, const std::function<absl::Status()>& check,
                                absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
+  PollBackoff backoff;
   while (true) {
     const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(slot->done));
     if (e == cudaSuccess) return check();
     if (e != cudaErrorNotReady) return CudaCheck(e, "transfer into a slot");
     KVPOOL_RETURN_IF_ERROR(check());
     if (absl::Now() > deadline) return absl::DeadlineExceededError("transfer timed out");
-    absl::SleepFor(absl::Microseconds(5));
+    backoff.Pause();
   }
 }
 

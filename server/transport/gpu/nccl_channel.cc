@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
+#include "server/transport/gpu/poll_backoff.h"
 
 namespace kvpool::server {
 namespace {
@@ -93,6 +94,7 @@ absl::StatusOr<NcclChannel::Slot*> NcclChannel::AcquireSlot(
 void NcclChannel::ReleaseSlot(Slot* slot) { slots_.Release(slot); }
 
 absl::Status NcclChannel::Settle(const std::function<bool()>& cancelled, absl::Time deadline) {
+  PollBackoff backoff;
   while (true) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state);
@@ -109,7 +111,7 @@ absl::Status NcclChannel::Settle(const std::function<bool()>& cancelled, absl::T
       return cancelled() ? absl::CancelledError("push cancelled")
                          : absl::DeadlineExceededError("NCCL operation timed out");
     }
-    absl::SleepFor(absl::Microseconds(20));
+    backoff.Pause();
   }
 }
 
