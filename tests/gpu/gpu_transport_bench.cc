@@ -10,7 +10,7 @@
 //   fault       (--fault) a prefill process killed mid-transfer: the daemon frees everything
 //               (pool bytes back to the baseline, no open push) and serves the next push
 //
-// Usage: kvpool-gpu-transport-bench --kvpoold PATH [--out FILE] [--quick] [--fault]
+// Usage: kvpool-gpu-transport-bench --kvpoold PATH [--out FILE] [--quick] [--fault] [--trace]
 //        kvpool-gpu-transport-bench --child-stall TARGET   (internal: the process that dies)
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -56,6 +56,7 @@ struct Options {
   std::string out = "bench-results/gpu-transport.json";
   bool quick = false;
   bool fault = false;
+  bool trace = false;  // kvpoold logs each push's per-chunk timeline (KVPOOL_TRACE_GPU_PUSH)
   std::string child_target;
 };
 
@@ -70,13 +71,21 @@ absl::StatusOr<std::unique_ptr<client::LocalDaemon>> StartDaemon(const Options& 
   d.flags = {absl::StrCat("--device=cuda:", kDaemonGpu), "--pool_bytes=17179869184",
              "--slab_bytes=16777216", "--worker_threads=8", "--log_level=warn"};
   d.startup_timeout = absl::Seconds(120);
+  if (opt.trace) {
+    setenv("KVPOOL_TRACE_GPU_PUSH", "1", 1);
+    d.flags.back() = "--log_level=info";
+    d.inherit_output = true;
+  }
   return client::LocalDaemon::Start(d);
 }
 
-absl::Status RegisterModel(const KvpoolClient& c) {
+// Pushes of the layer-wise rows carry this many layers, one message per layer.
+constexpr int kLayerwiseLayers = 8;
+
+absl::Status RegisterModel(const KvpoolClient& c, const std::string& id = "gpu", int layers = 1) {
   v1::ModelSpec spec;
-  spec.set_model_id("gpu");
-  spec.mutable_shape()->set_num_layers(1);
+  spec.set_model_id(id);
+  spec.mutable_shape()->set_num_layers(layers);
   spec.mutable_shape()->set_q_heads(kQHeads);
   spec.mutable_shape()->set_kv_heads(kKvHeads);
   spec.mutable_shape()->set_head_dim(kHeadDim);
@@ -230,6 +239,7 @@ absl::Status Run(const Options& opt) {
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::LocalDaemon> daemon, StartDaemon(opt));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> c, KvpoolClient::Connect(daemon->target()));
   KVPOOL_RETURN_IF_ERROR(RegisterModel(*c));
+  KVPOOL_RETURN_IF_ERROR(RegisterModel(*c, "gpu-layers", kLayerwiseLayers));
 
   // K and V of the largest message on the prefill GPU, real-like values.
   KVPOOL_RETURN_IF_ERROR(Cuda(cudaSetDevice(kPrefillGpu), "cudaSetDevice"));
@@ -351,6 +361,37 @@ absl::Status Run(const Options& opt) {
                 << " GB/s vs raw " << base << " GB/s (arrival kernels alone "
                 << (kernel_s > 0 ? 2.0 * bytes / kernel_s / 1e9 : 0.0) << " GB/s)\n";
     }
+    // Layer-wise: one push of kLayerwiseLayers layers, one message (K and V of `bytes` each) per
+    // layer, as a prefill worker streams them; the push's fixed costs (RPC, begin, commit) are
+    // shared by its messages, and messages of different layers are staged concurrently.
+    if (bytes > (size_t{256} << 20)) continue;
+    for (bool nccl : {true, false}) {
+      const std::vector<GpuLayerRows> layers(kLayerwiseLayers, rows);
+      std::vector<double> t;
+      for (int r = 0; r < reps; ++r) {
+        const std::string id = absl::StrCat("s", seq++);
+        KVPOOL_RETURN_IF_ERROR(c->CreateSequence("gpu-layers", id).status());
+        const GpuPushSpec spec{id, 0, n, true, kRowBytes, n};
+        const auto t0 = Clock::now();
+        absl::StatusOr<v1::AppendKvResponse> resp =
+            nccl ? gpu->PushNccl(spec, layers) : gpu->PushIpc(spec, layers);
+        t.push_back(SecondsSince(t0));
+        KVPOOL_RETURN_IF_ERROR(resp.status());
+        KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
+      }
+      const double gbs = 2.0 * bytes * kLayerwiseLayers / Median(t) / 1e9;
+      const double base = 2.0 * bytes / (nccl ? raw_nccl : raw_peer) / 1e9;
+      report.Add({nccl ? "ingest_nccl_layerwise" : "ingest_cuda_ipc_layerwise",
+                  {{"message_bytes", std::to_string(bytes)},
+                   {"messages_per_push", std::to_string(kLayerwiseLayers)},
+                   {"from", "cuda:0"},
+                   {"pool", "cuda:1"}},
+                  gbs,
+                  "GB/s",
+                  {nccl ? "raw_nccl_send_recv" : "peer_copy", base}});
+      std::cerr << (nccl ? "NCCL" : "IPC ") << " layer-wise " << kLayerwiseLayers << " x "
+                << (bytes >> 20) << " MiB: " << gbs << " GB/s vs raw " << base << " GB/s\n";
+    }
   }
   KVPOOL_RETURN_IF_ERROR(gpu->CloseNccl());
   KVPOOL_RETURN_IF_ERROR(daemon->Stop());
@@ -365,8 +406,8 @@ int main(int argc, char** argv) {
   if (!kvpool::bench::ParseBenchArgs(
           argc, argv,
           {{"--kvpoold", &opt.kvpoold}, {"--out", &opt.out}, {"--child-stall", &opt.child_target}},
-          {{"--quick", &opt.quick}, {"--fault", &opt.fault}},
-          "--kvpoold PATH [--out FILE] [--quick] [--fault]")) {
+          {{"--quick", &opt.quick}, {"--fault", &opt.fault}, {"--trace", &opt.trace}},
+          "--kvpoold PATH [--out FILE] [--quick] [--fault] [--trace]")) {
     return 2;
   }
   setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off in this process and its children

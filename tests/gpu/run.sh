@@ -141,10 +141,14 @@ if [ "$MODE" = transport ]; then
     --kvpoold "$BIN/kvpoold" --out "$OUT/gpu-transport.json"
   step "fault: prefill killed mid-transfer" "$OUT/transport.log" \
     "$BIN/kvpool-gpu-transport-bench" --kvpoold "$BIN/kvpoold" --fault
+  # Per-chunk timelines of each push (kvpoold's KVPOOL_TRACE_GPU_PUSH), quick sizes, own log.
+  step "push timelines (quick, traced)" "$OUT/transport-trace.log" \
+    "$BIN/kvpool-gpu-transport-bench" --kvpoold "$BIN/kvpoold" --quick --trace \
+    --out "$OUT/gpu-transport-trace.json"
   cp "$OUT/gpu-transport.json" bench-results/gpu-transport.json 2>/dev/null
   echo
   grep -E "^check|^fault" "$OUT/transport.log"
-  sed -n '/^gpu-transport benchmark/,$p' "$OUT/transport.log" | head -n 20
+  sed -n '/^gpu-transport benchmark/,$p' "$OUT/transport.log" | head -n 40
 fi
 echo
 echo "step                               status       time"

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -15,6 +16,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "kernels/common/status_macros.h"
 #include "proto/kvpool/v1/gpu_transport_service.grpc.pb.h"
 #include "server/proto_convert.h"
@@ -58,6 +60,59 @@ absl::StatusOr<size_t> AllocationBytes(const void* ptr, const void** base) {
   *base = reinterpret_cast<const void*>(b);
   return size;
 }
+
+// Per-chunk timeline of one push, logged at its end when KVPOOL_TRACE_GPU_PUSH=1 (info level):
+// where a push's time goes (read, receive posted, rows ready, staged) without a profiler.
+class PushTrace {
+ public:
+  enum Event { kRead, kPosted, kReady, kStaged, kEvents };
+
+  static bool Enabled() {
+    static const bool on = [] {
+      const char* v = std::getenv("KVPOOL_TRACE_GPU_PUSH");
+      return v != nullptr && v[0] == '1';
+    }();
+    return on;
+  }
+
+  PushTrace() : start_(absl::Now()) {}
+
+  // A new chunk; returns its index.
+  int AddChunk(int layer, int offset, int tokens) {
+    if (!Enabled()) return 0;
+    absl::MutexLock lock(&mu_);
+    chunks_.push_back(Chunk{layer, offset, tokens, {}});
+    return static_cast<int>(chunks_.size()) - 1;
+  }
+  void Mark(int chunk, Event e) {
+    if (!Enabled()) return;
+    const double us = absl::ToDoubleMicroseconds(absl::Now() - start_);
+    absl::MutexLock lock(&mu_);
+    if (chunk >= 0 && chunk < static_cast<int>(chunks_.size())) chunks_[chunk].us[e] = us;
+  }
+  void Log(const std::string& sequence_id, const absl::Status& status) {
+    if (!Enabled()) return;
+    absl::MutexLock lock(&mu_);
+    std::string line =
+        absl::StrCat("push ", sequence_id, " ", status.ok() ? "ok" : "failed", " in ",
+                     absl::ToDoubleMicroseconds(absl::Now() - start_),
+                     " us; chunks (layer@offset+tokens: read/posted/ready/staged us):");
+    for (const Chunk& c : chunks_) {
+      absl::StrAppend(&line, " ", c.layer, "@", c.offset, "+", c.tokens, ":", c.us[kRead], "/",
+                      c.us[kPosted], "/", c.us[kReady], "/", c.us[kStaged]);
+    }
+    spdlog::info("{}", line);
+  }
+
+ private:
+  struct Chunk {
+    int layer, offset, tokens;
+    double us[kEvents];
+  };
+  const absl::Time start_;
+  absl::Mutex mu_;
+  std::vector<Chunk> chunks_ ABSL_GUARDED_BY(mu_);
+};
 
 // CUDA IPC mappings shared by every push: CUDA maps one handle once per process, so mappings are
 // reference counted and closed when their last push ends.
@@ -317,11 +372,14 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
     const int offset = static_cast<int>(c.token_offset());
     const int n = static_cast<int>(c.num_tokens());
     const size_t bytes = static_cast<size_t>(n) * m.row_values() * sizeof(Bf16);
+    const int traced = trace_.AddChunk(layer, offset, n);
+    trace_.Mark(traced, PushTrace::kRead);
     {
       absl::MutexLock lock(&mu_);
       ++pending_;
     }
-    auto done = [this](absl::Status s, bool /*layer_complete*/) {
+    auto done = [this, traced](absl::Status s, bool /*layer_complete*/) {
+      trace_.Mark(traced, PushTrace::kStaged);
       absl::MutexLock lock(&mu_);
       if (!s.ok() && error_.ok()) error_ = s;
       --pending_;
@@ -343,11 +401,16 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
         done(posted, false);
         return absl::OkStatus();
       }
+      trace_.Mark(traced, PushTrace::kPosted);
       std::shared_ptr<NcclChannel> ch = channel_;
       NcclChannel::Slot* s = *slot;
       push_->StageDevice(
           layer, offset, n, static_cast<const Bf16*>(s->k), static_cast<const Bf16*>(s->v),
-          [ch, s, cancelled] { return ch->WaitRecv(s, cancelled); },
+          [this, ch, s, cancelled, traced] {
+            absl::Status st = ch->WaitRecv(s, cancelled);
+            trace_.Mark(traced, PushTrace::kReady);
+            return st;
+          },
           [ch, s, done](absl::Status st, bool complete) {
             ch->ReleaseSlot(s);
             done(std::move(st), complete);
@@ -387,15 +450,18 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
       return absl::OkStatus();
     }
     DeviceSlots::Slot* s = *slot;
+    trace_.Mark(traced, PushTrace::kPosted);
     push_->StageDevice(
         layer, offset, n, static_cast<const Bf16*>(s->k), static_cast<const Bf16*>(s->v),
-        [s, cancelled] {
-          return DeviceSlots::Wait(
+        [this, s, cancelled, traced] {
+          absl::Status st = DeviceSlots::Wait(
               s,
               [&]() -> absl::Status {
                 return cancelled() ? absl::CancelledError("push cancelled") : absl::OkStatus();
               },
               absl::Seconds(120));
+          trace_.Mark(traced, PushTrace::kReady);
+          return st;
         },
         [&slots, s, done](absl::Status st, bool complete) {
           // A chunk dropped before staging may still have its copy in flight.
@@ -452,6 +518,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
       // channel so that its NCCL calls fail instead of hanging.
       if (channel_ != nullptr) channel_->Abort();
     }
+    trace_.Log(push_ != nullptr ? push_->sequence_id() : "", s);
     Finish(ToGrpcStatus(s));
   }
 
@@ -469,6 +536,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
+  PushTrace trace_;
 };
 
 grpc::ServerReadReactor<v1::GpuPushRequest>* GpuTransportServiceImpl::PushKv(
