@@ -86,12 +86,22 @@ struct SequenceTiers {
 
 // A batch of decode queries of one model and layer: query row i ([Hq][D], original basis)
 // attends over *tiers[i]; out[i] ([Hq][D], original basis) and lse[i] ([Hq], natural log).
+//
+// Queries and outputs are in host memory (the spans) by default. A GPU backend also takes them
+// in its device memory (remote attention over an NCCL channel): then device_queries, device_out
+// and device_lse are all set, the spans are empty, and the caller guarantees the queries are
+// complete (no write pending on any stream) and the three buffers stay valid until AttendBatch
+// returns, when the outputs are complete.
 struct AttentionBatch {
   int layer = 0;
   std::vector<const SequenceTiers*> tiers;
   absl::Span<const float> queries;
   absl::Span<float> out;
   absl::Span<float> lse;
+  const float* device_queries = nullptr;  // [rows][Hq][D] on the backend's GPU
+  float* device_out = nullptr;            // [rows][Hq][D]
+  float* device_lse = nullptr;            // [rows][Hq]
+  bool on_device() const { return device_queries != nullptr; }
 };
 
 // Device time spent in the backend's kernels since start (zero where nothing measures it).
@@ -149,7 +159,8 @@ class ComputeBackend {
   // AttendRotated calls for single sequences over its worker threads (CPU).
   virtual bool batched_attention() const = 0;
   // Decode attention of every query row of `batch` (queries unrotated, outputs in the original
-  // basis). Unimplemented where batched_attention() is false.
+  // basis). Unimplemented where batched_attention() is false; device I/O (batch.on_device())
+  // only where device() >= 0.
   virtual absl::Status AttendBatch(const Model& model, const AttentionBatch& batch) = 0;
   // Decode attention of rotated queries `q` ([Hq][D]) over one sequence's tiers; output in the
   // rotated V basis, natural-log LSE per head.

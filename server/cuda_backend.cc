@@ -247,8 +247,13 @@ class CudaBackend final : public ComputeBackend {
     const int n = static_cast<int>(b.tiers.size());
     const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
     if (n == 0) return absl::OkStatus();
-    if (b.queries.size() != n * per_query || b.out.size() != n * per_query ||
-        b.lse.size() != static_cast<size_t>(n) * m.q_heads) {
+    // Device I/O (an NCCL attention channel): the kernel reads the queries and writes the
+    // outputs where they are, with no copy through the host.
+    const bool on_device = b.on_device();
+    if (on_device ? (b.device_out == nullptr || b.device_lse == nullptr || !b.queries.empty() ||
+                     !b.out.empty() || !b.lse.empty())
+                  : (b.queries.size() != n * per_query || b.out.size() != n * per_query ||
+                     b.lse.size() != static_cast<size_t>(n) * m.q_heads)) {
       return absl::InternalError("AttendBatch: query/output sizes do not match the batch");
     }
     KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, b.layer, KvTensor::kKey));
@@ -285,7 +290,7 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_ASSIGN_OR_RETURN(size_t ws_bytes, cuda::DecodeAttentionWorkspaceBytes(shape));
 
     std::vector<uint8_t> host;
-    const size_t q_at = Append(&host, b.queries.data(), b.queries.size());
+    const size_t q_at = on_device ? 0 : Append(&host, b.queries.data(), b.queries.size());
     size_t at[3][3];
     TierImage* tiers[3] = {&sink, &hist, &recent};
     for (int t = 0; t < 3; ++t) {
@@ -295,7 +300,7 @@ class CudaBackend final : public ComputeBackend {
     }
     const size_t out_at = Append<float>(&host, nullptr, 0);
     const size_t lse_at = (out_at + b.out.size() * sizeof(float) + 15) / 16 * 16;
-    const size_t total = lse_at + b.lse.size() * sizeof(float);
+    const size_t total = on_device ? host.size() : lse_at + b.lse.size() * sizeof(float);
 
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total, lane->stream));
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * ws,
@@ -313,21 +318,25 @@ class CudaBackend final : public ComputeBackend {
     };
     const cuda::DecodeBatch batch{tier(0), tier(1), tier(2)};
     cuda::DecodeIo io;
-    io.queries = reinterpret_cast<const float*>(dev + q_at);
+    io.queries = on_device ? b.device_queries : reinterpret_cast<const float*>(dev + q_at);
     io.rotation_k = rot_k;
     io.rotation_v = rot_v;
-    io.out = reinterpret_cast<float*>(dev + out_at);
-    io.lse = reinterpret_cast<float*>(dev + lse_at);
+    io.out = on_device ? b.device_out : reinterpret_cast<float*>(dev + out_at);
+    io.lse = on_device ? b.device_lse : reinterpret_cast<float*>(dev + lse_at);
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DecodeAttention(shape, batch, io, ws, ws_bytes, lane->stream));
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(b.out.data(), io.out, b.out.size() * sizeof(float),
-                                                 cudaMemcpyDeviceToHost, lane->stream),
-                                 "D2H attention output"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(b.lse.data(), io.lse, b.lse.size() * sizeof(float),
-                                                 cudaMemcpyDeviceToHost, lane->stream),
-                                 "D2H attention LSE"));
-    KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));
+    if (!on_device) {
+      KVPOOL_RETURN_IF_ERROR(
+          Check(cudaMemcpyAsync(b.out.data(), io.out, b.out.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost, lane->stream),
+                "D2H attention output"));
+      KVPOOL_RETURN_IF_ERROR(
+          Check(cudaMemcpyAsync(b.lse.data(), io.lse, b.lse.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost, lane->stream),
+                "D2H attention LSE"));
+    }
+    KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));  // waits: device outputs are complete
     AddTime(*lane, &BackendTimes::attention_seconds);
     return absl::OkStatus();
   }
