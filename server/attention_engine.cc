@@ -51,18 +51,24 @@ absl::Status AttentionEngine::Validate(const Model& model, int layer,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::unique_ptr<SequenceSnapshot>> AttentionEngine::SnapshotOf(
+    const TenantId& tenant, const Model& m, int layer, const std::string& id) const {
+  const int layer_list[1] = {layer};
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
+                          store_->Snapshot(tenant, id, layer_list));
+  if (snap->model().id != m.id || snap->model().version != m.version) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence '", id, "' belongs to model '",
+                                                   snap->model().id, "', not '", m.id, "'"));
+  }
+  return snap;
+}
+
 absl::Status AttentionEngine::Prepare(Batch* b) {
   const Model& m = *b->model;
-  const int layer_list[1] = {b->layer};
   size_t rows = 0;
   for (const AttentionQuery& q : b->queries) {
     KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
-                            store_->Snapshot(b->tenant, q.sequence_id, layer_list));
-    if (snap->model().id != m.id || snap->model().version != m.version) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence '", q.sequence_id,
-                                                     "' belongs to model '", snap->model().id,
-                                                     "', not '", m.id, "'"));
-    }
+                            SnapshotOf(b->tenant, m, b->layer, q.sequence_id));
     b->snapshots.push_back(std::move(snap));
     b->row_offset.push_back(rows);
     rows += static_cast<size_t>(q.num_queries) * m.q_heads;
@@ -219,6 +225,49 @@ absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Run(
     for (size_t i = 0; i < b.queries.size(); ++i) AttendOne(&b, i);
   }
   return Finish(&b);
+}
+
+absl::StatusOr<std::vector<int>> AttentionEngine::RunOnDevice(const TenantId& tenant,
+                                                              std::shared_ptr<const Model> model,
+                                                              const DeviceAttentionCall& call) {
+  if (backend_->device() < 0 || !backend_->batched_attention()) {
+    return absl::UnavailableError(
+        absl::StrCat("attention on device buffers needs a GPU backend; this daemon runs on '",
+                     backend_->name(), "'"));
+  }
+  const Model& m = *model;
+  if (call.layer < 0 || call.layer >= m.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", call.layer, " out of range [0, ", m.num_layers, ")"));
+  }
+  if (call.sequence_ids.empty()) return absl::InvalidArgumentError("attention batch is empty");
+  if (call.num_queries < 1) return absl::InvalidArgumentError("num_queries must be >= 1");
+  if (call.queries == nullptr || call.out == nullptr || call.lse == nullptr) {
+    return absl::InvalidArgumentError("device attention needs query, output and LSE buffers");
+  }
+  std::vector<std::unique_ptr<SequenceSnapshot>> snapshots;
+  snapshots.reserve(call.sequence_ids.size());
+  for (const std::string& id : call.sequence_ids) {
+    KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
+                            SnapshotOf(tenant, m, call.layer, id));
+    snapshots.push_back(std::move(snap));
+  }
+  std::vector<SequenceTiers> tiers;
+  tiers.reserve(snapshots.size());
+  for (const auto& snap : snapshots) tiers.push_back(snap->Tiers(0));
+  AttentionBatch batch;
+  batch.layer = call.layer;
+  for (const SequenceTiers& t : tiers) {
+    for (int j = 0; j < call.num_queries; ++j) batch.tiers.push_back(&t);
+  }
+  batch.device_queries = call.queries;
+  batch.device_out = call.out;
+  batch.device_lse = call.lse;
+  KVPOOL_RETURN_IF_ERROR(backend_->AttendBatch(m, batch));
+  std::vector<int> attended;
+  attended.reserve(snapshots.size());
+  for (const auto& snap : snapshots) attended.push_back(snap->total());
+  return attended;  // the snapshots' page references go now
 }
 
 absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<const Model> model,

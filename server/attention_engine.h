@@ -49,6 +49,17 @@ struct AttentionResult {
 
 using AttentionDone = std::function<void(absl::StatusOr<std::vector<AttentionResult>>)>;
 
+// One call with queries and outputs in the backend's GPU memory (an NCCL attention channel,
+// server/transport/gpu/gpu_attention_service.h): num_queries query rows per sequence.
+struct DeviceAttentionCall {
+  int layer = 0;
+  absl::Span<const std::string> sequence_ids;  // the batch, in row order
+  int num_queries = 1;
+  const float* queries = nullptr;  // [batch][num_queries][q_heads][head_dim], unrotated
+  float* out = nullptr;            // same shape, original basis
+  float* lse = nullptr;            // [batch][num_queries][q_heads], natural log
+};
+
 class AttentionEngine {
  public:
   // `workers` may be null: everything then runs on the calling thread.
@@ -68,12 +79,27 @@ class AttentionEngine {
       const TenantId& tenant, std::shared_ptr<const Model> model, int layer,
       std::vector<AttentionQuery> queries);
 
+  // One call whose queries and outputs stay in the backend's device memory, on the calling
+  // thread (not coalesced with other requests): the same snapshot, validation and kernels as
+  // Run. Returns the attended tokens per sequence; the outputs are complete on return.
+  // Unavailable where the backend's memory is the host's (CPU backend); InvalidArgument for the
+  // layer, an empty batch, num_queries < 1, a null buffer or a sequence of another model;
+  // NotFound for an unknown sequence. The queries are not checked for NaN/Inf (they stay on the
+  // device): non-finite queries give non-finite outputs of that call only.
+  [[nodiscard]] absl::StatusOr<std::vector<int>> RunOnDevice(const TenantId& tenant,
+                                                             std::shared_ptr<const Model> model,
+                                                             const DeviceAttentionCall& call);
+
   // Validation alone (shapes, finiteness, layer range).
   [[nodiscard]] static absl::Status Validate(const Model& model, int layer,
                                              const std::vector<AttentionQuery>& queries);
 
  private:
   struct Batch;
+  // A snapshot of `id`'s `layer`; InvalidArgument when it belongs to another model than `m`.
+  absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SnapshotOf(const TenantId& tenant,
+                                                               const Model& m, int layer,
+                                                               const std::string& id) const;
   absl::Status Prepare(Batch* batch);
   void AttendOne(Batch* batch, size_t i);  // one sequence, rotated queries (CPU)
   // Batched backends (GPU): one backend call for a group of requests of one model and layer.

@@ -4,6 +4,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "kernels/common/status_macros.h"
 #include "server/server_test_util.h"
 #include "tests/support/test_data.h"
 
@@ -135,6 +136,154 @@ TEST(AttentionEngineTest, FullQueueIsResourceExhausted) {
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
   release.Notify();
   workers.Shutdown();
+}
+
+TEST(AttentionEngineTest, DeviceCallIsUnavailableOnTheCpuBackend) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
+  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "s", {}).ok());
+  AttentionEngine engine(core.store.get(), core.backend.get(), nullptr);
+  std::vector<float> q(m->q_heads * m->head_dim), out(q.size()), lse(m->q_heads);
+  const std::string ids[1] = {"s"};
+  const absl::StatusOr<std::vector<int>> r =
+      engine.RunOnDevice(kDefaultTenant, m, {0, ids, 1, q.data(), out.data(), lse.data()});
+  EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
+}
+
+// A "GPU" backend whose device memory is host memory: AttendBatch with device I/O attends each
+// query row with the CPU backend (rotate, AttendRotated, un-rotate), so RunOnDevice's mapping of
+// rows to sequences can be checked against Run without a GPU.
+class HostMemoryAsDevice final : public ComputeBackend {
+ public:
+  explicit HostMemoryAsDevice(ComputeBackend* cpu) : cpu_(cpu) {}
+  absl::string_view name() const override { return "host-as-device"; }
+  int device() const override { return 0; }
+  bool batched_attention() const override { return true; }
+  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
+    ++calls;
+    if (!b.on_device() || !b.queries.empty()) return absl::InternalError("expected device I/O");
+    const size_t per_row = static_cast<size_t>(m.q_heads) * m.head_dim;
+    for (size_t i = 0; i < b.tiers.size(); ++i) {
+      std::vector<float> rotated(per_row);
+      KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Rotate(
+          b.layer, KvTensor::kKey, absl::MakeConstSpan(b.device_queries + i * per_row, per_row),
+          absl::MakeSpan(rotated)));
+      KVPOOL_ASSIGN_OR_RETURN(AttentionOutput o, cpu_->AttendRotated(m, *b.tiers[i], rotated));
+      KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Unrotate(
+          b.layer, KvTensor::kValue, o.out, absl::MakeSpan(b.device_out + i * per_row, per_row)));
+      std::copy(o.lse.begin(), o.lse.end(), b.device_lse + i * m.q_heads);
+    }
+    return absl::OkStatus();
+  }
+  // The rest is the CPU backend's (the store writes through the real one).
+  absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) override {
+    return cpu_->AllocateArena(bytes);
+  }
+  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
+                         absl::Span<const Bf16> v, absl::Span<const RowWrite> w) override {
+    return cpu_->StageRows(m, layer, k, v, w);
+  }
+  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
+    return cpu_->DemoteRows(m, moves);
+  }
+  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
+                        int count, absl::Span<float> out) override {
+    return cpu_->ReadRows(m, block, history, t, slot, count, out);
+  }
+  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
+                            absl::Span<Bf16> out) override {
+    return cpu_->ReadBf16Rows(m, page, t, slot, count, out);
+  }
+  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+    return cpu_->CopyFromPool(dst, src, bytes);
+  }
+  absl::StatusOr<AttentionOutput> AttendRotated(const Model& m, const SequenceTiers& tiers,
+                                                absl::Span<const float> q) override {
+    return cpu_->AttendRotated(m, tiers, q);
+  }
+  int calls = 0;
+
+ private:
+  ComputeBackend* cpu_;
+};
+
+TEST(AttentionEngineTest, DeviceCallMatchesRunRowForRow) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
+  const std::vector<std::string> ids = {"a", "b", "empty", "a"};  // a duplicate is allowed
+  for (const char* id : {"a", "b", "empty"}) {
+    ASSERT_TRUE(core.store->Create(kDefaultTenant, m, id, {}).ok());
+  }
+  ASSERT_TRUE(AppendAll(*core.store, *m, "a", 0, 61, AppendKind::kFinalPrefill, 1).ok());
+  ASSERT_TRUE(AppendAll(*core.store, *m, "b", 0, 29, AppendKind::kFinalPrefill, 2).ok());
+  constexpr int kQueries = 2;
+  std::vector<AttentionQuery> host = Queries(*m, ids);
+  std::vector<float> q;  // [batch][kQueries][Hq][D], the same values as `host`
+  for (AttentionQuery& hq : host) {
+    hq.num_queries = kQueries;
+    hq.q = kvpool::testing::GaussianValues(kQueries * m->q_heads * m->head_dim,
+                                           hq.q.size() + q.size());
+    q.insert(q.end(), hq.q.begin(), hq.q.end());
+  }
+  AttentionEngine cpu_engine(core.store.get(), core.backend.get(), nullptr);
+  auto want = cpu_engine.Run(kDefaultTenant, m, 1, host);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  HostMemoryAsDevice device(core.backend.get());
+  AttentionEngine engine(core.store.get(), &device, nullptr);
+  std::vector<float> out(q.size(), -7.0f), lse(q.size() / m->head_dim, -7.0f);
+  absl::StatusOr<std::vector<int>> got =
+      engine.RunOnDevice(kDefaultTenant, m, {1, ids, kQueries, q.data(), out.data(), lse.data()});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(device.calls, 1);
+  ASSERT_EQ(got->size(), ids.size());
+  const size_t per_seq_out = static_cast<size_t>(kQueries) * m->q_heads * m->head_dim;
+  const size_t per_seq_lse = static_cast<size_t>(kQueries) * m->q_heads;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const AttentionResult& w = (*want)[i];
+    EXPECT_EQ((*got)[i], w.attended_tokens) << ids[i];
+    for (size_t j = 0; j < per_seq_out; ++j) {
+      ASSERT_NEAR(out[i * per_seq_out + j], w.out[j], 1e-5 * (1 + std::fabs(w.out[j])))
+          << ids[i] << " value " << j;
+    }
+    for (size_t j = 0; j < per_seq_lse; ++j) {
+      const float g = lse[i * per_seq_lse + j];
+      if (std::isinf(w.lse[j])) {
+        EXPECT_EQ(g, w.lse[j]) << ids[i];  // the empty sequence: -inf
+      } else {
+        ASSERT_NEAR(g, w.lse[j], 1e-5 * (1 + std::fabs(w.lse[j]))) << ids[i] << " lse " << j;
+      }
+    }
+  }
+  EXPECT_EQ((*got)[0], 61);
+  EXPECT_EQ((*got)[1], 29);
+  EXPECT_EQ((*got)[2], 0);
+}
+
+TEST(AttentionEngineTest, DeviceCallRejectsBadCallsBeforeTheBackend) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
+  auto other = core.AddModel("other", RotationKind::kIdentity, SmallQuant());
+  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "s", {}).ok());
+  ASSERT_TRUE(core.store->Create(kDefaultTenant, other, "o", {}).ok());
+  HostMemoryAsDevice device(core.backend.get());
+  AttentionEngine engine(core.store.get(), &device, nullptr);
+  std::vector<float> q(2 * m->q_heads * m->head_dim), out(q.size()), lse(2 * m->q_heads);
+  const std::vector<std::string> s = {"s"}, missing = {"s", "x"}, foreign = {"o"};
+  auto run = [&](int layer, const std::vector<std::string>& ids, int nq, float* o) {
+    return engine.RunOnDevice(kDefaultTenant, m, {layer, ids, nq, q.data(), o, lse.data()})
+        .status();
+  };
+  EXPECT_TRUE(absl::IsInvalidArgument(run(2, s, 1, out.data())));   // layer out of range
+  EXPECT_TRUE(absl::IsInvalidArgument(run(-1, s, 1, out.data())));  // layer out of range
+  EXPECT_TRUE(absl::IsInvalidArgument(run(0, {}, 1, out.data())));  // empty batch
+  EXPECT_TRUE(absl::IsInvalidArgument(run(0, s, 0, out.data())));   // no query rows
+  EXPECT_TRUE(absl::IsInvalidArgument(run(0, s, 1, nullptr)));      // no output buffer
+  EXPECT_TRUE(absl::IsNotFound(run(0, missing, 1, out.data())));
+  EXPECT_TRUE(absl::IsInvalidArgument(run(0, foreign, 1, out.data())));  // another model's
+  EXPECT_EQ(device.calls, 0);
+  EXPECT_TRUE(run(1, s, 2, out.data()).ok());
+  EXPECT_EQ(device.calls, 1);
 }
 
 }  // namespace
