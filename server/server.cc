@@ -16,6 +16,7 @@
 #include "server/read_service.h"
 #include "server/sequence_service.h"
 #include "server/stats_service.h"
+#include "server/transport/gpu/gpu_attention_service.h"
 #include "server/transport/gpu/gpu_transport_service.h"
 #include "server/transport/grpc_inline/grpc_inline_transport.h"
 #include "server/transport/transport_service.h"
@@ -104,6 +105,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   s->stats_service_ = std::make_unique<StatsServiceImpl>(&ctx);
   s->transport_service_ = std::make_unique<TransportServiceImpl>(&ctx);
   s->gpu_transport_service_ = NewGpuTransportService(&ctx);
+  s->gpu_attention_service_ = NewGpuAttentionService(&ctx);  // UNAVAILABLE off the GPU
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -122,6 +124,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   builder.RegisterService(s->transport_service_.get());
   if (s->gpu_transport_service_ != nullptr)
     builder.RegisterService(s->gpu_transport_service_.get());
+  builder.RegisterService(s->gpu_attention_service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(

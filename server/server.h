@@ -74,6 +74,7 @@ class KvpoolServer {
   std::unique_ptr<StatsServiceImpl> stats_service_;
   std::unique_ptr<TransportServiceImpl> transport_service_;
   std::unique_ptr<grpc::Service> gpu_transport_service_;  // null unless the pool is on a GPU
+  std::unique_ptr<grpc::Service> gpu_attention_service_;  // UNAVAILABLE unless on a GPU
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   absl::Mutex shutdown_mu_;

@@ -1,0 +1,420 @@
+#include "server/transport/gpu/attention_channel.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+#include "server/transport/gpu/nccl_channel.h"  // DisableNvlinkMulticast
+#include "spdlog/spdlog.h"
+
+namespace kvpool::server {
+namespace {
+
+ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
+
+absl::Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
+  const std::string msg = absl::StrCat(what, ": ", cudaGetErrorString(e));
+  return e == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(msg)
+                                        : absl::InternalError(msg);
+}
+
+absl::Status NcclError(ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+}
+
+// How long a call may take between its header and the last byte of its queries.
+constexpr absl::Duration kCallTimeout = absl::Seconds(30);
+// Waiting for the next call: spin this long, then sleep in growing steps up to kMaxNap.
+constexpr absl::Duration kSpin = absl::Milliseconds(5);
+constexpr absl::Duration kMaxNap = absl::Milliseconds(1);
+
+// Joins as rank 1 of a two-rank non-blocking communicator; the join loop polls like every other
+// wait of the channel.
+absl::StatusOr<ncclComm_t> JoinComm(int device, const std::string& unique_id,
+                                    absl::Duration timeout,
+                                    const std::function<bool()>& cancelled) {
+  DisableNvlinkMulticast();
+  ncclUniqueId id;
+  if (unique_id.size() != sizeof(id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl_unique_id must be ", sizeof(id), " bytes, got ", unique_id.size()));
+  }
+  std::memcpy(&id, unique_id.data(), sizeof(id));
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 1, &config);
+  if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
+  const absl::Time deadline = absl::Now() + timeout;
+  ncclResult_t state = ncclInProgress;
+  while (true) {
+    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
+    if (cancelled() || absl::Now() > deadline) {
+      ncclCommAbort(comm);
+      return cancelled() ? absl::CancelledError("the client left while joining")
+                         : absl::DeadlineExceededError(
+                               "the client did not join the NCCL communicator in time");
+    }
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  if (state != ncclSuccess) {
+    ncclCommAbort(comm);
+    return NcclError(state, "joining the NCCL communicator");
+  }
+  return comm;
+}
+
+}  // namespace
+
+// The channel's CUDA resources: one stream for every NCCL operation and copy, an event the
+// loop polls, the header and status blocks (device + pinned host), and the query, output and
+// LSE buffers (grown on demand up to kMaxCallQueryBytes, never shrunk).
+class AttentionChannel::Buffers {
+ public:
+  static absl::StatusOr<std::unique_ptr<Buffers>> Create(int device) {
+    auto b = std::unique_ptr<Buffers>(new Buffers(device));
+    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaCheck(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking), "stream"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaCheck(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&b->d_header, kCallHeaderBytes), "cudaMalloc"));
+    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&b->d_status, kCallStatusBytes), "cudaMalloc"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaCheck(cudaMallocHost(&b->h_header, kCallHeaderBytes), "cudaMallocHost"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaCheck(cudaMallocHost(&b->h_status, kCallStatusBytes), "cudaMallocHost"));
+    return b;
+  }
+
+  ~Buffers() {
+    cudaSetDevice(device_);
+    if (stream != nullptr) cudaStreamSynchronize(stream);
+    cudaFree(d_header);
+    cudaFree(d_status);
+    cudaFree(d_queries);
+    cudaFree(d_out);
+    cudaFree(d_lse);
+    cudaFreeHost(h_header);
+    cudaFreeHost(h_status);
+    if (event != nullptr) cudaEventDestroy(event);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    (void)cudaGetLastError();
+  }
+
+  // Room for `query_bytes` of queries and of out, `lse_bytes` of lse. Growing waits for the
+  // stream (the previous call's sends).
+  absl::Status Reserve(size_t query_bytes, size_t lse_bytes) {
+    if (query_bytes <= query_capacity && lse_bytes <= lse_capacity) return absl::OkStatus();
+    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamSynchronize(stream), "sync before growing"));
+    if (query_bytes > query_capacity) {
+      cudaFree(d_queries);
+      cudaFree(d_out);
+      d_queries = d_out = nullptr;
+      query_capacity = 0;
+      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&d_queries, query_bytes), "cudaMalloc queries"));
+      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&d_out, query_bytes), "cudaMalloc out"));
+      query_capacity = query_bytes;
+    }
+    if (lse_bytes > lse_capacity) {
+      cudaFree(d_lse);
+      d_lse = nullptr;
+      lse_capacity = 0;
+      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&d_lse, lse_bytes), "cudaMalloc lse"));
+      lse_capacity = lse_bytes;
+    }
+    return absl::OkStatus();
+  }
+
+  cudaStream_t stream = nullptr;
+  cudaEvent_t event = nullptr;
+  void* d_header = nullptr;
+  void* d_status = nullptr;
+  uint8_t* h_header = nullptr;
+  uint8_t* h_status = nullptr;
+  void* d_queries = nullptr;
+  void* d_out = nullptr;
+  void* d_lse = nullptr;
+  size_t query_capacity = 0;
+  size_t lse_capacity = 0;
+
+ private:
+  explicit Buffers(int device) : device_(device) {}
+  const int device_;
+};
+
+AttentionChannel::AttentionChannel(ServiceContext* ctx, TenantId tenant, std::string name,
+                                   int device, void* comm, std::unique_ptr<Buffers> buffers)
+    : ctx_(ctx),
+      tenant_(std::move(tenant)),
+      name_(std::move(name)),
+      device_(device),
+      comm_(comm),
+      buffers_(std::move(buffers)) {}
+
+absl::StatusOr<std::unique_ptr<AttentionChannel>> AttentionChannel::Join(
+    ServiceContext* ctx, TenantId tenant, const std::string& unique_id, absl::Duration timeout,
+    std::string name, const std::function<bool()>& cancelled) {
+  const int device = ctx->backend->device();
+  if (device < 0) return absl::UnavailableError("this kvpoold keeps its pool in host memory");
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Buffers> buffers, Buffers::Create(device));
+  KVPOOL_ASSIGN_OR_RETURN(ncclComm_t comm, JoinComm(device, unique_id, timeout, cancelled));
+  return std::unique_ptr<AttentionChannel>(new AttentionChannel(
+      ctx, std::move(tenant), std::move(name), device, comm, std::move(buffers)));
+}
+
+AttentionChannel::~AttentionChannel() {
+  Close();
+  absl::MutexLock lock(&start_mu_);
+  if (!started_) {  // never ran: the loop's cleanup is ours
+    cudaSetDevice(device_);
+    ncclCommAbort(Comm(comm_));
+    buffers_.reset();
+  }
+}
+
+void AttentionChannel::Start(std::function<void(absl::Status)> on_end) {
+  absl::MutexLock lock(&start_mu_);
+  if (started_) return;
+  started_ = true;
+  on_end_ = std::move(on_end);
+  loop_ = std::thread([this] { Loop(); });
+}
+
+void AttentionChannel::Close() {
+  stop_.store(true);
+  std::thread loop;
+  {
+    absl::MutexLock lock(&start_mu_);
+    if (!loop_.joinable()) return;
+    if (loop_.get_id() == std::this_thread::get_id()) {
+      loop_.detach();  // from on_end: the loop returns right after it
+      return;
+    }
+    loop = std::move(loop_);
+  }
+  loop.join();
+}
+
+absl::StatusOr<AttentionPlanInfo> AttentionChannel::AddPlan(const std::string& model_id,
+                                                            std::vector<std::string> sequence_ids,
+                                                            int num_queries) {
+  KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                          ctx_->registry->Get(tenant_, model_id));
+  for (const std::string& id : sequence_ids) {
+    if (id.empty()) return absl::InvalidArgumentError("a sequence id of the plan is empty");
+  }
+  KVPOOL_ASSIGN_OR_RETURN(
+      AttentionPlanShape shape,
+      MakeAttentionPlanShape(static_cast<int>(std::min<size_t>(sequence_ids.size(), INT32_MAX)),
+                             num_queries, model->q_heads, model->head_dim,
+                             ctx_->config->max_attention_batch));
+  auto plan = std::make_shared<Plan>();
+  plan->model_id = model_id;
+  plan->sequence_ids = std::move(sequence_ids);
+  plan->shape = shape;
+  absl::MutexLock lock(&plans_mu_);
+  if (ended_) return absl::FailedPreconditionError("the attention channel has ended");
+  if (plans_.size() >= static_cast<size_t>(kMaxPlans)) {
+    return absl::ResourceExhaustedError(absl::StrCat("a channel holds at most ", kMaxPlans,
+                                                     " plans; drop one (DropAttentionPlan)"));
+  }
+  const uint32_t id = next_plan_++;
+  plans_.emplace(id, std::move(plan));
+  return AttentionPlanInfo{id, shape, model->num_layers};
+}
+
+absl::Status AttentionChannel::DropPlan(uint32_t plan_id) {
+  absl::MutexLock lock(&plans_mu_);
+  if (plans_.erase(plan_id) == 0) {
+    return absl::NotFoundError(absl::StrCat("no attention plan ", plan_id));
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const AttentionChannel::Plan> AttentionChannel::FindPlan(uint32_t id) const {
+  absl::MutexLock lock(&plans_mu_);
+  auto it = plans_.find(id);
+  return it == plans_.end() ? nullptr : it->second;
+}
+
+absl::Status AttentionChannel::Failed(absl::Status why) {
+  if (!aborted_) {
+    ncclCommAbort(Comm(comm_));
+    aborted_ = true;
+  }
+  return why;
+}
+
+absl::Status AttentionChannel::Settle(absl::Time deadline) {
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) return Failed(NcclError(state, "NCCL (the peer failed or left)"));
+    if (stop_.load()) return Failed(absl::OkStatus());
+    if (absl::Now() > deadline) return Failed(absl::DeadlineExceededError("NCCL call timed out"));
+    absl::SleepFor(absl::Microseconds(10));
+  }
+}
+
+absl::Status AttentionChannel::WaitEvent(absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  absl::Duration nap = absl::Microseconds(20);
+  for (uint64_t polls = 0;; ++polls) {
+    const cudaError_t e = cudaEventQuery(buffers_->event);
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) return Failed(CudaCheck(e, "waiting for NCCL"));
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(Comm(comm_), &state);
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return Failed(NcclError(state, "NCCL (the peer failed or left)"));
+    }
+    if (stop_.load()) return Failed(absl::OkStatus());
+    const absl::Time now = absl::Now();
+    if (now > deadline) {
+      return Failed(absl::DeadlineExceededError("the client stopped sending mid-call"));
+    }
+    if (now - start > kSpin) {
+      absl::SleepFor(nap);
+      nap = std::min(nap * 2, kMaxNap);
+    }
+  }
+}
+
+void AttentionChannel::Loop() {
+  absl::Status why = CudaCheck(cudaSetDevice(device_), "cudaSetDevice");
+  if (!why.ok()) why = Failed(why);
+  for (uint64_t call = 1; why.ok() && !aborted_; ++call) {
+    why = ServeOne(call);
+    if (why.ok() && !aborted_) calls_.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!aborted_) why = Failed(why);
+  buffers_.reset();  // after the abort: nothing is in flight any more
+  {
+    absl::MutexLock lock(&plans_mu_);
+    ended_ = true;
+    plans_.clear();
+  }
+  spdlog::info("attention channel with {} on cuda:{} ended after {} calls: {}", name_, device_,
+               calls_.load(), why.ok() ? std::string("closed") : why.ToString());
+  std::function<void(absl::Status)> on_end = std::move(on_end_);
+  if (on_end) on_end(std::move(why));  // last: it may destroy this channel
+}
+
+absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
+  Buffers& b = *buffers_;
+  ncclComm_t comm = Comm(comm_);
+  // 1. The header: a receive with no deadline (an idle channel waits here), copied to the host.
+  ncclGroupStart();
+  ncclRecv(b.d_header, kCallHeaderBytes, ncclUint8, /*peer=*/0, comm, b.stream);
+  ncclResult_t r = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclRecv header"));
+  KVPOOL_RETURN_IF_ERROR(Settle(absl::InfiniteFuture()));
+  if (aborted_) return absl::OkStatus();  // closed
+  absl::Status s = CudaCheck(
+      cudaMemcpyAsync(b.h_header, b.d_header, kCallHeaderBytes, cudaMemcpyDeviceToHost, b.stream),
+      "D2H call header");
+  if (s.ok()) s = CudaCheck(cudaEventRecord(b.event, b.stream), "event");
+  if (!s.ok()) return Failed(s);
+  KVPOOL_RETURN_IF_ERROR(WaitEvent(absl::InfiniteFuture()));
+  if (aborted_) return absl::OkStatus();
+
+  // 2. Parse: a header that cannot be trusted ends the channel.
+  absl::StatusOr<CallHeader> header =
+      DecodeCallHeader(absl::MakeConstSpan(b.h_header, kCallHeaderBytes));
+  if (!header.ok()) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat("unparseable call header: ", header.status().message())));
+  }
+  const CallHeader& h = *header;
+  if (h.call != expected_call) {
+    return Failed(absl::InvalidArgumentError(
+        absl::StrCat("call number ", h.call, " out of order (expected ", expected_call, ")")));
+  }
+  const absl::Time deadline = absl::Now() + kCallTimeout;
+
+  // 3. The queries, whatever the call's fate (the client has sent them).
+  s = b.Reserve(h.query_bytes, h.lse_bytes);
+  if (!s.ok()) return Failed(s);
+  ncclGroupStart();
+  ncclRecv(b.d_queries, h.query_bytes, ncclUint8, /*peer=*/0, comm, b.stream);
+  r = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclRecv queries"));
+  KVPOOL_RETURN_IF_ERROR(Settle(deadline));
+  if (aborted_) return absl::OkStatus();
+  s = CudaCheck(cudaEventRecord(b.event, b.stream), "event");
+  if (!s.ok()) return Failed(s);
+  KVPOOL_RETURN_IF_ERROR(WaitEvent(deadline));
+  if (aborted_) return absl::OkStatus();
+
+  // 4. Attend with device I/O; the outcome goes back in the status block.
+  absl::StatusOr<std::vector<int>> attended = Attend(h);
+  CallStatus status;
+  status.call = h.call;
+  if (attended.ok()) {
+    status.attended_tokens.assign(attended->begin(), attended->end());
+  } else {
+    status.status = attended.status();
+  }
+  s = EncodeCallStatus(status, absl::MakeSpan(b.h_status, kCallStatusBytes));
+  if (!s.ok()) return Failed(s);
+
+  // 5. Status, out, lse (zeros on error). The next header's receive follows on the same stream,
+  // so these sends have completed before the buffers are touched again.
+  if (!attended.ok()) {
+    s = CudaCheck(cudaMemsetAsync(b.d_out, 0, h.query_bytes, b.stream), "memset out");
+    if (s.ok()) s = CudaCheck(cudaMemsetAsync(b.d_lse, 0, h.lse_bytes, b.stream), "memset lse");
+    if (!s.ok()) return Failed(s);
+  }
+  s = CudaCheck(
+      cudaMemcpyAsync(b.d_status, b.h_status, kCallStatusBytes, cudaMemcpyHostToDevice, b.stream),
+      "H2D status");
+  if (!s.ok()) return Failed(s);
+  ncclGroupStart();
+  ncclSend(b.d_status, kCallStatusBytes, ncclUint8, /*peer=*/0, comm, b.stream);
+  ncclSend(b.d_out, h.query_bytes, ncclUint8, /*peer=*/0, comm, b.stream);
+  ncclSend(b.d_lse, h.lse_bytes, ncclUint8, /*peer=*/0, comm, b.stream);
+  r = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclSend answer"));
+  return Settle(deadline);
+}
+
+absl::StatusOr<std::vector<int>> AttentionChannel::Attend(const CallHeader& h) {
+  std::shared_ptr<const Plan> plan = FindPlan(h.plan_id);
+  if (plan == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no attention plan ", h.plan_id, " on this channel"));
+  }
+  if (h.query_bytes != plan->shape.query_bytes() || h.lse_bytes != plan->shape.lse_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the call moves ", h.query_bytes, " query and ", h.lse_bytes, " LSE bytes; plan ",
+        h.plan_id, " needs ", plan->shape.query_bytes(), " and ", plan->shape.lse_bytes()));
+  }
+  KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                          ctx_->registry->Get(tenant_, plan->model_id));
+  if (model->q_heads != plan->shape.q_heads || model->head_dim != plan->shape.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model '", plan->model_id, "' changed shape since plan ", h.plan_id, " was set"));
+  }
+  ctx_->counters.attention_calls++;
+  ctx_->counters.attention_sequences += plan->sequence_ids.size();
+  DeviceAttentionCall call;
+  call.layer = h.layer;
+  call.sequence_ids = plan->sequence_ids;
+  call.num_queries = plan->shape.num_queries;
+  call.queries = static_cast<const float*>(buffers_->d_queries);
+  call.out = static_cast<float*>(buffers_->d_out);
+  call.lse = static_cast<float*>(buffers_->d_lse);
+  return ctx_->attention->RunOnDevice(tenant_, std::move(model), call);
+}
+
+}  // namespace kvpool::server
