@@ -1,0 +1,418 @@
+#include "client/transport/gpu_attention.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/status_macros.h"
+#include "server/transport/gpu/attention_wire.h"
+
+namespace kvpool::client {
+namespace {
+
+namespace v1 = ::kvpool::v1;
+using server::CallHeader;
+using server::CallStatus;
+using server::kCallHeaderBytes;
+using server::kCallStatusBytes;
+
+ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
+cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
+cudaEvent_t Event(void* e) { return static_cast<cudaEvent_t>(e); }
+
+absl::Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+absl::Status NcclError(ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+}
+
+absl::Status FromGrpc(const grpc::Status& s, const char* what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+std::chrono::system_clock::time_point DeadlineIn(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
+}
+
+// A call waits without sleeping this long (remote attention takes tens of microseconds to a few
+// milliseconds), then in short naps.
+constexpr absl::Duration kSpin = absl::Milliseconds(20);
+
+}  // namespace
+
+GpuAttentionClient::GpuAttentionClient(std::shared_ptr<grpc::Channel> channel, int device)
+    : stub_(v1::GpuAttentionService::NewStub(std::move(channel))), device_(device) {}
+
+absl::StatusOr<std::unique_ptr<GpuAttentionClient>> GpuAttentionClient::Create(
+    std::shared_ptr<grpc::Channel> channel, int device) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off (shared hosts)
+  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+  auto c = std::unique_ptr<GpuAttentionClient>(new GpuAttentionClient(std::move(channel), device));
+  cudaStream_t s = nullptr;
+  cudaEvent_t done = nullptr, ready = nullptr;
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"));
+  c->stream_ = s;
+  KVPOOL_RETURN_IF_ERROR(
+      CudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "event"));
+  c->done_ = done;
+  KVPOOL_RETURN_IF_ERROR(
+      CudaCheck(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "event"));
+  c->ready_ = ready;
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&c->d_header_, kCallHeaderBytes), "cudaMalloc"));
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&c->d_status_, kCallStatusBytes), "cudaMalloc"));
+  void* h = nullptr;
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMallocHost(&h, kCallHeaderBytes), "cudaMallocHost"));
+  c->h_header_ = static_cast<uint8_t*>(h);
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMallocHost(&h, kCallStatusBytes), "cudaMallocHost"));
+  c->h_status_ = static_cast<uint8_t*>(h);
+  return c;
+}
+
+GpuAttentionClient::~GpuAttentionClient() {
+  {
+    absl::MutexLock lock(&mu_);
+    (void)CloseLocked();
+  }
+  cudaSetDevice(device_);
+  if (stream_ != nullptr) cudaStreamSynchronize(Stream(stream_));
+  cudaFree(d_header_);
+  cudaFree(d_status_);
+  cudaFreeHost(h_header_);
+  cudaFreeHost(h_status_);
+  if (done_ != nullptr) cudaEventDestroy(Event(done_));
+  if (ready_ != nullptr) cudaEventDestroy(Event(ready_));
+  if (stream_ != nullptr) cudaStreamDestroy(Stream(stream_));
+  (void)cudaGetLastError();
+}
+
+bool GpuAttentionClient::is_open() const {
+  absl::MutexLock lock(&mu_);
+  return comm_ != nullptr && !broken_;
+}
+
+uint64_t GpuAttentionClient::channel_id() const {
+  absl::MutexLock lock(&mu_);
+  return channel_id_;
+}
+
+void GpuAttentionClient::set_call_timeout(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  call_timeout_ = timeout;
+}
+
+bool GpuAttentionClient::LeaseEnded(absl::Status* why) const {
+  absl::MutexLock lock(&lease_mu_);
+  if (lease_ended_ && why != nullptr) *why = lease_status_;
+  return lease_ended_;
+}
+
+absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  if (comm_ != nullptr) return absl::FailedPreconditionError("the channel is already open");
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  ncclUniqueId id;
+  ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
+  v1::OpenAttentionChannelRequest req;
+  req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
+  req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
+  req.set_client_name("gpu-attention");
+  {
+    absl::MutexLock lease_lock(&lease_mu_);
+    lease_ended_ = false;
+    lease_status_ = absl::OkStatus();
+  }
+  // The stream stays open as the channel's lease (no deadline). The daemon answers once both
+  // ranks joined; meanwhile this thread joins as rank 0 (non-blocking, so the wait can end).
+  lease_context_ = std::make_unique<grpc::ClientContext>();
+  lease_ = stub_->OpenAttentionChannel(lease_context_.get(), req);
+  v1::OpenAttentionChannelResponse resp;
+  enum ReadState : int { kReading, kAnswered, kRefused };
+  std::atomic<int> read{kReading};
+  std::thread reader([&] { read.store(lease_->Read(&resp) ? kAnswered : kRefused); });
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
+  absl::Status joined = (r == ncclSuccess || r == ncclInProgress)
+                            ? absl::OkStatus()
+                            : NcclError(r, "ncclCommInitRankConfig");
+  const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
+  while (joined.ok()) {
+    ncclResult_t state = ncclInProgress;
+    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
+    if (state == ncclSuccess) break;
+    if (state != ncclInProgress) {
+      joined = NcclError(state, "joining the NCCL communicator");
+    } else if (read.load() == kRefused) {  // the daemon will not join: its status says why
+      joined = absl::UnavailableError("the daemon refused the channel");
+    } else if (absl::Now() > deadline) {
+      joined = absl::DeadlineExceededError("the daemon did not join the NCCL communicator");
+    } else {
+      absl::SleepFor(absl::Microseconds(200));
+    }
+  }
+  if (!joined.ok()) lease_context_->TryCancel();  // the daemon's join then gives up
+  reader.join();
+  const bool answered = read.load() == kAnswered;
+  if (!joined.ok() || !answered) {
+    if (comm != nullptr) ncclCommAbort(comm);
+    if (answered) lease_context_->TryCancel();  // the daemon closes its end when the stream ends
+    const grpc::Status s = lease_->Finish();
+    lease_.reset();
+    lease_context_.reset();
+    if (!s.ok()) return FromGrpc(s, "OpenAttentionChannel");  // the daemon's reason first
+    return joined.ok() ? absl::UnavailableError("OpenAttentionChannel ended without an answer")
+                       : joined;
+  }
+  comm_ = comm;
+  broken_ = false;
+  channel_id_ = resp.channel_id();
+  next_call_ = 1;
+  if (resp.call_header_bytes() != kCallHeaderBytes ||
+      resp.call_status_bytes() != kCallStatusBytes) {
+    (void)CloseLocked();
+    return absl::FailedPreconditionError("the daemon speaks another attention wire version");
+  }
+  // The lease's reader: the stream ends when the daemon closes or aborts the channel.
+  lease_thread_ = std::thread([this, lease = lease_.get()] {
+    v1::OpenAttentionChannelResponse more;
+    while (lease->Read(&more)) {
+    }
+    const grpc::Status s = lease->Finish();
+    absl::MutexLock lease_lock(&lease_mu_);
+    lease_ended_ = true;
+    lease_status_ = FromGrpc(s, "the daemon ended the attention channel");
+  });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GpuAttentionPlan> GpuAttentionClient::SetPlan(
+    const std::string& model_id, const std::vector<std::string>& sequence_ids, int num_queries) {
+  uint64_t channel = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (comm_ == nullptr || broken_) return absl::FailedPreconditionError("no open channel");
+    channel = channel_id_;
+  }
+  if (num_queries < 1) return absl::InvalidArgumentError("num_queries must be >= 1");
+  v1::SetAttentionPlanRequest req;
+  req.set_channel_id(channel);
+  req.set_model_id(model_id);
+  for (const std::string& id : sequence_ids) req.add_sequence_ids(id);
+  req.set_num_queries(static_cast<uint32_t>(num_queries));
+  v1::SetAttentionPlanResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
+  KVPOOL_RETURN_IF_ERROR(FromGrpc(stub_->SetAttentionPlan(&ctx, req, &resp), "SetAttentionPlan"));
+  GpuAttentionPlan p;
+  p.id = resp.plan_id();
+  p.batch = static_cast<int>(sequence_ids.size());
+  p.num_queries = num_queries;
+  p.q_heads = static_cast<int>(resp.q_heads());
+  p.head_dim = static_cast<int>(resp.head_dim());
+  p.num_layers = static_cast<int>(resp.num_layers());
+  p.query_bytes = resp.query_bytes();
+  p.lse_bytes = resp.lse_bytes();
+  const size_t rows = static_cast<size_t>(p.batch) * p.num_queries;
+  if (p.id == 0 || p.query_bytes != rows * p.q_heads * p.head_dim * sizeof(float) ||
+      p.lse_bytes != rows * p.q_heads * sizeof(float)) {
+    return absl::InternalError("SetAttentionPlan answered an inconsistent plan");
+  }
+  return p;
+}
+
+absl::Status GpuAttentionClient::DropPlan(const GpuAttentionPlan& plan) {
+  v1::DropAttentionPlanRequest req;
+  req.set_channel_id(channel_id());
+  req.set_plan_id(plan.id);
+  v1::DropAttentionPlanResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
+  return FromGrpc(stub_->DropAttentionPlan(&ctx, req, &resp), "DropAttentionPlan");
+}
+
+absl::Status GpuAttentionClient::Broken(absl::Status why) {
+  if (comm_ != nullptr && !broken_) ncclCommAbort(Comm(comm_));
+  broken_ = true;
+  return why;
+}
+
+absl::Status GpuAttentionClient::Enqueue(const std::function<void()>& issue, absl::Time deadline) {
+  ncclGroupStart();
+  issue();
+  const ncclResult_t r = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress) return Broken(NcclError(r, "NCCL send/recv"));
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    if (ncclCommGetAsyncError(Comm(comm_), &state) != ncclSuccess) state = ncclInternalError;
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) return Broken(NcclError(state, "NCCL (the daemon failed)"));
+    if (absl::Now() > deadline) return Broken(absl::DeadlineExceededError("NCCL enqueue"));
+  }
+}
+
+absl::Status GpuAttentionClient::Wait(void* event, absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  while (true) {
+    const cudaError_t e = cudaEventQuery(Event(event));
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) return Broken(CudaCheck(e, "waiting for the answer"));
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(Comm(comm_), &state);
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return Broken(NcclError(state, "NCCL (the daemon failed or left)"));
+    }
+    absl::Status why;
+    if (LeaseEnded(&why)) {
+      return Broken(absl::UnavailableError(absl::StrCat("the daemon ended the attention channel: ",
+                                                        why.ok() ? "closed" : why.ToString())));
+    }
+    const absl::Time now = absl::Now();
+    if (now > deadline) {
+      return Broken(absl::DeadlineExceededError("no answer from the daemon in time"));
+    }
+    if (now - start > kSpin) absl::SleepFor(absl::Microseconds(50));
+  }
+}
+
+absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttentionPlan& plan,
+                                                                 int layer, const float* queries,
+                                                                 float* out, float* lse,
+                                                                 CUstream_st* stream) {
+  absl::MutexLock lock(&mu_);
+  if (comm_ == nullptr) return absl::FailedPreconditionError("no open channel (Open)");
+  if (broken_) return absl::FailedPreconditionError("the channel broke; Open again");
+  if (plan.id == 0 || plan.query_bytes == 0 || plan.lse_bytes == 0) {
+    return absl::InvalidArgumentError("not a plan of SetPlan");
+  }
+  if (queries == nullptr || out == nullptr || lse == nullptr) {
+    return absl::InvalidArgumentError("queries, out and lse must be device buffers");
+  }
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  const absl::Time deadline = absl::Now() + call_timeout_;
+  const uint64_t call = next_call_;
+  CallHeader h;
+  h.plan_id = plan.id;
+  h.layer = layer;
+  h.call = call;
+  h.query_bytes = plan.query_bytes;
+  h.lse_bytes = plan.lse_bytes;
+  const std::array<uint8_t, kCallHeaderBytes> header = server::EncodeCallHeader(h);
+  std::memcpy(h_header_, header.data(), header.size());
+  cudaStream_t s = Stream(stream_);
+  if (stream != nullptr) {  // after the queries' producer
+    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaEventRecord(Event(ready_), stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamWaitEvent(s, Event(ready_), 0), "wait event"));
+  }
+  KVPOOL_RETURN_IF_ERROR(
+      CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
+                "H2D call header"));
+  // The whole round trip in one group: the daemon receives header then queries, answers status,
+  // out, lse; each direction's operations match in order.
+  KVPOOL_RETURN_IF_ERROR(Enqueue(
+      [&] {
+        ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
+        ncclSend(queries, plan.query_bytes, ncclUint8, 1, Comm(comm_), s);
+        ncclRecv(d_status_, kCallStatusBytes, ncclUint8, 1, Comm(comm_), s);
+        ncclRecv(out, plan.query_bytes, ncclUint8, 1, Comm(comm_), s);
+        ncclRecv(lse, plan.lse_bytes, ncclUint8, 1, Comm(comm_), s);
+      },
+      deadline));
+  ++next_call_;  // the header is on its way: the daemon counts it
+  absl::Status st =
+      CudaCheck(cudaMemcpyAsync(h_status_, d_status_, kCallStatusBytes, cudaMemcpyDeviceToHost, s),
+                "D2H status");
+  if (st.ok()) st = CudaCheck(cudaEventRecord(Event(done_), s), "event");
+  if (!st.ok()) return Broken(st);
+  KVPOOL_RETURN_IF_ERROR(Wait(done_, deadline));
+  absl::StatusOr<CallStatus> status =
+      server::DecodeCallStatus(absl::MakeConstSpan(h_status_, kCallStatusBytes));
+  if (!status.ok()) return Broken(absl::InternalError(status.status().ToString()));
+  if (status->call != call) {
+    return Broken(absl::InternalError(
+        absl::StrCat("answer for call ", status->call, " while waiting for call ", call)));
+  }
+  KVPOOL_RETURN_IF_ERROR(status->status);
+  if (status->attended_tokens.size() != static_cast<size_t>(plan.batch)) {
+    return absl::InternalError(absl::StrCat("the daemon answered ", status->attended_tokens.size(),
+                                            " sequences for a plan of ", plan.batch));
+  }
+  return std::move(status->attended_tokens);
+}
+
+absl::Status GpuAttentionClient::SendUnparseableHeaderForTesting(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  if (comm_ == nullptr || broken_) return absl::FailedPreconditionError("no open channel");
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  CallHeader h;
+  h.plan_id = 1;
+  h.call = next_call_;
+  h.query_bytes = 4;
+  h.lse_bytes = 4;
+  std::array<uint8_t, kCallHeaderBytes> header = server::EncodeCallHeader(h);
+  header[0] ^= 0xFF;  // bad magic
+  std::memcpy(h_header_, header.data(), header.size());
+  cudaStream_t s = Stream(stream_);
+  KVPOOL_RETURN_IF_ERROR(
+      CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
+                "H2D call header"));
+  KVPOOL_RETURN_IF_ERROR(
+      Enqueue([&] { ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
+              absl::Now() + timeout));
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status why;
+  while (!LeaseEnded(&why)) {
+    if (absl::Now() > deadline) {
+      return Broken(absl::DeadlineExceededError("the daemon kept the channel open"));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  (void)Broken(absl::OkStatus());
+  return why;
+}
+
+absl::Status GpuAttentionClient::Close() {
+  absl::MutexLock lock(&mu_);
+  return CloseLocked();
+}
+
+absl::Status GpuAttentionClient::CloseLocked() {
+  if (comm_ == nullptr) return absl::OkStatus();
+  absl::Status closed;
+  if (!LeaseEnded(nullptr)) {
+    v1::CloseAttentionChannelRequest req;
+    req.set_channel_id(channel_id_);
+    v1::CloseAttentionChannelResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
+    closed = FromGrpc(stub_->CloseAttentionChannel(&ctx, req, &resp), "CloseAttentionChannel");
+    if (absl::IsNotFound(closed)) closed = absl::OkStatus();  // the daemon ended it already
+  }
+  if (!broken_) ncclCommAbort(Comm(comm_));  // the daemon aborted its end
+  comm_ = nullptr;
+  broken_ = false;
+  channel_id_ = 0;
+  if (!closed.ok()) lease_context_->TryCancel();  // unblock the lease's reader
+  if (lease_thread_.joinable()) lease_thread_.join();
+  lease_.reset();
+  lease_context_.reset();
+  return closed;
+}
+
+}  // namespace kvpool::client
