@@ -184,11 +184,6 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   broken_ = false;
   channel_id_ = resp.channel_id();
   next_call_ = 1;
-  if (resp.call_header_bytes() != kCallHeaderBytes ||
-      resp.call_status_bytes() != kCallStatusBytes) {
-    (void)CloseLocked();
-    return absl::FailedPreconditionError("the daemon speaks another attention wire version");
-  }
   // The lease's reader: the stream ends when the daemon closes or aborts the channel.
   lease_thread_ = std::thread([this, lease = lease_.get()] {
     v1::OpenAttentionChannelResponse more;
@@ -199,6 +194,28 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
     lease_ended_ = true;
     lease_status_ = FromGrpc(s, "the daemon ended the attention channel");
   });
+  if (resp.call_header_bytes() != kCallHeaderBytes ||
+      resp.call_status_bytes() != kCallStatusBytes) {
+    (void)CloseLocked();
+    return absl::FailedPreconditionError("the daemon speaks another attention wire version");
+  }
+  // Connect both directions before the first call (attention_wire.h, kConnectBytes).
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  cudaStream_t s = Stream(stream_);
+  const absl::Time connect_deadline = absl::Now() + timeout;
+  absl::Status connected = Enqueue(
+      [&] {
+        ncclSend(d_header_, server::kConnectBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
+        ncclRecv(d_status_, server::kConnectBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
+      },
+      connect_deadline);
+  if (connected.ok()) connected = CudaCheck(cudaEventRecord(Event(done_), s), "event");
+  if (connected.ok()) connected = Wait(done_, connect_deadline);
+  if (!connected.ok()) {
+    (void)Broken(connected);
+    (void)CloseLocked();
+    return connected;
+  }
   return absl::OkStatus();
 }
 

@@ -6,11 +6,12 @@
 # tests/gpu/package.sh built on the CPU machine (.gpu-carry/bundle.tar.xz, carried with the
 # call), so nothing needs gRPC, protobuf, Abseil or UCX packages here.
 #
-#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|transport]
+#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|transport|attention]
 #
 # (default: all). `transport` needs the two-GPU kind (nvidia-h200-x2): the GPU data plane
 # (NCCL and CUDA IPC ingest beside raw NCCL and a peer copy, the three-transport check, the
-# killed-prefill fault test); it is not part of `all`.
+# killed-prefill fault test, and remote attention over NCCL beside gRPC and the kernel, which
+# `attention` runs alone); neither is part of `all`.
 #
 # Logs and JSON go to $OUT (the device tool's folder; ./gpu-out otherwise); the summary table
 # prints last. Exit status: 0 when every step passed.
@@ -149,6 +150,16 @@ if [ "$MODE" = transport ]; then
   echo
   grep -E "^check|^fault" "$OUT/transport.log"
   sed -n '/^gpu-transport benchmark/,$p' "$OUT/transport.log" | head -n 40
+fi
+if [ "$MODE" = transport ] || [ "$MODE" = attention ]; then
+  # Remote attention over a persistent NCCL channel (decode worker on GPU 0, kvpoold on GPU 1)
+  # beside the gRPC API and the kernel alone, after its NCCL-vs-gRPC checks.
+  step "remote attention over NCCL" "$OUT/attention.log" "$BIN/kvpool-gpu-attention-bench" \
+    --kvpoold "$BIN/kvpoold" --out "$OUT/gpu-attention.json"
+  cp "$OUT/gpu-attention.json" bench-results/gpu-attention.json 2>/dev/null
+  echo
+  grep -E "^check" "$OUT/attention.log"
+  sed -n '/^  context  batch/,/^target/p' "$OUT/attention.log"
 fi
 echo
 echo "step                               status       time"

@@ -291,9 +291,30 @@ absl::Status AttentionChannel::WaitEvent(absl::Time deadline) {
   }
 }
 
+absl::Status AttentionChannel::Connect() {
+  // NCCL connects a peer's send and receive paths lazily, each at its first use, and setting
+  // one up waits for the peer to use the matching path. A call's first round trip would then
+  // deadlock: the client's group (send header and queries, receive the answer) needs our send
+  // path, which we set up only after its header arrived. One symmetric exchange first connects
+  // both directions on both ends.
+  Buffers& b = *buffers_;
+  const absl::Time deadline = absl::Now() + kCallTimeout;
+  ncclGroupStart();
+  ncclSend(b.d_header, kConnectBytes, ncclUint8, /*peer=*/0, Comm(comm_), b.stream);
+  ncclRecv(b.d_status, kConnectBytes, ncclUint8, /*peer=*/0, Comm(comm_), b.stream);
+  const ncclResult_t r = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "NCCL connect"));
+  KVPOOL_RETURN_IF_ERROR(Settle(deadline));
+  if (aborted_) return absl::OkStatus();
+  absl::Status s = CudaCheck(cudaEventRecord(b.event, b.stream), "event");
+  if (!s.ok()) return Failed(s);
+  return WaitEvent(deadline);
+}
+
 void AttentionChannel::Loop() {
   absl::Status why = CudaCheck(cudaSetDevice(device_), "cudaSetDevice");
   if (!why.ok()) why = Failed(why);
+  if (why.ok()) why = Connect();
   for (uint64_t call = 1; why.ok() && !aborted_; ++call) {
     why = ServeOne(call);
     if (why.ok() && !aborted_) calls_.fetch_add(1, std::memory_order_relaxed);

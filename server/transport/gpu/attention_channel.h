@@ -103,6 +103,8 @@ class AttentionChannel {
                    std::unique_ptr<Buffers> buffers);
 
   void Loop();
+  // The first exchange, both directions at once (see attention_wire.h kConnectBytes).
+  absl::Status Connect();
   // One call; an error means the channel must be aborted.
   absl::Status ServeOne(uint64_t expected_call);
   // The outcome of a parsed call (its status goes back to the client), queries received.

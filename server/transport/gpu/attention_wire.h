@@ -2,8 +2,12 @@
 // GpuAttentionService, proto/kvpool/v1/gpu_attention_service.proto), shared by the daemon
 // (gpu_attention_service.cc) and the client (client/transport/gpu_attention.h).
 //
-// A call is, client to daemon: the call header (kCallHeaderBytes), then the queries; daemon to
-// client: the status block (kCallStatusBytes), then out, then lse. All integers little-endian.
+// Once the communicator is up, both ends first send each other kConnectBytes (any content) in
+// one group, which connects both directions before the first call (NCCL connects each direction
+// at its first use and waits for the peer there; a call's one-group round trip would deadlock).
+// A call is then, client to daemon: the call header (kCallHeaderBytes), then the queries; daemon
+// to client: the status block (kCallStatusBytes), then out, then lse. Integers are
+// little-endian.
 //
 //   call header (64 bytes)             status block (kCallStatusBytes)
 //    0  u32 magic kCallMagic            0  u32 magic kStatusMagic
@@ -39,6 +43,7 @@ inline constexpr uint32_t kCallMagic = 0x5141564B;    // "KVAQ"
 inline constexpr uint32_t kStatusMagic = 0x5341564B;  // "KVAS"
 inline constexpr uint32_t kWireVersion = 1;
 inline constexpr size_t kCallHeaderBytes = 64;
+inline constexpr size_t kConnectBytes = 64;
 // Most sequences in one plan (the status block has a slot for each).
 inline constexpr int kMaxPlanSequences = 1024;
 // Most query rows per sequence in one plan.
