@@ -172,6 +172,19 @@ int BlockPool::RefCount(PageId page) const {
 
 size_t BlockPool::PageBytes(PageId page) const { return slab_page_bytes_[page >> 16]; }
 
+BlockPool::PageTotals BlockPool::Totals(absl::Span<const PageId> pages) const {
+  PageTotals t;
+  absl::MutexLock lock(&mu_);
+  for (PageId p : pages) {
+    const size_t bytes = slab_page_bytes_[p >> 16];
+    t.bytes += bytes;
+    const Slab& slab = slabs_[p >> 16];
+    const size_t slot = p & 0xffffu;
+    if (slot < slab.refcounts.size() && slab.refcounts[slot] > 1) t.shared_bytes += bytes;
+  }
+  return t;
+}
+
 size_t BlockPool::used_bytes() const {
   absl::MutexLock lock(&mu_);
   return used_bytes_;

@@ -81,6 +81,13 @@ class BlockPool {
   size_t UnrefAll(absl::Span<const PageId> pages);
   int RefCount(PageId page) const;
   size_t PageBytes(PageId page) const;
+  // Bytes of `pages`, and of those among them with more than one reference, under one lock
+  // (a long sequence has tens of thousands of pages).
+  struct PageTotals {
+    size_t bytes = 0;
+    size_t shared_bytes = 0;
+  };
+  PageTotals Totals(absl::Span<const PageId> pages) const;
 
   // Start of the page's bytes in the arena.
   uint8_t* Data(PageId page) const {

@@ -100,6 +100,10 @@ TEST(BlockPoolTest, SharedBytesCountPagesWithSeveralOwners) {
   ASSERT_TRUE(pool->Allocate(cls, 3, &pages).ok());
   pool->Ref(pages[1]);
   EXPECT_EQ(pool->Stats().shared_bytes, 2048u);
+  const BlockPool::PageTotals two = pool->Totals({pages[0], pages[1]});
+  EXPECT_EQ(two.bytes, 4096u);
+  EXPECT_EQ(two.shared_bytes, 2048u);
+  EXPECT_EQ(pool->Totals({pages[2]}).shared_bytes, 0u);
   pool->Unref(pages[1]);
   EXPECT_EQ(pool->Stats().shared_bytes, 0u);
   pool->UnrefAll(pages);

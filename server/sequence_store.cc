@@ -69,11 +69,9 @@ class Sequence {
     info.recent = layout.recent();
     info.reused_tokens = reused_tokens;
     info.has_token_ids = token_ids_complete;
-    for (PageId p : AllPagesLocked()) {
-      const size_t bytes = pool.PageBytes(p);
-      info.pool_bytes += bytes;
-      if (pool.RefCount(p) > 1) info.shared_bytes += bytes;
-    }
+    const BlockPool::PageTotals totals = pool.Totals(AllPagesLocked());
+    info.pool_bytes = totals.bytes;
+    info.shared_bytes = totals.shared_bytes;
     info.bf16_equivalent_bytes =
         static_cast<size_t>(info.total()) * model->bf16_token_bytes() * model->num_layers;
     return info;
