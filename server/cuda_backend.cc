@@ -76,6 +76,36 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
+// Pinned host memory of one lane, handed out front to back within one call (a truly async H2D
+// copy reads it later, so a call never overwrites what it uploaded before). Every call ends
+// with a stream synchronisation, so the next call starts again at the front.
+class PinnedBuffer {
+ public:
+  ~PinnedBuffer() { cudaFreeHost(data_); }
+  void Reset() { used_ = 0; }
+  // `bytes` of fresh space. Growing waits for `stream` first: its queued copies may still read
+  // the old buffer.
+  absl::StatusOr<uint8_t*> Take(size_t bytes, cudaStream_t stream) {
+    if (used_ + bytes > size_) {
+      KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream), "sync before growing uploads"));
+      const size_t want = std::max<size_t>({bytes, size_ * 2, 64 * 1024});
+      cudaFreeHost(data_);
+      data_ = nullptr;
+      used_ = size_ = 0;
+      KVPOOL_RETURN_IF_ERROR(Check(cudaMallocHost(&data_, want), "cudaMallocHost (uploads)"));
+      size_ = want;
+    }
+    uint8_t* p = data_ + used_;
+    used_ += (bytes + 15) / 16 * 16;
+    return p;
+  }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  size_t used_ = 0;
+};
+
 // A CUDA stream and the device memory one call needs; one call uses a lane at a time.
 struct Lane {
   cudaStream_t stream = nullptr;
@@ -86,6 +116,7 @@ struct Lane {
   DeviceBuffer tables;     // int32 row offsets / first tokens / block tables; attention io
   DeviceBuffer workspace;  // attention workspace
   DeviceBuffer bf16_copy;  // BF16 copies of sequences whose history the kernel cannot read
+  PinnedBuffer upload;     // host side of the table uploads (pinned: a truly async copy)
   ~Lane() {
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
@@ -372,6 +403,7 @@ class CudaBackend final : public ComputeBackend {
         std::unique_ptr<Lane> lane = std::move(lanes_.back());
         lanes_.pop_back();
         lane->dirty = true;
+        lane->upload.Reset();  // the lane's last call ended with a synchronisation
         return LaneLease(this, std::move(lane));
       }
     }
@@ -446,6 +478,10 @@ class CudaBackend final : public ComputeBackend {
   // reusing the buffer safe: the copy runs after earlier launches of the lane that read it.
   absl::StatusOr<std::vector<cuda::SequenceBatch>> UploadRuns(
       Lane& lane, std::initializer_list<const RunTable*> tables) {
+    return UploadRuns(lane, absl::MakeConstSpan(tables.begin(), tables.size()));
+  }
+  absl::StatusOr<std::vector<cuda::SequenceBatch>> UploadRuns(
+      Lane& lane, absl::Span<const RunTable* const> tables) {
     std::vector<uint8_t> host;
     std::vector<std::array<size_t, 3>> at;
     for (const RunTable* t : tables) {
@@ -454,8 +490,10 @@ class CudaBackend final : public ComputeBackend {
                     Append(&host, t->block.data(), t->block.size())});
     }
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane.tables.Reserve(host.size(), lane.stream));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * pinned, lane.upload.Take(host.size(), lane.stream));
+    std::memcpy(pinned, host.data(), host.size());
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane.stream),
+        Check(cudaMemcpyAsync(dev, pinned, host.size(), cudaMemcpyHostToDevice, lane.stream),
               "H2D block tables"));
     std::vector<cuda::SequenceBatch> out;
     size_t i = 0;
@@ -517,29 +555,37 @@ class CudaBackend final : public ComputeBackend {
     }
     const uint8_t* k_rows = reinterpret_cast<const uint8_t*>(k);
     const uint8_t* v_rows = reinterpret_cast<const uint8_t*>(v);
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     // One launch per tensor and per maximal run of writes of one kind that are contiguous in
-    // the input (a chunk is typically sink | history | recent: three runs).
+    // the input (a chunk is typically sink | history | recent: three runs). Every run's table
+    // goes up in one copy first, so the launches follow each other without host gaps.
     const size_t row_bytes = m.row_values() * sizeof(Bf16);
+    std::vector<RunTable> tables;
+    std::vector<size_t> first_write;
     for (size_t i = 0; i < writes.size();) {
       size_t j = i + 1;
       while (j < writes.size() && writes[j].history == writes[i].history &&
              writes[j].input_row == writes[j - 1].input_row + writes[j - 1].count) {
         ++j;
       }
-      RunTable table;
+      RunTable& table = tables.emplace_back();
+      first_write.push_back(i);
       for (size_t w = i; w < j; ++w) {
         KVPOOL_ASSIGN_OR_RETURN(int32_t id, BlockId(writes[w].block));
         table.Add(writes[w].count, writes[w].slot, id);
       }
-      const size_t from = static_cast<size_t>(writes[i].input_row) * row_bytes;
-      const bool history = writes[i].history;
-      KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, {&table}));
-      KVPOOL_RETURN_IF_ERROR(
-          Quantize(*lane, m, history, batch[0], k_rows + from, rot_k, KvTensor::kKey));
-      KVPOOL_RETURN_IF_ERROR(
-          Quantize(*lane, m, history, batch[0], v_rows + from, rot_v, KvTensor::kValue));
       i = j;
+    }
+    std::vector<const RunTable*> table_ptrs;
+    for (const RunTable& t : tables) table_ptrs.push_back(&t);
+    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, table_ptrs));
+    for (size_t r = 0; r < tables.size(); ++r) {
+      const RowWrite& w = writes[first_write[r]];
+      const size_t from = static_cast<size_t>(w.input_row) * row_bytes;
+      KVPOOL_RETURN_IF_ERROR(
+          Quantize(*lane, m, w.history, batch[r], k_rows + from, rot_k, KvTensor::kKey));
+      KVPOOL_RETURN_IF_ERROR(
+          Quantize(*lane, m, w.history, batch[r], v_rows + from, rot_v, KvTensor::kValue));
     }
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
