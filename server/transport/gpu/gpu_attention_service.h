@@ -14,6 +14,7 @@
 #include <string>
 
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/service_type.h"  // grpc::Service, complete for unique_ptr's deleter
 #include "server/service_context.h"
 
 namespace kvpool::server {
