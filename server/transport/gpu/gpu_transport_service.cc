@@ -30,7 +30,7 @@ namespace {
 
 namespace v1 = ::kvpool::v1;
 
-// Most bytes of one chunk's K (or V) over NCCL: two slots of K + V stay allocated per channel.
+// Most bytes of one chunk's K (or V) over NCCL: three slots of K + V stay allocated per channel.
 constexpr size_t kMaxNcclChunkBytes = size_t{1} << 30;
 // CUDA IPC chunks are copied into these slots (shared by all pushes) before quantization.
 constexpr int kIpcSlots = 4;

@@ -13,7 +13,9 @@
 namespace kvpool::server {
 namespace {
 
-constexpr int kSlots = 2;  // one chunk being staged while the next is received
+// A chunk is received while up to two earlier ones (of different layers) are staged: staging
+// runs slower than the link while NCCL shares the GPU, and two slots left the link idle.
+constexpr int kSlots = 3;
 
 ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
