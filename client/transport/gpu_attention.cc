@@ -404,6 +404,26 @@ absl::Status GpuAttentionClient::SendUnparseableHeaderForTesting(absl::Duration 
   return why;
 }
 
+absl::Status GpuAttentionClient::SendHeaderOnlyForTesting(const GpuAttentionPlan& plan) {
+  absl::MutexLock lock(&mu_);
+  if (comm_ == nullptr || broken_) return absl::FailedPreconditionError("no open channel");
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  CallHeader h;
+  h.plan_id = plan.id;
+  h.call = next_call_++;
+  h.query_bytes = plan.query_bytes;
+  h.lse_bytes = plan.lse_bytes;
+  const std::array<uint8_t, kCallHeaderBytes> header = server::EncodeCallHeader(h);
+  std::memcpy(h_header_, header.data(), header.size());
+  cudaStream_t s = Stream(stream_);
+  KVPOOL_RETURN_IF_ERROR(
+      CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
+                "H2D call header"));
+  return Enqueue(
+      [&] { ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
+      absl::Now() + call_timeout_);
+}
+
 absl::Status GpuAttentionClient::Close() {
   absl::MutexLock lock(&mu_);
   return CloseLocked();

@@ -101,6 +101,9 @@ class GpuAttentionClient {
   // Test hook: sends a call header whose magic is wrong (the daemon must abort the channel) and
   // returns the status the daemon ended the channel with, waiting up to `timeout`.
   absl::Status SendUnparseableHeaderForTesting(absl::Duration timeout);
+  // Test hook for fault tests: sends a valid call header of `plan` and returns without sending
+  // the queries (the daemon then waits for them; the caller dies mid-call).
+  absl::Status SendHeaderOnlyForTesting(const GpuAttentionPlan& plan);
 
  private:
   GpuAttentionClient(std::shared_ptr<grpc::Channel> channel, int device);

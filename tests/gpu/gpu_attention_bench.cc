@@ -16,8 +16,18 @@
 //            8K/32K (64 query heads, 8 KV heads, D 128); target: the NCCL transport adds no
 //            more than the kernel time (transport_overhead_nccl ratio <= 1)
 //
-// Usage: kvpool-gpu-attention-bench --kvpoold PATH [--out FILE] [--quick]
+//   fault    (--fault) a decode worker killed mid-call (its header sent, its queries never),
+//            three times: the daemon aborts and frees each channel (GPU 1's free memory after
+//            the third kill within 32 MiB of that after the first) and serves a new channel
+//
+// Usage: kvpool-gpu-attention-bench --kvpoold PATH [--out FILE] [--quick] [--fault]
+//        kvpool-gpu-attention-bench --child-attend TARGET --child-fd N  (internal: the worker
+//        that dies)
 #include <cuda_runtime.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -57,6 +67,9 @@ struct Options {
   std::string kvpoold;
   std::string out = "bench-results/gpu-attention.json";
   bool quick = false;
+  bool fault = false;
+  std::string child_target;  // --child-attend
+  std::string child_fd;      // --child-fd: where the child reports that its header is out
 };
 
 absl::Status Cuda(cudaError_t e, const char* what) {
@@ -270,25 +283,16 @@ absl::Status Checks(const KvpoolClient& c, GpuAttentionClient& attn, const Decod
   return attn.DropPlan(plan);
 }
 
-absl::Status Run(const Options& opt) {
-  const std::vector<int> contexts =
-      opt.quick ? std::vector<int>{8192} : std::vector<int>{8192, 32768};
-  const std::vector<int> batches = opt.quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
-  const int max_batch = batches.back();
-  const int max_context = contexts.back();
-  const int reps = opt.quick ? 20 : 50;
-
+absl::StatusOr<std::unique_ptr<client::LocalDaemon>> StartDaemon(const Options& opt) {
   client::LocalDaemonOptions dopt;
   dopt.binary = opt.kvpoold;
   dopt.flags = {absl::StrCat("--device=cuda:", kDaemonGpu), "--pool_bytes=8589934592",
                 "--slab_bytes=16777216", "--worker_threads=8", "--log_level=warn"};
   dopt.startup_timeout = absl::Seconds(120);
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::LocalDaemon> daemon,
-                          client::LocalDaemon::Start(dopt));
-  client::ClientOptions copt;
-  copt.deadline = absl::Seconds(600);
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> c,
-                          KvpoolClient::Connect(daemon->target(), copt));
+  return client::LocalDaemon::Start(dopt);
+}
+
+absl::Status RegisterModel(const KvpoolClient& c) {
   v1::ModelSpec spec;
   spec.set_model_id(kModel);
   spec.mutable_shape()->set_num_layers(1);
@@ -297,7 +301,109 @@ absl::Status Run(const Options& opt) {
   spec.mutable_shape()->set_head_dim(kHeadDim);
   spec.mutable_data_free()->set_kind(v1::ROTATION_KIND_RANDOMIZED_HADAMARD);
   spec.mutable_data_free()->set_seed(4242);
-  KVPOOL_RETURN_IF_ERROR(c->RegisterModel(spec).status());
+  return c.RegisterModel(spec).status();
+}
+
+constexpr int kFaultQueries = 512;  // 16 MiB of queries: the daemon's channel buffers are large
+
+// The decode worker the fault test kills: one call, then a header without its queries.
+absl::Status ChildAttend(const std::string& target, int fd) {
+  KVPOOL_ASSIGN_OR_RETURN(
+      std::unique_ptr<GpuAttentionClient> attn,
+      GpuAttentionClient::Create(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()),
+                                 kDecodeGpu));
+  KVPOOL_RETURN_IF_ERROR(attn->Open(absl::Seconds(60)));
+  KVPOOL_ASSIGN_OR_RETURN(GpuAttentionPlan plan, attn->SetPlan(kModel, {"f-0"}, kFaultQueries));
+  KVPOOL_ASSIGN_OR_RETURN(DecodeBuffers buf, DecodeBuffers::Create(kFaultQueries));
+  KVPOOL_RETURN_IF_ERROR(Cuda(cudaMemset(buf.q, 0, plan.query_bytes), "memset"));
+  KVPOOL_RETURN_IF_ERROR(attn->Attend(plan, 0, buf.q, buf.out, buf.lse).status());
+  KVPOOL_RETURN_IF_ERROR(attn->SendHeaderOnlyForTesting(plan));
+  if (write(fd, "r", 1) != 1) return absl::InternalError("cannot report to the parent");
+  while (true) absl::SleepFor(absl::Seconds(1));
+}
+
+absl::Status Fault(const Options& opt, const std::string& self) {
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::LocalDaemon> daemon, StartDaemon(opt));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> c, KvpoolClient::Connect(daemon->target()));
+  KVPOOL_RETURN_IF_ERROR(RegisterModel(*c));
+  const std::vector<Bf16> k = testing::ToBf16(testing::RealLikeRows(8192 * kKvHeads, kHeadDim, 1));
+  const std::vector<Bf16> v = testing::ToBf16(testing::GaussianValues(8192 * kRow, 2));
+  KVPOOL_RETURN_IF_ERROR(Prefill(*c, "f-0", k, v, 8192));
+  // GPU 1's free memory, seen from this process (its own context there is made first).
+  KVPOOL_RETURN_IF_ERROR(Cuda(cudaSetDevice(kDaemonGpu), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(Cuda(cudaFree(nullptr), "context on the daemon's GPU"));
+  std::vector<size_t> free_after;
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    int fds[2];
+    if (pipe(fds) != 0) return absl::InternalError("pipe");
+    const pid_t child = fork();
+    if (child == 0) {
+      close(fds[0]);
+      const std::string fd = std::to_string(fds[1]);
+      execl(self.c_str(), self.c_str(), "--child-attend", daemon->target().c_str(), "--child-fd",
+            fd.c_str(), nullptr);
+      _exit(127);
+    }
+    close(fds[1]);
+    pollfd p{fds[0], POLLIN, 0};
+    char byte = 0;
+    const bool ready = poll(&p, 1, 180000) == 1 && read(fds[0], &byte, 1) == 1;
+    close(fds[0]);
+    absl::SleepFor(absl::Milliseconds(200));  // the daemon now waits for the queries
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    if (!ready) return absl::InternalError("the child decode worker never sent its header");
+    // The daemon serves a new channel (it may first have to notice the kill: retry briefly).
+    KVPOOL_RETURN_IF_ERROR(Cuda(cudaSetDevice(kDecodeGpu), "cudaSetDevice"));
+    KVPOOL_ASSIGN_OR_RETURN(
+        std::unique_ptr<GpuAttentionClient> attn,
+        GpuAttentionClient::Create(
+            grpc::CreateChannel(daemon->target(), grpc::InsecureChannelCredentials()), kDecodeGpu));
+    KVPOOL_RETURN_IF_ERROR(attn->Open(absl::Seconds(60)));
+    KVPOOL_ASSIGN_OR_RETURN(GpuAttentionPlan plan, attn->SetPlan(kModel, {"f-0"}, 1));
+    KVPOOL_ASSIGN_OR_RETURN(DecodeBuffers buf, DecodeBuffers::Create(1));
+    KVPOOL_RETURN_IF_ERROR(Cuda(cudaMemset(buf.q, 0, plan.query_bytes), "memset"));
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<uint32_t> tokens,
+                            attn->Attend(plan, 0, buf.q, buf.out, buf.lse));
+    KVPOOL_RETURN_IF_ERROR(Expect(tokens == std::vector<uint32_t>{8192}, "tokens after a kill"));
+    KVPOOL_RETURN_IF_ERROR(attn->Close());
+    attn.reset();
+    cudaFree(buf.q);
+    cudaFree(buf.out);
+    cudaFree(buf.lse);
+    absl::SleepFor(absl::Seconds(1));
+    size_t free_bytes = 0, total = 0;
+    KVPOOL_RETURN_IF_ERROR(Cuda(cudaSetDevice(kDaemonGpu), "cudaSetDevice"));
+    KVPOOL_RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
+    free_after.push_back(free_bytes);
+    std::cout << "fault: decode worker " << cycle + 1
+              << " killed mid-call (header sent, queries never); a new channel then attended "
+              << tokens[0] << " tokens; GPU 1 free " << (free_bytes >> 20) << " MiB\n";
+  }
+  const double grown_mib =
+      (static_cast<double>(free_after.front()) - free_after.back()) / (1 << 20);
+  std::cout << "fault: GPU 1 memory in use grew by " << grown_mib
+            << " MiB from the first kill to the third (each killed channel held over "
+            << (2 * kFaultQueries * kQueryRow * 4 >> 20) << " MiB of buffers)\n";
+  KVPOOL_RETURN_IF_ERROR(
+      Expect(grown_mib <= 32, "the daemon frees killed workers' channels (no growth over kills)"));
+  return daemon->Stop();
+}
+
+absl::Status Run(const Options& opt) {
+  const std::vector<int> contexts =
+      opt.quick ? std::vector<int>{8192} : std::vector<int>{8192, 32768};
+  const std::vector<int> batches = opt.quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
+  const int max_batch = batches.back();
+  const int max_context = contexts.back();
+  const int reps = opt.quick ? 20 : 50;
+
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::LocalDaemon> daemon, StartDaemon(opt));
+  client::ClientOptions copt;
+  copt.deadline = absl::Seconds(600);
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> c,
+                          KvpoolClient::Connect(daemon->target(), copt));
+  KVPOOL_RETURN_IF_ERROR(RegisterModel(*c));
 
   // Real-like K and outlier-heavy V, one buffer shared by every sequence.
   const std::vector<Bf16> k =
@@ -426,19 +532,33 @@ absl::Status Run(const Options& opt) {
 
 int main(int argc, char** argv) {
   kvpool::bench::Options opt;
-  if (!kvpool::bench::ParseBenchArgs(argc, argv, {{"--kvpoold", &opt.kvpoold}, {"--out", &opt.out}},
-                                     {{"--quick", &opt.quick}},
-                                     "--kvpoold PATH [--out FILE] [--quick]") ||
-      opt.kvpoold.empty()) {
+  if (!kvpool::bench::ParseBenchArgs(argc, argv,
+                                     {{"--kvpoold", &opt.kvpoold},
+                                      {"--out", &opt.out},
+                                      {"--child-attend", &opt.child_target},
+                                      {"--child-fd", &opt.child_fd}},
+                                     {{"--quick", &opt.quick}, {"--fault", &opt.fault}},
+                                     "--kvpoold PATH [--out FILE] [--quick] [--fault]")) {
     return 2;
   }
   setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off in this process and its children
   setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
   setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  if (!opt.child_target.empty()) {
+    const absl::Status s =
+        kvpool::bench::ChildAttend(opt.child_target, std::atoi(opt.child_fd.c_str()));
+    std::cerr << "child: " << s << "\n";
+    return 1;
+  }
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
     std::fprintf(stderr, "needs two GPUs (found %d)\n", gpus);
     return 2;
   }
-  return kvpool::bench::ExitCode(kvpool::bench::Run(opt));
+  if (opt.kvpoold.empty()) {
+    std::fprintf(stderr, "--kvpoold is required\n");
+    return 2;
+  }
+  const absl::Status s = opt.fault ? kvpool::bench::Fault(opt, argv[0]) : kvpool::bench::Run(opt);
+  return kvpool::bench::ExitCode(s);
 }

@@ -156,9 +156,11 @@ if [ "$MODE" = transport ] || [ "$MODE" = attention ]; then
   # beside the gRPC API and the kernel alone, after its NCCL-vs-gRPC checks.
   step "remote attention over NCCL" "$OUT/attention.log" "$BIN/kvpool-gpu-attention-bench" \
     --kvpoold "$BIN/kvpoold" --out "$OUT/gpu-attention.json"
+  step "fault: decode worker killed mid-call" "$OUT/attention.log" \
+    "$BIN/kvpool-gpu-attention-bench" --kvpoold "$BIN/kvpoold" --fault
   cp "$OUT/gpu-attention.json" bench-results/gpu-attention.json 2>/dev/null
   echo
-  grep -E "^check" "$OUT/attention.log"
+  grep -E "^check|^fault" "$OUT/attention.log"
   sed -n '/^  context  batch/,/^target/p' "$OUT/attention.log"
 fi
 echo
