@@ -102,7 +102,7 @@ if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
   # The CPU daemon's integration suite, unchanged, against kvpoold --device=cuda:0.
   export KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold KVPOOL_CLI=$BIN/kvpool
   export UCX_TLS=${UCX_TLS:-posix,sysv,self,tcp}
-  for t in roundtrip attention prefix concurrency bad_input cli; do
+  for t in roundtrip attention prefix concurrency bad_input cli gpu_attention; do
     step "conformance $t (cuda:0)" "$OUT/daemon.log" "$BIN/integration_${t}_test" --gtest_color=no
   done
   # kvpoold itself under compute-sanitizer memcheck (a failed check makes the wrapper's exit
