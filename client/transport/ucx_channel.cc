@@ -14,8 +14,10 @@ namespace wire = ::kvpool::ucx::wire;
 
 struct UcxLayerPush::State {
   std::set<int> stored;
-  absl::Status status;  // the push's first error
-  bool done = false;    // PUSH_DONE received (or the push failed)
+  int sends = 0;                   // LAYER_DATA sends in flight (reading the caller's buffers)
+  std::map<int, int> layer_sends;  // the same, by layer
+  absl::Status status;             // the push's first error
+  bool done = false;               // PUSH_DONE received (or the push failed)
   UcxPushResult result;
 };
 
@@ -107,19 +109,11 @@ absl::Status UcxChannel::Init(std::shared_ptr<grpc::Channel> grpc_channel,
                                                       session_.wire_version(), ", this client ",
                                                       wire::kWireVersion));
   }
-  // Send staging: one slot per message in flight (at most 64 MiB), registered once.
-  slot_bytes_ = session_.max_message_bytes();
-  const size_t slots =
-      std::max<size_t>(1, std::min<size_t>(std::max<uint32_t>(1, session_.max_inflight_messages()),
-                                           (size_t{64} << 20) / std::max<size_t>(1, slot_bytes_)));
-  absl::StatusOr<std::unique_ptr<ucx::UcxMemory>> staging =
-      ucx::UcxMemory::Allocate(rt_->context(), slots * slot_bytes_);
-  if (!staging.ok()) return staging.status();
-  staging_ = *std::move(staging);
-  {
-    absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < slots; ++i) free_slots_.push_back(static_cast<int>(i));
+  if (session_.max_message_bytes() < 1) {
+    return absl::FailedPreconditionError("kvpoold offered a UCX session without message room");
   }
+  // A chunk is two messages (K and V) and must be able to fly.
+  max_inflight_ = std::max<uint32_t>(2, session_.max_inflight_messages());
   on_error_ = [this](ucs_status_t st) { OnPeerError(st); };
   peer_error_handling_ = !ucx::SharedMemoryOnly(rt_->transports());
   absl::StatusOr<ucp_ep_h> ep = absl::InternalError("not run");
@@ -407,64 +401,73 @@ absl::Status UcxLayerPush::PushLayer(int layer, uint32_t token_offset, uint32_t 
   const size_t token_bytes = k.size() / num_tokens;
   const size_t max_message = channel_->session_.max_message_bytes();
   const uint32_t per_message =
-      static_cast<uint32_t>(std::max<size_t>(1, max_message / (2 * token_bytes)));
+      static_cast<uint32_t>(std::max<size_t>(1, max_message / token_bytes));
+  UcxChannel* ch = channel_;
   for (uint32_t off = 0; off < num_tokens; off += per_message) {
     const uint32_t count = std::min(per_message, num_tokens - off);
-    int slot = -1;
     {
-      absl::MutexLock lock(&channel_->mu_);
-      UcxChannel* ch = channel_;
+      absl::MutexLock lock(&ch->mu_);
       State* st = state_.get();
       auto ready = [ch, st]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return !ch->free_slots_.empty() || !st->status.ok() || st->done;
+        return ch->inflight_ + 2 <= ch->max_inflight_ || !st->status.ok() || st->done;
       };
-      if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("PushLayer(layer ", layer, "): no staging freed up within the deadline"));
+      if (!ch->mu_.AwaitWithTimeout(absl::Condition(&ready), ch->options_.deadline)) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "PushLayer(layer ", layer, "): the daemon took no message within the deadline"));
       }
-      if (!state_->status.ok()) return state_->status;
-      if (state_->done) return absl::FailedPreconditionError("push already finished by kvpoold");
-      slot = channel_->free_slots_.back();
-      channel_->free_slots_.pop_back();
+      if (!st->status.ok()) return st->status;
+      if (st->done) return absl::FailedPreconditionError("push already finished by kvpoold");
+      ch->inflight_ += 2;
+      st->sends += 2;
+      st->layer_sends[layer] += 2;
     }
-    // K then V, contiguous in a registered slot: one contiguous rendezvous per message.
+    // K, then V of the same tokens: each one contiguous rendezvous from the caller's buffer.
+    const size_t at = off * token_bytes;
     const size_t part = count * token_bytes;
-    uint8_t* dst = channel_->staging_->data() + static_cast<size_t>(slot) * channel_->slot_bytes_;
-    std::memcpy(dst, k.data() + off * token_bytes, part);
-    std::memcpy(dst + part, v.data() + off * token_bytes, part);
-    wire::LayerDataHeader h{};
-    h.session_id = channel_->session_.session_id();
-    h.push_id = id_;
-    h.layer = layer;
-    h.token_offset = token_offset + off;
-    h.num_tokens = count;
-    ucx::AmMessage msg;
-    msg.header = wire::Encode(h);
-    msg.borrowed = {{dst, 2 * part}};
-    msg.memh = channel_->staging_->memh();
-    msg.flags = UCP_AM_SEND_FLAG_RNDV;
-    ++messages_;
-    bytes_posted_ += 2 * part;
-    absl::Status s = channel_->Send(wire::kLayerData, std::move(msg),
-                                    [ch = channel_, st = state_, slot](absl::Status status) {
-                                      absl::MutexLock lock(&ch->mu_);
-                                      ch->free_slots_.push_back(slot);
-                                      if (!status.ok() && st->status.ok()) st->status = status;
-                                    });
-    if (!s.ok()) {
-      absl::MutexLock lock(&channel_->mu_);
-      channel_->free_slots_.push_back(slot);
-      return s;
+    for (const uint32_t tensor : {wire::kTensorKey, wire::kTensorValue}) {
+      wire::LayerDataHeader h{};
+      h.session_id = ch->session_.session_id();
+      h.push_id = id_;
+      h.layer = layer;
+      h.token_offset = token_offset + off;
+      h.num_tokens = count;
+      h.tensor = tensor;
+      ucx::AmMessage msg;
+      msg.header = wire::Encode(h);
+      msg.borrowed = {{(tensor == wire::kTensorKey ? k : v).data() + at, part}};
+      msg.flags = UCP_AM_SEND_FLAG_RNDV;
+      auto sent = [ch, st = state_, layer](absl::Status status) {
+        absl::MutexLock lock(&ch->mu_);
+        --ch->inflight_;
+        --st->sends;
+        if (--st->layer_sends[layer] == 0) st->layer_sends.erase(layer);
+        if (!status.ok() && st->status.ok()) st->status = status;
+      };
+      absl::Status s = ch->Send(wire::kLayerData, std::move(msg), sent);
+      if (!s.ok()) {  // not posted (the channel stopped): this message and V if this was K
+        for (int i = tensor == wire::kTensorKey ? 2 : 1; i > 0; --i) sent(s);
+        return s;
+      }
+      ++messages_;
+      bytes_posted_ += part;
     }
   }
   return absl::OkStatus();
+}
+
+void UcxLayerPush::AwaitSends() {
+  absl::MutexLock lock(&channel_->mu_);
+  State* st = state_.get();
+  auto idle = [st]() { return st->sends == 0; };
+  (void)channel_->mu_.AwaitWithTimeout(absl::Condition(&idle), channel_->options_.deadline);
 }
 
 absl::Status UcxLayerPush::WaitLayer(int layer) {
   absl::MutexLock lock(&channel_->mu_);
   State* st = state_.get();
   auto ready = [st, layer]() {
-    return st->stored.count(layer) > 0 || !st->status.ok() || st->done;
+    return (st->stored.count(layer) > 0 && st->layer_sends.count(layer) == 0) || !st->status.ok() ||
+           st->done;
   };
   if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("layer ", layer, " not stored in time"));
@@ -483,29 +486,31 @@ absl::StatusOr<UcxPushResult> UcxLayerPush::Finish() {
   if (finished_) return absl::FailedPreconditionError("push already finished");
   finished_ = true;
   wire::PushControlHeader h{channel_->session_.session_id(), id_, messages_};
-  absl::Status sent = channel_->Send(wire::kPushCommit,
-                                     Message(wire::Encode(h), {}, UCP_AM_SEND_FLAG_EAGER), nullptr);
-  absl::MutexLock lock(&channel_->mu_);
-  State* st = state_.get();
-  absl::Status status = sent;
-  if (status.ok()) {
-    auto ready = [st]() { return st->done || !st->status.ok(); };
-    if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
-      status = absl::DeadlineExceededError("push not committed within the deadline");
-    } else {
-      status = st->status;
+  absl::Status status = channel_->Send(
+      wire::kPushCommit, Message(wire::Encode(h), {}, UCP_AM_SEND_FLAG_EAGER), nullptr);
+  UcxPushResult result;
+  {
+    absl::MutexLock lock(&channel_->mu_);
+    State* st = state_.get();
+    if (status.ok()) {
+      auto ready = [st]() { return st->done || !st->status.ok(); };
+      if (!channel_->mu_.AwaitWithTimeout(absl::Condition(&ready), channel_->options_.deadline)) {
+        status = absl::DeadlineExceededError("push not committed within the deadline");
+      } else {
+        status = st->status;
+      }
     }
+    channel_->pushes_.erase(id_);
+    result = st->result;
   }
-  channel_->pushes_.erase(id_);
-  if (!status.ok()) {
-    if (absl::IsDeadlineExceeded(status)) {
-      wire::PushControlHeader a{channel_->session_.session_id(), id_, messages_};
-      (void)channel_->Send(wire::kPushAbort, Message(wire::Encode(a), {}, UCP_AM_SEND_FLAG_EAGER),
-                           nullptr);
-    }
-    return status;
+  if (absl::IsDeadlineExceeded(status)) {
+    wire::PushControlHeader a{channel_->session_.session_id(), id_, messages_};
+    (void)channel_->Send(wire::kPushAbort, Message(wire::Encode(a), {}, UCP_AM_SEND_FLAG_EAGER),
+                         nullptr);
   }
-  return st->result;
+  AwaitSends();  // the caller may free its buffers once this returns
+  if (!status.ok()) return status;
+  return result;
 }
 
 void UcxLayerPush::Abort() {
@@ -514,9 +519,12 @@ void UcxLayerPush::Abort() {
   wire::PushControlHeader h{channel_->session_.session_id(), id_, messages_};
   (void)channel_->Send(wire::kPushAbort, Message(wire::Encode(h), {}, UCP_AM_SEND_FLAG_EAGER),
                        nullptr);
-  absl::MutexLock lock(&channel_->mu_);
-  if (state_->status.ok()) state_->status = absl::CancelledError("push aborted");
-  channel_->pushes_.erase(id_);
+  {
+    absl::MutexLock lock(&channel_->mu_);
+    if (state_->status.ok()) state_->status = absl::CancelledError("push aborted");
+    channel_->pushes_.erase(id_);
+  }
+  AwaitSends();  // the daemon drops what it has not pulled, which completes those sends
 }
 
 }  // namespace kvpool::client

@@ -15,7 +15,7 @@
 //   for (int layer = 0; layer < layers; ++layer) {
 //     ComputeLayer(layer, k[layer], v[layer]);
 //     KVPOOL_RETURN_IF_ERROR(push->PushLayer(layer, 0, tokens, k[layer], v[layer]));  // returns
-//   }                                                                   // as soon as it is posted
+//   }                                     // as soon as it is posted; k, v are read until stored
 //   KVPOOL_ASSIGN_OR_RETURN(UcxPushResult r, push->Finish());          // committed atomically
 //
 //   std::vector<UcxAttentionResult> out;                                // a decode step
@@ -95,6 +95,11 @@ class UcxChannel;
 // A layer-wise push in progress. States: open (PushLayer, WaitLayer allowed) -> finished
 // (Finish returned, or the push failed: every call then returns its error). Destroying an open
 // push aborts it (the daemon rolls it back).
+//
+// No copy of the payload: the daemon pulls K and V straight from the caller's buffers
+// (zero-copy rendezvous), so PushLayer's buffers must stay valid and unchanged until that
+// layer is stored (WaitLayer returned OK) or the push has ended (Finish or Abort returned, or
+// the push was destroyed); those wait for every send of the push to complete.
 class UcxLayerPush {
  public:
   ~UcxLayerPush();
@@ -103,20 +108,23 @@ class UcxLayerPush {
 
   // Posts K and V of `layer` for the push's tokens [token_offset, token_offset + num_tokens)
   // (BF16 [num_tokens][kv_heads][head_dim] each; `k` and `v` equally long) and returns without
-  // waiting for the transfer: the bytes are copied, K then V, into messages of at most the
-  // session's max_message_bytes in the channel's registered send staging, and the daemon pulls
-  // each one (rendezvous). Blocks only while every staging slot is in flight (backpressure: the
-  // daemon pulls a message only when it has a free slot itself), up to the deadline. `k` and `v`
-  // may be reused as soon as this returns.
+  // waiting for the transfer: chunks of at most the session's max_message_bytes per tensor, each
+  // a K message and a V message that the daemon pulls from `k` and `v` (rendezvous). Blocks
+  // only while the session's max_inflight_messages are in flight (backpressure: the daemon
+  // pulls a chunk only when it has a free staging slot), up to the deadline. `k` and `v` must
+  // stay valid and unchanged until the layer is stored or the push has ended (see above).
   [[nodiscard]] absl::Status PushLayer(int layer, uint32_t token_offset, uint32_t num_tokens,
                                        absl::string_view k, absl::string_view v);
-  // Waits until the daemon has stored every token of `layer` (rotated and quantized).
+  // Waits until the daemon has stored every token of `layer` (rotated and quantized) and the
+  // layer's buffers are no longer read.
   [[nodiscard]] absl::Status WaitLayer(int layer);
   // Layers fully stored so far (completions received).
   std::set<int> StoredLayers() const;
-  // Asks the daemon to commit once every layer is stored and waits for the answer.
+  // Asks the daemon to commit once every layer is stored and waits for the answer (and for
+  // every send of the push to complete).
   [[nodiscard]] absl::StatusOr<UcxPushResult> Finish();
-  // Aborts (the daemon rolls back); further calls return CANCELLED.
+  // Aborts (the daemon rolls back) and waits for the push's sends to complete (up to the
+  // deadline); further calls return CANCELLED.
   void Abort();
 
   uint64_t id() const { return id_; }
@@ -127,6 +135,8 @@ class UcxLayerPush {
   struct State;
   UcxLayerPush(UcxChannel* channel, uint64_t id, std::shared_ptr<State> state)
       : channel_(channel), id_(id), state_(std::move(state)) {}
+  // Waits (up to the deadline) until no send of the push reads the caller's buffers.
+  void AwaitSends();
 
   UcxChannel* const channel_;
   const uint64_t id_;
@@ -192,9 +202,9 @@ class UcxChannel {
 
   mutable absl::Mutex mu_;
   absl::Status health_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<ucx::UcxMemory> staging_;  // send slots of slot_bytes_, K then V
-  size_t slot_bytes_ = 0;
-  std::vector<int> free_slots_ ABSL_GUARDED_BY(mu_);
+  // LAYER_DATA messages of every push in flight, at most max_inflight_ (the session's limit).
+  uint32_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t max_inflight_ = 2;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<UcxLayerPush::State>> pushes_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<Call>> calls_ ABSL_GUARDED_BY(mu_);

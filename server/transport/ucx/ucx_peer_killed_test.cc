@@ -150,6 +150,8 @@ class UcxPeerKilledTest : public ::testing::TestWithParam<Tls> {
     ASSERT_TRUE(push.ok());
     const size_t row = static_cast<size_t>(model_.kv_heads) * model_.head_dim;
     std::vector<std::string> k, v;
+    k.reserve(model_.num_layers);  // PushLayer borrows k[l] and v[l] until Finish
+    v.reserve(model_.num_layers);
     for (int l = 0; l < model_.num_layers; ++l) {
       k.push_back(TestRowBytes(kTokens, row, 2 * l));
       v.push_back(TestRowBytes(kTokens, row, 2 * l + 1));

@@ -1,5 +1,6 @@
 #include "server/transport/ucx/ucx_runtime.h"
 
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -213,6 +214,8 @@ bool UcxRuntime::RunPosted() {
 
 void UcxRuntime::Loop() {
   thread_id_.store(std::this_thread::get_id());
+  // "ucx:<name>" (at most 15 characters) in top, perf and gdb.
+  pthread_setname_np(pthread_self(), ("ucx:" + options_.name).substr(0, 15).c_str());
   absl::Time last_activity = absl::Now();
   absl::Time next_tick = last_activity + options_.tick;
   const int tick_ms =

@@ -1,5 +1,7 @@
 #include "server/transport/ucx/ucx_transport.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <random>
 #include <set>
@@ -12,9 +14,24 @@ namespace kvpool::server {
 
 namespace wire = ::kvpool::ucx::wire;
 
+// K and V of some tokens of one layer: two LAYER_DATA messages received into the halves of one
+// staging slot (K first, V second).
+struct UcxTransport::Chunk {
+  int layer = 0;
+  uint32_t token_offset = 0;
+  uint32_t num_tokens = 0;
+  int slot = -1;
+  bool claimed[2] = {false, false};  // a message of this half was accepted
+  int landed = 0;                    // halves received
+  int receiving = 0;                 // receives in flight
+  bool released = false;             // the slot went back
+};
+
 struct UcxTransport::Push {
   uint64_t id = 0;
   std::shared_ptr<LayerwiseAppend> append;
+  // Open chunks (a half accepted, not yet handed to the store), by (layer, token_offset).
+  std::map<std::pair<int, uint32_t>, std::shared_ptr<Chunk>> chunks;
   absl::Time last_activity;
   int outstanding = 0;    // LAYER_DATA pending, receiving or staging
   uint64_t messages = 0;  // LAYER_DATA accepted
@@ -38,9 +55,9 @@ struct UcxTransport::Session {
   std::set<std::shared_ptr<Receive>> receiving;
 };
 
-// A LAYER_DATA receive in flight into a staging slot.
+// A LAYER_DATA receive in flight into a half of a chunk's staging slot.
 struct UcxTransport::Receive {
-  int slot = -1;
+  std::shared_ptr<Chunk> chunk;
   std::shared_ptr<Push> push;
   bool abandoned = false;  // its session ended with the peer gone; the slot was reclaimed
 };
@@ -92,9 +109,9 @@ UcxTransport::UcxTransport(ServiceContext* ctx, const UcxTransportOptions& optio
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(
     ServiceContext* ctx, const UcxTransportOptions& options) {
-  if (options.message_bytes < 4096 || options.staging_bytes < options.message_bytes) {
+  if (options.message_bytes < 4096 || options.staging_bytes < 2 * options.message_bytes) {
     return absl::InvalidArgumentError(
-        "UCX staging must hold at least one message of at least 4096 bytes");
+        "UCX staging must hold at least one slot: two messages (K and V) of at least 4096 bytes");
   }
   auto t = std::unique_ptr<UcxTransport>(new UcxTransport(ctx, options));
   if (absl::Status s = t->Init(); !s.ok()) return s;
@@ -105,10 +122,11 @@ absl::Status UcxTransport::Init() {
   absl::StatusOr<std::unique_ptr<ucx::UcxRuntime>> rt = ucx::UcxRuntime::Create(options_.runtime);
   if (!rt.ok()) return rt.status();
   rt_ = *std::move(rt);
-  slot_bytes_ = (options_.message_bytes + 4095) / 4096 * 4096;
-  num_slots_ = static_cast<int>(options_.staging_bytes / slot_bytes_);
+  half_bytes_ = (options_.message_bytes + 4095) / 4096 * 4096;
+  slot_bytes_ = 2 * half_bytes_;
+  num_slots_ = std::max(1, static_cast<int>(options_.staging_bytes / slot_bytes_));
   max_inflight_ = options_.max_inflight_messages > 0 ? options_.max_inflight_messages
-                                                     : static_cast<uint32_t>(num_slots_);
+                                                     : static_cast<uint32_t>(2 * num_slots_);
   absl::StatusOr<std::unique_ptr<ucx::UcxMemory>> staging =
       ucx::UcxMemory::Allocate(rt_->context(), slot_bytes_ * num_slots_);
   if (!staging.ok()) return staging.status();
@@ -208,7 +226,7 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
     ts.session_id = session->id;
     ts.local_address = rt_->address();
     ts.wire_version = wire::kWireVersion;
-    ts.max_message_bytes = slot_bytes_;
+    ts.max_message_bytes = half_bytes_;
     ts.max_inflight_messages = max_inflight_;
     ts.staging_bytes = slot_bytes_ * num_slots_;
     ts.idle_timeout_ms = static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.idle_timeout));
@@ -348,12 +366,14 @@ ucs_status_t UcxTransport::OnLayerData(const void* header, size_t header_length,
   if (it == session->pushes.end()) return UCS_OK;  // failed or unknown: the sender completes
   std::shared_ptr<Push> push = it->second;
   const Model& m = push->append->model();
-  const uint64_t expected = uint64_t{h->num_tokens} * m.row_values() * sizeof(Bf16) * 2;
-  if (h->num_tokens == 0 || length != expected || length > slot_bytes_) {
+  const uint64_t expected = uint64_t{h->num_tokens} * m.row_values() * sizeof(Bf16);
+  if (h->num_tokens == 0 || h->tensor > wire::kTensorValue || length != expected ||
+      length > half_bytes_) {
     FailPush(session, push,
-             absl::InvalidArgumentError(absl::StrCat(
-                 "LAYER_DATA of layer ", h->layer, ": ", length, " payload bytes for ",
-                 h->num_tokens, " tokens; expected ", expected, " and at most ", slot_bytes_)));
+             absl::InvalidArgumentError(absl::StrCat("LAYER_DATA of layer ", h->layer, " tensor ",
+                                                     h->tensor, ": ", length, " payload bytes for ",
+                                                     h->num_tokens, " tokens; expected ", expected,
+                                                     " and at most ", half_bytes_)));
     return UCS_OK;
   }
   if (session->queued >= max_inflight_) {
@@ -362,61 +382,101 @@ ucs_status_t UcxTransport::OnLayerData(const void* header, size_t header_length,
                  "more than ", max_inflight_, " LAYER_DATA messages in flight in one session")));
     return UCS_OK;
   }
+  // A chunk's second half goes into its slot at once; a first half opens a chunk on a free
+  // slot, after the messages already waiting for one.
+  absl::StatusOr<std::shared_ptr<Chunk>> chunk = ChunkFor(push, *h, pending_.empty());
+  if (!chunk.ok()) {
+    FailPush(session, push, chunk.status());
+    return UCS_OK;
+  }
   push->last_activity = absl::Now();
   ++push->outstanding;
   ++push->messages;
   ++session->queued;
   bytes_received_ += length;
-  if (free_slots_.empty() || !pending_.empty()) {
+  if (*chunk == nullptr) {
     pending_.push_back(Pending{session, push, *h, data, length, rndv});
     ++pending_count_;
     return UCS_INPROGRESS;  // kept: received when a slot frees (backpressure)
   }
-  const int slot = free_slots_.back();
-  free_slots_.pop_back();
   ucs_status_t ret = UCS_OK;
-  StartReceive(session, push, *h, data, length, rndv, /*in_handler=*/true, slot, &ret);
+  StartReceive(session, push, *h, data, length, rndv, /*in_handler=*/true, *chunk, &ret);
   return ret;
+}
+
+absl::StatusOr<std::shared_ptr<UcxTransport::Chunk>> UcxTransport::ChunkFor(
+    const std::shared_ptr<Push>& push, const wire::LayerDataHeader& h, bool may_open) {
+  const std::pair<int, uint32_t> key{h.layer, h.token_offset};
+  auto it = push->chunks.find(key);
+  if (it != push->chunks.end()) {
+    const Chunk& c = *it->second;
+    if (c.num_tokens != h.num_tokens || c.claimed[h.tensor]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("LAYER_DATA of layer ", h.layer, " at token offset ", h.token_offset, ": ",
+                       c.claimed[h.tensor] ? "a second message of the same tensor"
+                                           : "K and V messages of different token counts"));
+    }
+    return it->second;
+  }
+  if (!may_open || free_slots_.empty()) return nullptr;
+  auto c = std::make_shared<Chunk>();
+  c->layer = h.layer;
+  c->token_offset = h.token_offset;
+  c->num_tokens = h.num_tokens;
+  c->slot = free_slots_.back();
+  free_slots_.pop_back();
+  ++slots_in_use_;
+  push->chunks[key] = c;
+  return c;
 }
 
 void UcxTransport::StartReceive(const std::shared_ptr<Session>& session,
                                 const std::shared_ptr<Push>& push, const wire::LayerDataHeader& h,
-                                void* data, size_t length, bool rndv, bool in_handler, int slot,
-                                ucs_status_t* handler_status) {
-  ++slots_in_use_;
-  uint8_t* dst = staging_->data() + static_cast<size_t>(slot) * slot_bytes_;
-  auto receive = std::make_shared<Receive>(Receive{slot, push, false});
+                                void* data, size_t length, bool rndv, bool in_handler,
+                                const std::shared_ptr<Chunk>& chunk, ucs_status_t* handler_status) {
+  chunk->claimed[h.tensor] = true;
+  ++chunk->receiving;
+  uint8_t* slot = staging_->data() + static_cast<size_t>(chunk->slot) * slot_bytes_;
+  auto receive = std::make_shared<Receive>(Receive{chunk, push, false});
   session->receiving.insert(receive);
   *handler_status = ucx::ReceiveAm(
-      rt_.get(), data, length, rndv, in_handler, dst, staging_->memh(),
-      [this, session, push, h, slot, dst, receive](absl::Status s) {
+      rt_.get(), data, length, rndv, in_handler, slot + h.tensor * half_bytes_, staging_->memh(),
+      [this, session, push, chunk, slot, receive](absl::Status s) {
         if (receive->abandoned) return;  // EndSession reclaimed the slot
         session->receiving.erase(receive);
         --session->queued;
+        --chunk->receiving;
         if (!s.ok() || push->finished) {
           --push->outstanding;
-          ReleaseSlot(slot);
+          if (chunk->receiving == 0) ReleaseChunk(push, chunk);
           if (!s.ok()) FailPush(session, push, s);
           return;
         }
-        const size_t values = size_t{h.num_tokens} * push->append->model().row_values();
-        const Bf16* k = reinterpret_cast<const Bf16*>(dst);
-        push->append->Stage(
-            h.layer, static_cast<int>(h.token_offset), static_cast<int>(h.num_tokens), k,
-            k + values, [this, session, push, layer = h.layer, slot](absl::Status st, bool done) {
-              rt_->Post([this, session, push, layer, slot, st, done] {
-                OnChunkStaged(session, push, layer, slot, st, done);
-              });
-            });
+        push->last_activity = absl::Now();
+        if (++chunk->landed < 2) {  // the other half is on its way
+          --push->outstanding;
+          return;
+        }
+        push->chunks.erase({chunk->layer, chunk->token_offset});
+        const Bf16* k = reinterpret_cast<const Bf16*>(slot);
+        const Bf16* v = reinterpret_cast<const Bf16*>(slot + half_bytes_);
+        push->append->Stage(chunk->layer, static_cast<int>(chunk->token_offset),
+                            static_cast<int>(chunk->num_tokens), k, v,
+                            [this, session, push, chunk](absl::Status st, bool done) {
+                              rt_->Post([this, session, push, chunk, st, done] {
+                                OnChunkStaged(session, push, chunk->layer, chunk, st, done);
+                              });
+                            });
       });
 }
 
 void UcxTransport::OnChunkStaged(const std::shared_ptr<Session>& session,
-                                 const std::shared_ptr<Push>& push, int layer, int slot,
-                                 const absl::Status& status, bool layer_complete) {
+                                 const std::shared_ptr<Push>& push, int layer,
+                                 const std::shared_ptr<Chunk>& chunk, const absl::Status& status,
+                                 bool layer_complete) {
   --push->outstanding;
   push->last_activity = absl::Now();
-  ReleaseSlot(slot);
+  ReleaseChunk(push, chunk);
   if (!status.ok()) return FailPush(session, push, status);
   if (push->finished) return;
   if (layer_complete && !session->dead) {
@@ -428,6 +488,15 @@ void UcxTransport::OnChunkStaged(const std::shared_ptr<Session>& session,
   MaybeCommit(session, push);
 }
 
+void UcxTransport::ReleaseChunk(const std::shared_ptr<Push>& push,
+                                const std::shared_ptr<Chunk>& chunk) {
+  if (chunk->released) return;
+  chunk->released = true;
+  auto it = push->chunks.find({chunk->layer, chunk->token_offset});
+  if (it != push->chunks.end() && it->second == chunk) push->chunks.erase(it);
+  ReleaseSlot(chunk->slot);
+}
+
 void UcxTransport::ReleaseSlot(int slot) {
   free_slots_.push_back(slot);
   --slots_in_use_;
@@ -435,31 +504,68 @@ void UcxTransport::ReleaseSlot(int slot) {
 }
 
 void UcxTransport::ServePending() {
-  while (!free_slots_.empty() && !pending_.empty()) {
-    Pending p = std::move(pending_.front());
-    pending_.pop_front();
-    --pending_count_;
-    if (p.session->dead || p.push->finished) {
-      ucx::DropAm(rt_.get(), p.data, p.rndv, /*in_handler=*/false);
-      --p.push->outstanding;
-      --p.session->queued;
-      continue;
-    }
-    const int slot = free_slots_.back();
-    free_slots_.pop_back();
-    ucs_status_t ignored;
-    StartReceive(p.session, p.push, p.h, p.data, p.length, p.rndv, /*in_handler=*/false, slot,
-                 &ignored);
+  // Not re-entered (a failure below frees slots, which serves again): another pass instead.
+  if (serving_) {
+    serve_again_ = true;
+    return;
   }
+  serving_ = true;
+  do {
+    serve_again_ = false;
+    // Every waiting message whose chunk is open goes now (its slot waits for it); the others
+    // open chunks in arrival order while slots are free.
+    for (size_t i = 0; i < pending_.size();) {
+      std::shared_ptr<Chunk> chunk;
+      absl::Status bad;
+      if (!pending_[i].session->dead && !pending_[i].push->finished) {
+        absl::StatusOr<std::shared_ptr<Chunk>> c = ChunkFor(pending_[i].push, pending_[i].h, true);
+        if (!c.ok()) {
+          bad = c.status();
+        } else if (*c == nullptr) {
+          ++i;  // still no slot
+          continue;
+        } else {
+          chunk = *std::move(c);
+        }
+      }
+      Pending p = std::move(pending_[i]);
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      --pending_count_;
+      if (chunk == nullptr) {  // its session or push ended, or it does not fit its chunk
+        ucx::DropAm(rt_.get(), p.data, p.rndv, /*in_handler=*/false);
+        --p.push->outstanding;
+        --p.session->queued;
+        if (!bad.ok()) FailPush(p.session, p.push, bad);
+        continue;
+      }
+      ucs_status_t ignored;
+      StartReceive(p.session, p.push, p.h, p.data, p.length, p.rndv, /*in_handler=*/false, chunk,
+                   &ignored);
+    }
+  } while (serve_again_);
+  serving_ = false;
 }
 
 void UcxTransport::FailPush(const std::shared_ptr<Session>& session,
-                            const std::shared_ptr<Push>& push, const absl::Status& why) {
+                            const std::shared_ptr<Push>& push, const absl::Status& why,
+                            bool answer_now) {
   if (push->finished) return;
   push->finished = true;
   --open_pushes_;
   ++pushes_aborted_;
   session->pushes.erase(push->id);
+  // Chunks waiting for a half that will not be taken now free their slots; those receiving
+  // free theirs when the receives end.
+  std::vector<std::shared_ptr<Chunk>> waiting;
+  for (const auto& [key, c] : push->chunks) {
+    if (c->receiving == 0) waiting.push_back(c);
+  }
+  for (const std::shared_ptr<Chunk>& c : waiting) ReleaseChunk(push, c);
+  if (answer_now) {
+    SendPushDone(session, push->id, why);
+    push->append->Abort(why, nullptr);
+    return;
+  }
   // Answer only once the sequence is free again, so that the client may push to it at once.
   push->append->Abort(why, [this, session, id = push->id, why] {
     rt_->Post([this, session, id, why] { SendPushDone(session, id, why); });
@@ -673,7 +779,8 @@ void UcxTransport::EndSession(const std::shared_ptr<Session>& session, const abs
   for (auto& [id, p] : session->pushes) pushes.push_back(p);
   // A graceful end tells the client why its pushes failed; after a peer error nothing is sent.
   if (force) session->dead = true;
-  for (auto& p : pushes) FailPush(session, p, why);
+  // (After a graceful end the answer cannot wait for the rollback: the endpoint closes now.)
+  for (auto& p : pushes) FailPush(session, p, why, /*answer_now=*/!force);
   session->dead = true;
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->session != session) {
@@ -693,7 +800,8 @@ void UcxTransport::EndSession(const std::shared_ptr<Session>& session, const abs
       r->abandoned = true;
       --r->push->outstanding;
       --session->queued;
-      ReleaseSlot(r->slot);
+      --r->chunk->receiving;
+      ReleaseChunk(r->push, r->chunk);
     }
   }
   ucx::CloseEndpoint(rt_.get(), session->ep, force && session->peer_error_handling);

@@ -2,13 +2,15 @@
 // (TransportService.Negotiate -> Accept), then push BF16 K/V layer by layer and call remote
 // attention with ucp active messages (wire format: ucx_wire.h).
 //
-// Receiving: a LAYER_DATA message (always rendezvous) is pulled straight into a slot of the
-// staging memory, registered with UCX once at start (ucp_mem_map); when no slot is free the
-// message waits (the sender's request stays incomplete: backpressure, bounded by the sessions'
-// in-flight limits). A received chunk is handed to the worker pool, which rotates and quantizes
-// it into the push's SequenceStore transaction (LayerwiseAppend) and frees the slot; when a
-// layer is complete the client gets LAYER_DONE; PUSH_COMMIT commits atomically once every layer
-// is stored and answers PUSH_DONE.
+// Receiving: a chunk (K and V of some tokens of one layer) comes as two LAYER_DATA messages
+// (always rendezvous), pulled straight into the two halves of one slot of the staging memory,
+// registered with UCX once at start (ucp_mem_map). The chunk's first message takes a slot;
+// when none is free it waits (the sender's request stays incomplete: backpressure, bounded by
+// the sessions' in-flight limits). Its second message goes into the same slot at once, so a
+// slot never waits on a message queued behind another slot's. A chunk with both halves is
+// handed to the worker pool, which rotates and quantizes it into the push's SequenceStore
+// transaction (LayerwiseAppend) and frees the slot; when a layer is complete the client gets
+// LAYER_DONE; PUSH_COMMIT commits atomically once every layer is stored and answers PUSH_DONE.
 //
 // Faults: an endpoint error (UCX peer error handling; keepalive notices a killed process within
 // about --transport_keepalive_ms) ends the session; a push with no progress for idle_timeout is
@@ -48,10 +50,11 @@ namespace kvpool::server {
 
 struct UcxTransportOptions {
   ucx::UcxRuntimeOptions runtime;
-  // Registered staging memory, split into slots of message_bytes (the largest LAYER_DATA).
+  // Registered staging memory, split into slots of two messages of message_bytes (the largest
+  // LAYER_DATA: K or V of a chunk).
   size_t staging_bytes = size_t{64} << 20;
   size_t message_bytes = size_t{4} << 20;
-  // LAYER_DATA messages one session may have in flight (0: the number of slots).
+  // LAYER_DATA messages one session may have in flight (0: two per slot).
   uint32_t max_inflight_messages = 0;
   // A push with no progress for this long is rolled back.
   absl::Duration idle_timeout = absl::Seconds(30);
@@ -82,6 +85,7 @@ class UcxTransport final : public Transport {
   struct Session;
   struct Pending;
   struct Receive;
+  struct Chunk;
 
   UcxTransport(ServiceContext* ctx, const UcxTransportOptions& options);
   absl::Status Init();
@@ -94,15 +98,26 @@ class UcxTransport final : public Transport {
   ucs_status_t OnPushControl(bool commit, const void* header, size_t header_length);
   ucs_status_t OnAttend(const void* header, size_t header_length, void* data, size_t length,
                         const ucp_am_recv_param_t* param);
+  // The chunk `h` is a half of: the one its other half opened, else (when `may_open`) a new one
+  // on a free slot; null when there is none. InvalidArgument when `h` does not fit its chunk.
+  absl::StatusOr<std::shared_ptr<Chunk>> ChunkFor(const std::shared_ptr<Push>& push,
+                                                  const ucx::wire::LayerDataHeader& h,
+                                                  bool may_open);
   void StartReceive(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
                     const ucx::wire::LayerDataHeader& h, void* data, size_t length, bool rndv,
-                    bool in_handler, int slot, ucs_status_t* handler_status);
+                    bool in_handler, const std::shared_ptr<Chunk>& chunk,
+                    ucs_status_t* handler_status);
   void OnChunkStaged(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
-                     int layer, int slot, const absl::Status& status, bool layer_complete);
+                     int layer, const std::shared_ptr<Chunk>& chunk, const absl::Status& status,
+                     bool layer_complete);
+  // Frees the chunk's slot (once) and forgets the chunk.
+  void ReleaseChunk(const std::shared_ptr<Push>& push, const std::shared_ptr<Chunk>& chunk);
   void ReleaseSlot(int slot);
   void ServePending();
+  // Rolls the push back and answers PUSH_DONE with `why` once the sequence is free again, or at
+  // once with `answer_now` (the session is ending and its endpoint closes right after).
   void FailPush(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
-                const absl::Status& why);
+                const absl::Status& why, bool answer_now = false);
   void MaybeCommit(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push);
   void SendPushDone(const std::shared_ptr<Session>& session, uint64_t push_id,
                     const absl::StatusOr<AppendResult>& result);
@@ -122,6 +137,7 @@ class UcxTransport final : public Transport {
   const UcxTransportOptions options_;
   std::unique_ptr<ucx::UcxRuntime> rt_;
   std::unique_ptr<ucx::UcxMemory> staging_;
+  size_t half_bytes_ = 0;  // one message (K or V of a chunk); a slot is two halves
   size_t slot_bytes_ = 0;
   int num_slots_ = 0;
   uint32_t max_inflight_ = 0;
@@ -130,6 +146,8 @@ class UcxTransport final : public Transport {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_;
   std::vector<int> free_slots_;
   std::deque<Pending> pending_;
+  bool serving_ = false;  // ServePending is running
+  bool serve_again_ = false;
   // Ended sessions, kept a while: UCX may still hold their error handlers.
   std::vector<std::shared_ptr<Session>> ended_;
   uint64_t next_session_ = 1;

@@ -6,10 +6,13 @@
 // Client -> daemon:
 //   kPushBegin   PushBeginHeader; payload: sequence id bytes, then num_token_ids uint32 ids.
 //                Sent eager (UCP_AM_SEND_FLAG_EAGER) so it is handled before later messages.
-//   kLayerData   LayerDataHeader; payload: K then V of layer `layer`, input tokens
-//                [token_offset, token_offset + num_tokens), BF16 [num_tokens][kv_heads][D]
-//                each. Always rendezvous (UCP_AM_SEND_FLAG_RNDV): the daemon pulls it into a
-//                staging slot when one is free, which is the backpressure. At most
+//   kLayerData   LayerDataHeader; payload: K or V (`tensor`) of layer `layer`, input tokens
+//                [token_offset, token_offset + num_tokens), BF16 [num_tokens][kv_heads][D].
+//                A chunk is two messages, K and V of the same tokens, each sent from the
+//                client's own buffer (no copy on the client). Always rendezvous
+//                (UCP_AM_SEND_FLAG_RNDV): the daemon pulls the chunk's first message into a
+//                staging slot (room for both halves) when one is free, which is the
+//                backpressure, and the second one into the same slot at once. At most
 //                UcxSession.max_message_bytes of payload.
 //   kPushCommit  PushControlHeader (layer_messages = LAYER_DATA messages sent for the push).
 //   kPushAbort   PushControlHeader.
@@ -34,7 +37,7 @@
 
 namespace kvpool::ucx::wire {
 
-inline constexpr uint32_t kWireVersion = 1;
+inline constexpr uint32_t kWireVersion = 2;  // 2: K and V in separate LAYER_DATA messages
 
 enum AmId : uint16_t {
   kPushBegin = 1,
@@ -66,8 +69,11 @@ struct LayerDataHeader {
   int32_t layer;
   uint32_t token_offset;  // relative to the push's token_start
   uint32_t num_tokens;
-  uint32_t reserved;
+  uint32_t tensor;  // kTensorKey or kTensorValue
 };
+
+inline constexpr uint32_t kTensorKey = 0;
+inline constexpr uint32_t kTensorValue = 1;
 
 struct PushControlHeader {
   uint64_t session_id;
