@@ -15,6 +15,7 @@
 //      committed) beside one layer's transfer + quantize alone.
 //
 // Prints a table and writes --out (design.md's JSON form). Never a timed assertion.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,7 +29,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/notification.h"
@@ -54,6 +57,9 @@ ABSL_FLAG(int32_t, overlap_layers, 16, "Layers of the simulated prefill");
 ABSL_FLAG(int32_t, overlap_tokens, 2048, "Tokens of the simulated prefill");
 ABSL_FLAG(int32_t, layer_compute_ms, 0, "Simulated compute per layer (0: 1.5 x one layer's push)");
 ABSL_FLAG(std::string, ucx_sets, "shm,tcp", "UCX transport sets to measure (shm, tcp)");
+ABSL_FLAG(std::string, sections, "ingest,attention,overlap",
+          "Parts to run (ingest, attention, overlap): e.g. only ingest under a profiler");
+ABSL_FLAG(std::string, ingest_paths, "quantized,bf16", "Ingest paths to run (quantized, bf16)");
 
 namespace kvpool {
 namespace {
@@ -73,6 +79,20 @@ struct TlsSet {
   std::string tls;   // UCX_TLS
 };
 
+// CPU seconds used by this whole process (client, daemon, UCX threads) so far.
+double ProcessCpuSeconds() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  auto sec = [](const timeval& t) { return t.tv_sec + 1e-6 * t.tv_usec; };
+  return sec(ru.ru_utime) + sec(ru.ru_stime);
+}
+
+// Wall and CPU seconds of one timed run.
+struct Timing {
+  double wall = 0;
+  double cpu = 0;
+};
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -86,6 +106,7 @@ void Die(const absl::Status& s, const char* what) {
 
 // `ucx_perftest -t TEST` with UCX_TLS=tls between two local processes; MB/s (2^20) overall.
 double RunPerftest(const std::string& test, const std::string& tls, size_t bytes, int iters) {
+  if (iters <= 0) return 0;  // skipped (profiling the daemon path alone)
   static int port = 14000 + getpid() % 2000;
   ++port;
   const std::string env = absl::StrCat("UCX_TLS=", tls, " UCX_NET_DEVICES=lo ");
@@ -115,6 +136,7 @@ std::unique_ptr<client::UcxChannel> Connect(TestDaemon& d, const TlsSet& t) {
   client::UcxChannelOptions o;
   o.runtime.tls = t.tls;
   o.runtime.net_devices = "lo";
+  o.runtime.name = "client";
   o.client_name = "kvpool-bench-transport";
   auto ch = client::UcxChannel::Connect(d.channel(), o);
   Die(ch.status(), "UcxChannel::Connect");
@@ -135,10 +157,11 @@ Kv MakeKv(const ModelShapeSpec& m, int tokens, uint64_t seed) {
 }
 
 // Pushes every layer of `kv` to a fresh sequence and commits; seconds from the first post to
-// the commit's answer.
-double PushAll(TestDaemon& d, client::UcxChannel& ch, const ModelShapeSpec& m,
+// the commit's answer, and the process's CPU seconds meanwhile.
+Timing PushAll(TestDaemon& d, client::UcxChannel& ch, const ModelShapeSpec& m,
                const std::string& seq, int tokens, const Kv& kv) {
   Die(d.CreateSequence(m.model_id, seq), "CreateSequence");
+  const double cpu0 = ProcessCpuSeconds();
   const absl::Time t0 = absl::Now();
   auto push = ch.BeginPush({seq, 0, static_cast<uint32_t>(tokens), true, {}});
   Die(push.status(), "BeginPush");
@@ -147,18 +170,19 @@ double PushAll(TestDaemon& d, client::UcxChannel& ch, const ModelShapeSpec& m,
   }
   auto r = (*push)->Finish();
   Die(r.status(), "Finish");
-  return absl::ToDoubleSeconds(absl::Now() - t0);
+  return {absl::ToDoubleSeconds(absl::Now() - t0), ProcessCpuSeconds() - cpu0};
 }
 
 // The daemon's store path alone, no transport: the same LayerwiseAppend, chunks and worker pool
-// as a UCX push, fed from memory. MB/s (2^20) of BF16.
-double StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq, int tokens,
+// as a UCX push, fed from memory. Seconds and CPU seconds.
+Timing StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq, int tokens,
                   const Kv& kv, size_t message_bytes) {
   server::ServiceContext* ctx = d.server()->context();
   Die(d.CreateSequence(m.model_id, seq), "CreateSequence");
   const size_t token_bytes = kv.k[0].size() / tokens;
   const int per_chunk = std::max<int>(1, static_cast<int>(message_bytes / (2 * token_bytes)));
   const int chunks_per_layer = (tokens + per_chunk - 1) / per_chunk;
+  const double cpu0 = ProcessCpuSeconds();
   const absl::Time t0 = absl::Now();
   server::AppendSpec spec;
   spec.num_tokens = tokens;
@@ -180,10 +204,10 @@ double StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq
   }
   pending.Wait();
   Die((*append)->Commit().status(), "Commit");
-  const double s = absl::ToDoubleSeconds(absl::Now() - t0);
+  const Timing t{absl::ToDoubleSeconds(absl::Now() - t0), ProcessCpuSeconds() - cpu0};
   append->reset();
   Die(d.Release(seq), "Release");
-  return 2.0 * m.num_layers * kv.k[0].size() / kMiB / s;
+  return t;
 }
 
 // An in-process daemon on `t`'s UCX transports with a 1 GiB pool; exits on failure.
@@ -207,7 +231,9 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
   const double perftest = RunPerftest("tag_bw", t.tls, msg, absl::GetFlag(FLAGS_perftest_iters));
   auto d = StartBenchDaemon(t, msg, 16 * msg);
   auto ch = Connect(*d, t);
+  const std::string paths = absl::GetFlag(FLAGS_ingest_paths);
   for (const bool quantized : {true, false}) {
+    if (!absl::StrContains(paths, quantized ? "quantized" : "bf16")) continue;
     ModelShapeSpec m;
     m.model_id = quantized ? "int2" : "bf16";
     m.num_layers = absl::GetFlag(FLAGS_ingest_layers);
@@ -223,13 +249,15 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
     const Kv kv = MakeKv(m, tokens, 17);
     const double bytes = 2.0 * m.num_layers * kv.k[0].size();
     double best = 0, store_alone = 0;
+    std::vector<double> push_cpu, alone_cpu;  // process CPU seconds per GiB, each rep
     for (int rep = 0; rep < reps; ++rep) {
-      store_alone =
-          std::max(store_alone,
-                   StoreAlone(*d, m, absl::StrCat(m.model_id, "-alone-", rep), tokens, kv, msg));
+      const Timing a = StoreAlone(*d, m, absl::StrCat(m.model_id, "-alone-", rep), tokens, kv, msg);
+      store_alone = std::max(store_alone, bytes / kMiB / a.wall);
+      alone_cpu.push_back(a.cpu / (bytes / (1024 * kMiB)));
       const std::string seq = absl::StrCat(m.model_id, "-", rep);
-      const double s = PushAll(*d, *ch, m, seq, tokens, kv);
-      best = std::max(best, bytes / kMiB / s);
+      const Timing p = PushAll(*d, *ch, m, seq, tokens, kv);
+      best = std::max(best, bytes / kMiB / p.wall);
+      push_cpu.push_back(p.cpu / (bytes / (1024 * kMiB)));
       if (!quantized && rep == 0) {  // verify: read it back, bit for bit
         std::vector<std::string> rk, rv;
         Die(d->ReadAll(seq, &rk, &rv), "ReadKv");
@@ -250,7 +278,12 @@ void BenchIngest(BenchReport& report, const TlsSet& t) {
                 {"tokens", std::to_string(tokens)},
                 {"shape", "Hkv 8, D 128"},
                 {"path", quantized ? "hadamard + int2 quantize, committed"
-                                   : "identity + bf16 stored, committed, read back bit-exact"}};
+                                   : "identity + bf16 stored, committed, read back bit-exact"},
+                // Noise-robust efficiency (the cores are shared): the whole process's CPU
+                // seconds per GiB ingested, median of the reps, over UCX and for the store
+                // path alone.
+                {"cpu_s_per_GiB", absl::StrFormat("%.3f", Median(push_cpu))},
+                {"store_alone_cpu_s_per_GiB", absl::StrFormat("%.3f", Median(alone_cpu))}};
     r.value = best;
     r.unit = "MB/s (2^20) of BF16 accepted";
     r.baseline = {"ucx_perftest tag_bw " + t.name, perftest};
@@ -446,17 +479,21 @@ int main(int argc, char** argv) {
     if (name == "shm") sets.push_back({"shm", "posix,sysv,cma"});
     if (name == "tcp") sets.push_back({"tcp", "tcp"});
   }
+  const std::string sections = absl::GetFlag(FLAGS_sections);
   for (const TlsSet& t : sets) {
+    if (!absl::StrContains(sections, "ingest")) break;
     std::fprintf(stderr, "bench-transport: ingest over %s\n", t.tls.c_str());
     kvpool::BenchIngest(report, t);
   }
-  if (!sets.empty()) {
+  if (!sets.empty() && absl::StrContains(sections, "attention")) {
     std::fprintf(stderr, "bench-transport: attention round trip over %s\n", sets[0].tls.c_str());
     kvpool::BenchAttention(report, sets[0], absl::GetFlag(FLAGS_attn_context),
                            absl::GetFlag(FLAGS_attn_reps));
     if (absl::GetFlag(FLAGS_attn_small_context) > 0) {
       kvpool::BenchAttention(report, sets[0], absl::GetFlag(FLAGS_attn_small_context), 50);
     }
+  }
+  if (!sets.empty() && absl::StrContains(sections, "overlap")) {
     std::fprintf(stderr, "bench-transport: layer-wise overlap over %s\n", sets[0].tls.c_str());
     kvpool::BenchOverlap(report, sets[0]);
   }
