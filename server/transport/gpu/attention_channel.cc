@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
 #include "server/transport/gpu/nccl_channel.h"  // DisableNvlinkMulticast
+#include "server/transport/gpu/poll_backoff.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
@@ -255,6 +256,7 @@ absl::Status AttentionChannel::Failed(absl::Status why) {
 }
 
 absl::Status AttentionChannel::Settle(absl::Time deadline) {
+  PollBackoff backoff;
   while (true) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state);
@@ -263,7 +265,7 @@ absl::Status AttentionChannel::Settle(absl::Time deadline) {
     if (state != ncclInProgress) return Failed(NcclError(state, "NCCL (the peer failed or left)"));
     if (stop_.load()) return Failed(absl::OkStatus());
     if (absl::Now() > deadline) return Failed(absl::DeadlineExceededError("NCCL call timed out"));
-    absl::SleepFor(absl::Microseconds(10));
+    backoff.Pause();  // a 10 us sleep cost ~60 us of timer slack on every call
   }
 }
 
