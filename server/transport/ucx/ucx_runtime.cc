@@ -172,7 +172,10 @@ bool UcxRuntime::Post(std::function<void()> fn) {
     if (stopping_) return false;
     posted_.push_back(std::move(fn));
   }
-  Wake();
+  // The loop sees the flag before it sleeps, or this sees it asleep and wakes it (both seq_cst):
+  // no eventfd write per post while the loop polls.
+  has_posted_.store(true);
+  if (sleeping_.load()) Wake();
   return true;
 }
 
@@ -203,6 +206,7 @@ void UcxRuntime::Wake() {
 }
 
 bool UcxRuntime::RunPosted() {
+  if (!has_posted_.exchange(false)) return false;  // no lock per poll
   std::vector<std::function<void()>> batch;
   {
     absl::MutexLock lock(&mu_);
@@ -232,22 +236,34 @@ void UcxRuntime::Loop() {
       last_activity = now;
       continue;
     }
-    if (now - last_activity < options_.spin) continue;
-    const ucs_status_t s = ucp_worker_arm(worker_);
-    if (s == UCS_ERR_BUSY) continue;
+    if (now - last_activity < options_.spin) {
+      // Poll on, but let a runnable thread (a codec worker) have the core first: on a machine
+      // with few cores a spinning progress thread otherwise takes time from the work it waits
+      // for.
+      std::this_thread::yield();
+      continue;
+    }
+    sleeping_.store(true);
+    if (has_posted_.load() || ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
+      sleeping_.store(false);
+      continue;
+    }
     epoll_event events[2];
     epoll_wait(epoll_fd_, events, 2, tick_ms);
+    sleeping_.store(false);
     uint64_t counter = 0;
     ssize_t n = read(wake_fd_, &counter, sizeof(counter));
     (void)n;
   }
   // Drain: run what was posted before Stop and let closing endpoints finish.
   const absl::Time until = absl::Now() + drain_;
+  has_posted_.store(true);
   do {
     RunPosted();
     while (ucp_worker_progress(worker_) != 0) {
     }
   } while (absl::Now() < until);
+  has_posted_.store(true);  // whatever a late Post left, whether or not it set the flag yet
   RunPosted();
 }
 

@@ -121,6 +121,8 @@ class UcxRuntime {
   std::atomic<std::thread::id> thread_id_{};
   absl::Mutex mu_;
   std::vector<std::function<void()>> posted_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> has_posted_{false};  // posted_ may be non-empty
+  std::atomic<bool> sleeping_{false};    // the loop is (about to be) in epoll_wait
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool started_ = false;
   std::atomic<bool> stop_{false};
