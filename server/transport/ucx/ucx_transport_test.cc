@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/transport/ucx_channel.h"
 #include "gtest/gtest.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
@@ -21,6 +22,7 @@ namespace {
 using client::UcxChannel;
 using client::UcxChannelOptions;
 using client::UcxLayerPush;
+using client::UcxPushResult;
 using client::UcxPushSpec;
 using testing::ModelShapeSpec;
 using testing::TestDaemon;
@@ -195,6 +197,62 @@ TEST_P(UcxTransportTest, QuantizedPushEqualsInlineAppend) {
   ASSERT_TRUE(daemon_->ReadAll("grpc", &kb, &vb).ok());
   EXPECT_TRUE(ka == kb);
   EXPECT_TRUE(va == vb);
+}
+
+TEST_P(UcxTransportTest, ConcurrentPushesShareOneStagingSlot) {
+  // One staging slot (K and V halves of 16 KiB) and eight pushes at once from four sessions, so
+  // that chunks of different pushes queue for the slot: each K lands beside its own V, every
+  // push stores exactly what was sent, and the slot comes back. (Whether another session's K
+  // lands between a chunk's K and V depends on timing; the rule that a chunk's second half
+  // never queues behind it is in UcxTransport::OnLayerData and ServePending.)
+  TestDaemonOptions o;
+  o.message_bytes = 16 << 10;
+  o.staging_bytes = 32 << 10;
+  StartDaemon(o);
+  ModelShapeSpec m;
+  m.rotation = v1::ROTATION_KIND_IDENTITY;
+  m.method = v1::QUANT_METHOD_BYPASS;
+  ASSERT_TRUE(daemon_->RegisterModel(m).ok());
+  const int tokens = 700;  // several chunks per layer (256 tokens per 16 KiB message)
+  std::vector<std::unique_ptr<UcxChannel>> channels;
+  for (int c = 0; c < 4; ++c) {
+    channels.push_back(Connect());
+    ASSERT_NE(channels.back(), nullptr);
+  }
+  constexpr int kPushes = 8;
+  std::vector<std::vector<std::string>> k(kPushes), v(kPushes);
+  std::vector<absl::Status> results(kPushes);
+  for (int p = 0; p < kPushes; ++p) {
+    ASSERT_TRUE(daemon_->CreateSequence("m", absl::StrCat("s", p)).ok());
+    MakeKv(m, tokens, 100 + p, &k[p], &v[p]);
+  }
+  std::vector<std::thread> threads;
+  for (int p = 0; p < kPushes; ++p) {
+    threads.emplace_back([&, p] {
+      auto push = channels[p % 4]->BeginPush(
+          UcxPushSpec{absl::StrCat("s", p), 0, tokens, /*end_of_prefill=*/true, {}});
+      if (!push.ok()) {
+        results[p] = push.status();
+        return;
+      }
+      for (int l = 0; l < m.num_layers && results[p].ok(); ++l) {
+        results[p] = (*push)->PushLayer(l, 0, tokens, k[p][l], v[p][l]);
+      }
+      absl::StatusOr<UcxPushResult> r = (*push)->Finish();
+      if (results[p].ok()) results[p] = r.status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int p = 0; p < kPushes; ++p) {
+    ASSERT_TRUE(results[p].ok()) << "push " << p << ": " << results[p];
+    std::vector<std::string> rk, rv;
+    ASSERT_TRUE(daemon_->ReadAll(absl::StrCat("s", p), &rk, &rv).ok());
+    EXPECT_TRUE(rk == k[p]) << "push " << p;
+    EXPECT_TRUE(rv == v[p]) << "push " << p;
+  }
+  auto stats = TransportStats();
+  EXPECT_EQ(stats.pushes_committed(), static_cast<uint64_t>(kPushes));
+  EXPECT_EQ(stats.staging_bytes_in_use(), 0u);
 }
 
 TEST_P(UcxTransportTest, RemoteAttentionMatchesGrpc) {
