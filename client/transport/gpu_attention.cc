@@ -340,18 +340,26 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
   KVPOOL_RETURN_IF_ERROR(
       CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
                 "H2D call header"));
-  // The whole round trip in one group: the daemon receives header then queries, answers status,
-  // out, lse; each direction's operations match in order.
+  // Three groups, not one. NCCL runs a group's operations with one peer as pairs (the n-th send
+  // with the n-th receive) and starts a pair only after the previous one finished, so a single
+  // group's first pair (send header, receive status) waited for a status that the daemon sends
+  // only after the queries of the second pair: a deadlock. A group also connects every path it
+  // uses before it sends anything, and the daemon connects the queries' path only once the
+  // header arrived: the header goes alone, then the queries, then the answer is received.
+  KVPOOL_RETURN_IF_ERROR(
+      Enqueue([&] { ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
+              deadline));
+  ++next_call_;  // the header is on its way: the daemon counts it
+  KVPOOL_RETURN_IF_ERROR(
+      Enqueue([&] { ncclSend(queries, plan.query_bytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
+              deadline));
   KVPOOL_RETURN_IF_ERROR(Enqueue(
       [&] {
-        ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
-        ncclSend(queries, plan.query_bytes, ncclUint8, 1, Comm(comm_), s);
-        ncclRecv(d_status_, kCallStatusBytes, ncclUint8, 1, Comm(comm_), s);
+        ncclRecv(d_status_, kCallStatusBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
         ncclRecv(out, plan.query_bytes, ncclUint8, 1, Comm(comm_), s);
         ncclRecv(lse, plan.lse_bytes, ncclUint8, 1, Comm(comm_), s);
       },
       deadline));
-  ++next_call_;  // the header is on its way: the daemon counts it
   absl::Status st =
       CudaCheck(cudaMemcpyAsync(h_status_, d_status_, kCallStatusBytes, cudaMemcpyDeviceToHost, s),
                 "D2H status");
