@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -340,6 +341,16 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
   KVPOOL_RETURN_IF_ERROR(
       CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
                 "H2D call header"));
+  static const bool trace = [] {
+    const char* v = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
+    return v != nullptr && v[0] == '1';
+  }();
+  auto step = [&](const char* what) {
+    if (trace) {
+      std::fprintf(stderr, "attention client: call %llu %s\n",
+                   static_cast<unsigned long long>(call), what);
+    }
+  };
   // Three groups, not one. NCCL runs a group's operations with one peer as pairs (the n-th send
   // with the n-th receive) and starts a pair only after the previous one finished, so a single
   // group's first pair (send header, receive status) waited for a status that the daemon sends
@@ -350,9 +361,11 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
       Enqueue([&] { ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
               deadline));
   ++next_call_;  // the header is on its way: the daemon counts it
+  step("header enqueued");
   KVPOOL_RETURN_IF_ERROR(
       Enqueue([&] { ncclSend(queries, plan.query_bytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
               deadline));
+  step("queries enqueued");
   KVPOOL_RETURN_IF_ERROR(Enqueue(
       [&] {
         ncclRecv(d_status_, kCallStatusBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
@@ -360,12 +373,14 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
         ncclRecv(lse, plan.lse_bytes, ncclUint8, 1, Comm(comm_), s);
       },
       deadline));
+  step("answer receives enqueued");
   absl::Status st =
       CudaCheck(cudaMemcpyAsync(h_status_, d_status_, kCallStatusBytes, cudaMemcpyDeviceToHost, s),
                 "D2H status");
   if (st.ok()) st = CudaCheck(cudaEventRecord(Event(done_), s), "event");
   if (!st.ok()) return Broken(st);
   KVPOOL_RETURN_IF_ERROR(Wait(done_, deadline));
+  step("answered");
   absl::StatusOr<CallStatus> status =
       server::DecodeCallStatus(absl::MakeConstSpan(h_status_, kCallStatusBytes));
   if (!status.ok()) return Broken(absl::InternalError(status.status().ToString()));

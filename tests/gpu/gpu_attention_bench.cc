@@ -289,6 +289,11 @@ absl::StatusOr<std::unique_ptr<client::LocalDaemon>> StartDaemon(const Options& 
   dopt.flags = {absl::StrCat("--device=cuda:", kDaemonGpu), "--pool_bytes=8589934592",
                 "--slab_bytes=16777216", "--worker_threads=8", "--log_level=warn"};
   dopt.startup_timeout = absl::Seconds(120);
+  if (const char* trace = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
+      trace != nullptr && trace[0] == '1') {
+    dopt.flags.back() = "--log_level=info";  // the daemon's per-call trace, in this output
+    dopt.inherit_output = true;
+  }
   return client::LocalDaemon::Start(dopt);
 }
 

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -293,6 +294,18 @@ absl::Status AttentionChannel::WaitEvent(absl::Time deadline) {
   }
 }
 
+namespace {
+// KVPOOL_TRACE_ATTENTION_CHANNEL=1 logs each step of each call (info level), to see where a
+// call stops without a profiler or debugger.
+bool TraceCalls() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+}  // namespace
+
 absl::Status AttentionChannel::Connect() {
   // NCCL connects a peer's send and receive paths lazily, each at its first use, and setting
   // one up waits for the peer to use the matching path. A call's first round trip would then
@@ -317,6 +330,7 @@ void AttentionChannel::Loop() {
   absl::Status why = CudaCheck(cudaSetDevice(device_), "cudaSetDevice");
   if (!why.ok()) why = Failed(why);
   if (why.ok()) why = Connect();
+  if (TraceCalls()) spdlog::info("attention channel {}: connected ({})", name_, why.ToString());
   for (uint64_t call = 1; why.ok() && !aborted_; ++call) {
     why = ServeOne(call);
     if (why.ok() && !aborted_) calls_.fetch_add(1, std::memory_order_relaxed);
@@ -360,6 +374,10 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
         absl::StrCat("unparseable call header: ", header.status().message())));
   }
   const CallHeader& h = *header;
+  if (TraceCalls()) {
+    spdlog::info("attention channel {}: call {} header: plan {}, layer {}, {} query bytes", name_,
+                 h.call, h.plan_id, h.layer, h.query_bytes);
+  }
   if (h.call != expected_call) {
     return Failed(absl::InvalidArgumentError(
         absl::StrCat("call number ", h.call, " out of order (expected ", expected_call, ")")));
@@ -381,7 +399,12 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   if (aborted_) return absl::OkStatus();
 
   // 4. Attend with device I/O; the outcome goes back in the status block.
+  if (TraceCalls()) spdlog::info("attention channel {}: call {} queries in", name_, h.call);
   absl::StatusOr<std::vector<int>> attended = Attend(h);
+  if (TraceCalls()) {
+    spdlog::info("attention channel {}: call {} attended: {}", name_, h.call,
+                 attended.status().ToString());
+  }
   CallStatus status;
   status.call = h.call;
   if (attended.ok()) {
@@ -409,7 +432,9 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   ncclSend(b.d_lse, h.lse_bytes, ncclUint8, /*peer=*/0, comm, b.stream);
   r = ncclGroupEnd();
   if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclSend answer"));
-  return Settle(deadline);
+  s = Settle(deadline);
+  if (TraceCalls()) spdlog::info("attention channel {}: call {} answer sent", name_, h.call);
+  return s;
 }
 
 absl::StatusOr<std::vector<int>> AttentionChannel::Attend(const CallHeader& h) {
