@@ -54,19 +54,24 @@ class DeviceArena final : public Arena {
 };
 
 // A device allocation of one lane that grows on demand (never shrinks).
+//
+// Growing is stream-ordered (cudaFreeAsync / cudaMallocAsync on the lane's stream): cudaFree
+// waits for the whole device, and an attention channel's NCCL receive stays resident on it until
+// that decode worker's next call, which may wait for this very call: a deadlock.
 class DeviceBuffer {
  public:
   ~DeviceBuffer() { cudaFree(data_); }
-  // Growing waits for `stream` first: launches queued on it may still read the old buffer, and
-  // cudaFree does not wait for non-blocking streams.
   absl::StatusOr<uint8_t*> Reserve(size_t bytes, cudaStream_t stream) {
     if (bytes <= size_) return data_;
-    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream), "sync before growing a buffer"));
-    cudaFree(data_);
+    const size_t want = std::max(bytes, size_ * 2);
+    if (data_ != nullptr) {
+      KVPOOL_RETURN_IF_ERROR(Check(cudaFreeAsync(data_, stream), "cudaFreeAsync (staging)"));
+    }
     data_ = nullptr;
     size_ = 0;
-    const size_t want = std::max(bytes, size_ * 2);
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&data_, want), "cudaMalloc (staging)"));
+    void* p = nullptr;
+    KVPOOL_RETURN_IF_ERROR(Check(cudaMallocAsync(&p, want, stream), "cudaMallocAsync (staging)"));
+    data_ = static_cast<uint8_t*>(p);
     size_ = want;
     return data_;
   }
@@ -74,36 +79,6 @@ class DeviceBuffer {
  private:
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
-};
-
-// Pinned host memory of one lane, handed out front to back within one call (a truly async H2D
-// copy reads it later, so a call never overwrites what it uploaded before). Every call ends
-// with a stream synchronisation, so the next call starts again at the front.
-class PinnedBuffer {
- public:
-  ~PinnedBuffer() { cudaFreeHost(data_); }
-  void Reset() { used_ = 0; }
-  // `bytes` of fresh space. Growing waits for `stream` first: its queued copies may still read
-  // the old buffer.
-  absl::StatusOr<uint8_t*> Take(size_t bytes, cudaStream_t stream) {
-    if (used_ + bytes > size_) {
-      KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(stream), "sync before growing uploads"));
-      const size_t want = std::max<size_t>({bytes, size_ * 2, 64 * 1024});
-      cudaFreeHost(data_);
-      data_ = nullptr;
-      used_ = size_ = 0;
-      KVPOOL_RETURN_IF_ERROR(Check(cudaMallocHost(&data_, want), "cudaMallocHost (uploads)"));
-      size_ = want;
-    }
-    uint8_t* p = data_ + used_;
-    used_ += (bytes + 15) / 16 * 16;
-    return p;
-  }
-
- private:
-  uint8_t* data_ = nullptr;
-  size_t size_ = 0;
-  size_t used_ = 0;
 };
 
 // A CUDA stream and the device memory one call needs; one call uses a lane at a time.
@@ -116,7 +91,6 @@ struct Lane {
   DeviceBuffer tables;     // int32 row offsets / first tokens / block tables; attention io
   DeviceBuffer workspace;  // attention workspace
   DeviceBuffer bf16_copy;  // BF16 copies of sequences whose history the kernel cannot read
-  PinnedBuffer upload;     // host side of the table uploads (pinned: a truly async copy)
   ~Lane() {
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
@@ -268,8 +242,12 @@ class CudaBackend final : public ComputeBackend {
   }
 
   absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
-    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
-    return Check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "D2H pool bytes");
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());  // on a stream: see DeviceBuffer
+    KVPOOL_RETURN_IF_ERROR(Check(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, lane->stream), "D2H pool bytes"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "D2H pool bytes"));
+    lane->dirty = false;
+    return absl::OkStatus();
   }
 
   bool batched_attention() const override { return true; }
@@ -403,7 +381,6 @@ class CudaBackend final : public ComputeBackend {
         std::unique_ptr<Lane> lane = std::move(lanes_.back());
         lanes_.pop_back();
         lane->dirty = true;
-        lane->upload.Reset();  // the lane's last call ended with a synchronisation
         return LaneLease(this, std::move(lane));
       }
     }
@@ -412,8 +389,14 @@ class CudaBackend final : public ComputeBackend {
         Check(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking), "stream"));
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventCreate(&lane->start), "event"));
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventCreate(&lane->stop), "event"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&lane->error_word, sizeof(uint32_t)), "error word"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMemset(lane->error_word, 0, sizeof(uint32_t)), "memset"));
+    // Stream-ordered, like every allocation after start (see DeviceBuffer).
+    void* word = nullptr;
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaMallocAsync(&word, sizeof(uint32_t), lane->stream), "error word"));
+    lane->error_word = static_cast<uint32_t*>(word);
+    KVPOOL_RETURN_IF_ERROR(
+        Check(cudaMemsetAsync(lane->error_word, 0, sizeof(uint32_t), lane->stream), "memset"));
+    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "new lane"));
     lane->dirty = true;
     return LaneLease(this, std::move(lane));
   }
@@ -459,19 +442,27 @@ class CudaBackend final : public ComputeBackend {
       return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
     }
     const auto key = std::make_tuple(m.version_hex, layer, static_cast<int>(t));
-    absl::MutexLock lock(&mu_);
-    auto it = rotations_.find(key);
-    if (it != rotations_.end()) return it->second;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = rotations_.find(key);
+      if (it != rotations_.end()) return it->second;
+    }
+    // Uploaded on a lane's stream (see DeviceBuffer), outside mu_ (lanes take it).
     const std::vector<float> host = r.Matrix(layer, t);
-    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
-    float* dev = nullptr;
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    void* dev = nullptr;
+    const size_t bytes = host.size() * sizeof(float);
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMalloc(&dev, host.size() * sizeof(float)), "cudaMalloc (rotation)"));
+        Check(cudaMallocAsync(&dev, bytes, lane->stream), "cudaMallocAsync (rotation)"));
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemcpy(dev, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
+        Check(cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
               "H2D rotation"));
-    rotations_.emplace(key, dev);
-    return dev;
+    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "H2D rotation"));
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = rotations_.emplace(key, static_cast<float*>(dev));
+    if (!inserted) cudaFreeAsync(dev, lane->stream);  // another call uploaded it meanwhile
+    lane->dirty = !inserted;                          // then the lane drains that free
+    return it->second;
   }
 
   // Uploads run tables into the lane's table buffer as SequenceBatches. Stream order makes
@@ -490,10 +481,10 @@ class CudaBackend final : public ComputeBackend {
                     Append(&host, t->block.data(), t->block.size())});
     }
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane.tables.Reserve(host.size(), lane.stream));
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * pinned, lane.upload.Take(host.size(), lane.stream));
-    std::memcpy(pinned, host.data(), host.size());
+    // From pageable memory: the driver stages it before returning (no device-wide wait, which
+    // pinned allocations can cause; see DeviceBuffer).
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(dev, pinned, host.size(), cudaMemcpyHostToDevice, lane.stream),
+        Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane.stream),
               "H2D block tables"));
     std::vector<cuda::SequenceBatch> out;
     size_t i = 0;

@@ -88,13 +88,22 @@ class AttentionChannel::Buffers {
         CudaCheck(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking), "stream"));
     KVPOOL_RETURN_IF_ERROR(
         CudaCheck(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming), "event"));
-    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&b->d_header, kCallHeaderBytes), "cudaMalloc"));
-    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&b->d_status, kCallStatusBytes), "cudaMalloc"));
+    KVPOOL_RETURN_IF_ERROR(b->Grow(&b->d_header, kCallHeaderBytes));  // stream-ordered (Reserve)
+    KVPOOL_RETURN_IF_ERROR(b->Grow(&b->d_status, kCallStatusBytes));
+    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamSynchronize(b->stream), "channel buffers"));
     KVPOOL_RETURN_IF_ERROR(
         CudaCheck(cudaMallocHost(&b->h_header, kCallHeaderBytes), "cudaMallocHost"));
     KVPOOL_RETURN_IF_ERROR(
         CudaCheck(cudaMallocHost(&b->h_status, kCallStatusBytes), "cudaMallocHost"));
     return b;
+  }
+
+  // Replaces `*p` by a fresh device allocation of `bytes`, in stream order.
+  absl::Status Grow(void** p, size_t bytes) {
+    if (*p != nullptr)
+      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaFreeAsync(*p, stream), "cudaFreeAsync"));
+    *p = nullptr;
+    return CudaCheck(cudaMallocAsync(p, bytes, stream), "cudaMallocAsync");
   }
 
   ~Buffers() {
@@ -112,25 +121,19 @@ class AttentionChannel::Buffers {
     (void)cudaGetLastError();
   }
 
-  // Room for `query_bytes` of queries and of out, `lse_bytes` of lse. Growing waits for the
-  // stream (the previous call's sends).
+  // Room for `query_bytes` of queries and of out, `lse_bytes` of lse. Growing is ordered on the
+  // channel's stream (cudaFreeAsync / cudaMallocAsync): cudaFree would wait for the whole device,
+  // where other channels' receives stay resident until their next calls.
   absl::Status Reserve(size_t query_bytes, size_t lse_bytes) {
-    if (query_bytes <= query_capacity && lse_bytes <= lse_capacity) return absl::OkStatus();
-    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamSynchronize(stream), "sync before growing"));
     if (query_bytes > query_capacity) {
-      cudaFree(d_queries);
-      cudaFree(d_out);
-      d_queries = d_out = nullptr;
+      KVPOOL_RETURN_IF_ERROR(Grow(&d_queries, query_bytes));
       query_capacity = 0;
-      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&d_queries, query_bytes), "cudaMalloc queries"));
-      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&d_out, query_bytes), "cudaMalloc out"));
+      KVPOOL_RETURN_IF_ERROR(Grow(&d_out, query_bytes));
       query_capacity = query_bytes;
     }
     if (lse_bytes > lse_capacity) {
-      cudaFree(d_lse);
-      d_lse = nullptr;
       lse_capacity = 0;
-      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&d_lse, lse_bytes), "cudaMalloc lse"));
+      KVPOOL_RETURN_IF_ERROR(Grow(&d_lse, lse_bytes));
       lse_capacity = lse_bytes;
     }
     return absl::OkStatus();

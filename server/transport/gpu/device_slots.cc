@@ -25,6 +25,7 @@ DeviceSlots::~DeviceSlots() {
     cudaFree(slot->v);
     cudaEventDestroy(static_cast<cudaEvent_t>(slot->done));
   }
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
 absl::StatusOr<DeviceSlots::Slot*> DeviceSlots::Acquire(size_t bytes,
@@ -52,13 +53,25 @@ absl::StatusOr<DeviceSlots::Slot*> DeviceSlots::Acquire(size_t bytes,
     }
     if (free_slot != nullptr) {
       if (free_slot->capacity < bytes) {
-        // The slot is idle (its last chunk was staged and waited for): safe to free.
-        cudaFree(free_slot->k);
-        cudaFree(free_slot->v);
+        // The slot is idle (its last chunk was staged and waited for): safe to free. In stream
+        // order on a private stream, not with cudaFree, which waits for the whole device, where
+        // an attention channel's receive may stay resident until its client's next call.
+        if (stream_ == nullptr) {
+          cudaStream_t st = nullptr;
+          KVPOOL_RETURN_IF_ERROR(
+              CudaCheck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream"));
+          stream_ = st;
+        }
+        cudaStream_t st = static_cast<cudaStream_t>(stream_);
+        if (free_slot->k != nullptr) cudaFreeAsync(free_slot->k, st);
+        if (free_slot->v != nullptr) cudaFreeAsync(free_slot->v, st);
         free_slot->k = free_slot->v = nullptr;
         free_slot->capacity = 0;
-        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->k, bytes), "cudaMalloc (slot)"));
-        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&free_slot->v, bytes), "cudaMalloc (slot)"));
+        KVPOOL_RETURN_IF_ERROR(
+            CudaCheck(cudaMallocAsync(&free_slot->k, bytes, st), "cudaMallocAsync (slot)"));
+        KVPOOL_RETURN_IF_ERROR(
+            CudaCheck(cudaMallocAsync(&free_slot->v, bytes, st), "cudaMallocAsync (slot)"));
+        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamSynchronize(st), "slot allocation"));
         free_slot->capacity = bytes;
       }
       free_slot->busy = true;

@@ -53,6 +53,7 @@ class DeviceSlots {
   const int count_;
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  void* stream_ ABSL_GUARDED_BY(mu_) = nullptr;  // cudaStream_t that slots grow on
 };
 
 }  // namespace kvpool::server
