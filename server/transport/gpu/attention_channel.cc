@@ -37,43 +37,6 @@ constexpr absl::Duration kCallTimeout = absl::Seconds(30);
 constexpr absl::Duration kSpin = absl::Milliseconds(5);
 constexpr absl::Duration kMaxNap = absl::Milliseconds(1);
 
-// Joins as rank 1 of a two-rank non-blocking communicator; the join loop polls like every other
-// wait of the channel.
-absl::StatusOr<ncclComm_t> JoinComm(int device, const std::string& unique_id,
-                                    absl::Duration timeout,
-                                    const std::function<bool()>& cancelled) {
-  DisableNvlinkMulticast();
-  ncclUniqueId id;
-  if (unique_id.size() != sizeof(id)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("nccl_unique_id must be ", sizeof(id), " bytes, got ", unique_id.size()));
-  }
-  std::memcpy(&id, unique_id.data(), sizeof(id));
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  ncclComm_t comm = nullptr;
-  const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 1, &config);
-  if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
-  const absl::Time deadline = absl::Now() + timeout;
-  ncclResult_t state = ncclInProgress;
-  while (true) {
-    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
-    if (cancelled() || absl::Now() > deadline) {
-      ncclCommAbort(comm);
-      return cancelled() ? absl::CancelledError("the client left while joining")
-                         : absl::DeadlineExceededError(
-                               "the client did not join the NCCL communicator in time");
-    }
-    absl::SleepFor(absl::Microseconds(200));
-  }
-  if (state != ncclSuccess) {
-    ncclCommAbort(comm);
-    return NcclError(state, "joining the NCCL communicator");
-  }
-  return comm;
-}
-
 }  // namespace
 
 // The channel's CUDA resources: one stream for every NCCL operation and copy, an event the
@@ -171,7 +134,8 @@ absl::StatusOr<std::unique_ptr<AttentionChannel>> AttentionChannel::Join(
   const int device = ctx->backend->device();
   if (device < 0) return absl::UnavailableError("this kvpoold keeps its pool in host memory");
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Buffers> buffers, Buffers::Create(device));
-  KVPOOL_ASSIGN_OR_RETURN(ncclComm_t comm, JoinComm(device, unique_id, timeout, cancelled));
+  KVPOOL_ASSIGN_OR_RETURN(void* joined, JoinNcclComm(device, unique_id, timeout, cancelled));
+  ncclComm_t comm = Comm(joined);
   return std::unique_ptr<AttentionChannel>(new AttentionChannel(
       ctx, std::move(tenant), std::move(name), device, comm, std::move(buffers)));
 }

@@ -41,9 +41,8 @@ void DisableNvlinkMulticast() {
 NcclChannel::NcclChannel(int device, void* comm, void* stream)
     : device_(device), comm_(comm), stream_(stream), slots_(device, kSlots) {}
 
-absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
-                                                               const std::string& unique_id,
-                                                               absl::Duration timeout) {
+absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, absl::Duration timeout,
+                                   const std::function<bool()>& cancelled) {
   DisableNvlinkMulticast();
   ncclUniqueId id;
   if (unique_id.size() != sizeof(id)) {
@@ -53,17 +52,19 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
   std::memcpy(&id, unique_id.data(), sizeof(id));
   KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;  // every wait below can give up
+  config.blocking = 0;  // every wait can give up
   ncclComm_t comm = nullptr;
-  ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 1, &config);
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 1, &config);
   if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
   const absl::Time deadline = absl::Now() + timeout;
   ncclResult_t state = ncclInProgress;
   while (true) {
     if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
-    if (absl::Now() > deadline) {
+    if (cancelled() || absl::Now() > deadline) {
       ncclCommAbort(comm);
-      return absl::DeadlineExceededError("the client did not join the NCCL communicator in time");
+      return cancelled() ? absl::CancelledError("the client left while joining")
+                         : absl::DeadlineExceededError(
+                               "the client did not join the NCCL communicator in time");
     }
     absl::SleepFor(absl::Microseconds(200));
   }
@@ -71,6 +72,15 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
     ncclCommAbort(comm);
     return NcclError(state, "joining the NCCL communicator");
   }
+  return static_cast<void*>(comm);
+}
+
+absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
+                                                               const std::string& unique_id,
+                                                               absl::Duration timeout) {
+  KVPOOL_ASSIGN_OR_RETURN(void* joined,
+                          JoinNcclComm(device, unique_id, timeout, [] { return false; }));
+  ncclComm_t comm = Comm(joined);
   cudaStream_t stream = nullptr;
   if (absl::Status s =
           CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

@@ -37,6 +37,13 @@ namespace kvpool::server {
 // NCCL use; kvpoold also calls it at start.
 void DisableNvlinkMulticast();
 
+// Joins a two-rank non-blocking NCCL communicator as rank 1 on GPU `device` (the client, rank 0,
+// joins with the same ncclUniqueId), polling until it is up; aborts it and gives up after
+// `timeout` (DeadlineExceeded) or once `cancelled()` (Cancelled). Returns the ncclComm_t.
+// InvalidArgument (id size), Unavailable (NCCL errors).
+absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, absl::Duration timeout,
+                                   const std::function<bool()>& cancelled);
+
 class NcclChannel {
  public:
   using Slot = DeviceSlots::Slot;
