@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/transport/gpu_client_common.h"
 #include "kernels/common/status_macros.h"
 #include "server/transport/gpu/attention_wire.h"
 
@@ -19,6 +20,9 @@ namespace kvpool::client {
 namespace {
 
 namespace v1 = ::kvpool::v1;
+using gpu_internal::CudaCheck;
+using gpu_internal::FromGrpc;
+using gpu_internal::NcclCheck;
 using server::CallHeader;
 using server::CallStatus;
 using server::kCallHeaderBytes;
@@ -27,22 +31,6 @@ using server::kCallStatusBytes;
 ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 cudaEvent_t Event(void* e) { return static_cast<cudaEvent_t>(e); }
-
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-absl::Status NcclError(ncclResult_t r, const char* what) {
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const char* what) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(what, ": ", s.error_message()));
-}
 
 std::chrono::system_clock::time_point DeadlineIn(absl::Duration d) {
   return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
@@ -59,9 +47,7 @@ GpuAttentionClient::GpuAttentionClient(std::shared_ptr<grpc::Channel> channel, i
 
 absl::StatusOr<std::unique_ptr<GpuAttentionClient>> GpuAttentionClient::Create(
     std::shared_ptr<grpc::Channel> channel, int device) {
-  setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off (shared hosts)
-  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
-  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  gpu_internal::DisableNvlinkMulticast();  // shared hosts
   KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
   auto c = std::unique_ptr<GpuAttentionClient>(new GpuAttentionClient(std::move(channel), device));
   cudaStream_t s = nullptr;
@@ -128,7 +114,7 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
   ncclUniqueId id;
   ncclResult_t r = ncclGetUniqueId(&id);
-  if (r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
+  if (r != ncclSuccess) return NcclCheck(r, "ncclGetUniqueId");
   v1::OpenAttentionChannelRequest req;
   req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
   req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
@@ -152,14 +138,14 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
   absl::Status joined = (r == ncclSuccess || r == ncclInProgress)
                             ? absl::OkStatus()
-                            : NcclError(r, "ncclCommInitRankConfig");
+                            : NcclCheck(r, "ncclCommInitRankConfig");
   const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
   while (joined.ok()) {
     ncclResult_t state = ncclInProgress;
     if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
     if (state == ncclSuccess) break;
     if (state != ncclInProgress) {
-      joined = NcclError(state, "joining the NCCL communicator");
+      joined = NcclCheck(state, "joining the NCCL communicator");
     } else if (read.load() == kRefused) {  // the daemon will not join: its status says why
       joined = absl::UnavailableError("the daemon refused the channel");
     } else if (absl::Now() > deadline) {
@@ -275,12 +261,12 @@ absl::Status GpuAttentionClient::Enqueue(const std::function<void()>& issue, abs
   ncclGroupStart();
   issue();
   const ncclResult_t r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return Broken(NcclError(r, "NCCL send/recv"));
+  if (r != ncclSuccess && r != ncclInProgress) return Broken(NcclCheck(r, "NCCL send/recv"));
   while (true) {
     ncclResult_t state = ncclSuccess;
     if (ncclCommGetAsyncError(Comm(comm_), &state) != ncclSuccess) state = ncclInternalError;
     if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return Broken(NcclError(state, "NCCL (the daemon failed)"));
+    if (state != ncclInProgress) return Broken(NcclCheck(state, "NCCL (the daemon failed)"));
     if (absl::Now() > deadline) return Broken(absl::DeadlineExceededError("NCCL enqueue"));
   }
 }
@@ -294,7 +280,7 @@ absl::Status GpuAttentionClient::Wait(void* event, absl::Time deadline) {
     ncclResult_t state = ncclSuccess;
     ncclCommGetAsyncError(Comm(comm_), &state);
     if (state != ncclSuccess && state != ncclInProgress) {
-      return Broken(NcclError(state, "NCCL (the daemon failed or left)"));
+      return Broken(NcclCheck(state, "NCCL (the daemon failed or left)"));
     }
     absl::Status why;
     if (LeaseEnded(&why)) {

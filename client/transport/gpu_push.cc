@@ -9,29 +9,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/transport/gpu_client_common.h"
 #include "kernels/common/status_macros.h"
 
 namespace kvpool::client {
 namespace {
 
 namespace v1 = ::kvpool::v1;
-
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-absl::Status NcclCheck(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const char* what) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(what, ": ", s.error_message()));
-}
+using gpu_internal::CudaCheck;
+using gpu_internal::FromGrpc;
+using gpu_internal::NcclCheck;
 
 v1::GpuPushRequest Header(const GpuPushSpec& spec, uint64_t channel) {
   v1::GpuPushRequest r;
@@ -51,9 +38,7 @@ GpuPushClient::GpuPushClient(std::shared_ptr<grpc::Channel> channel, int device)
 
 absl::StatusOr<std::unique_ptr<GpuPushClient>> GpuPushClient::Create(
     std::shared_ptr<grpc::Channel> channel, int device) {
-  setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off (shared hosts)
-  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
-  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  gpu_internal::DisableNvlinkMulticast();  // shared hosts
   KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
   auto c = std::unique_ptr<GpuPushClient>(new GpuPushClient(std::move(channel), device));
   cudaStream_t s = nullptr;

@@ -1,0 +1,24 @@
+// What the GPU data plane's clients (gpu_push.h, gpu_attention.h) share: status conversions for
+// CUDA, NCCL and gRPC, and switching NVLink multicast off in the calling process.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "absl/status/status.h"
+#include "grpcpp/grpcpp.h"
+
+namespace kvpool::client::gpu_internal {
+
+// Sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (NVLink
+// multicast can take a shared host's GPUs out of service); called before any NCCL use.
+void DisableNvlinkMulticast();
+
+// Internal (clears CUDA's sticky last error) unless `e` is cudaSuccess.
+absl::Status CudaCheck(cudaError_t e, const char* what);
+// Unavailable unless `r` is ncclSuccess.
+absl::Status NcclCheck(ncclResult_t r, const char* what);
+// The gRPC status as an absl::Status with the same code, prefixed by `what`.
+absl::Status FromGrpc(const grpc::Status& s, const char* what);
+
+}  // namespace kvpool::client::gpu_internal
