@@ -212,6 +212,13 @@ absl::Status AppendTxn::Demote(LayerState& l) {
       done += take;
     }
   }
+  {
+    absl::MutexLock lock(&demote_mu_);
+    pending_moves_.insert(pending_moves_.end(), moves.begin(), moves.end());
+    if (++demoted_layers_ < model_->num_layers) return absl::OkStatus();
+    moves = std::move(pending_moves_);
+    pending_moves_.clear();
+  }
   return backend_->DemoteRows(*model_, moves);
 }
 

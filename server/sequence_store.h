@@ -220,6 +220,9 @@ class AppendTxn {
   // and demotes after its last token.
   absl::Status Stage(int layer, int offset, int n,
                      const std::function<absl::Status(absl::Span<const RowWrite>)>& write);
+  // Queues the layer's demotion moves; the layer that completes last hands every layer's moves
+  // to the backend in one DemoteRows (one launch per tensor on the GPU, not one per layer: a
+  // decode step appends one token to every layer).
   absl::Status Demote(LayerState& l);
   void Release();
 
@@ -233,6 +236,9 @@ class AppendTxn {
   std::vector<std::pair<AppendPlan, AppendKind>> plans_;
   std::vector<Segment> segments_;
   std::vector<Demotion> demotions_;
+  absl::Mutex demote_mu_;  // layers may complete concurrently (layer-wise pushes)
+  std::vector<RowMove> pending_moves_ ABSL_GUARDED_BY(demote_mu_);
+  int demoted_layers_ ABSL_GUARDED_BY(demote_mu_) = 0;
   int final_recent_head_ = 0;
   int popped_recent_pages_ = 0;
   int to_sink_ = 0;

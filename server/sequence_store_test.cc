@@ -46,8 +46,8 @@ size_t ExpectedBytes(const Model& m, int sink, int history, int recent_pages) {
 }
 
 void ExpectExactReadback(TestCore& core, const Model& m, const std::string& id,
-                         const Expected& want) {
-  auto snap = core.store->Snapshot(kDefaultTenant, id, {});
+                         const Expected& want, SequenceStore* store = nullptr) {
+  auto snap = (store != nullptr ? store : core.store.get())->Snapshot(kDefaultTenant, id, {});
   ASSERT_TRUE(snap.ok()) << snap.status();
   const int n = (*snap)->total();
   const size_t row = m.row_values();
@@ -113,6 +113,82 @@ TEST(SequenceStoreTest, DecodeDemotesInBatchesAndKeepsExactData) {
   EXPECT_EQ(info.pool_bytes, core.pool->used_bytes());
   ASSERT_TRUE(core.store->Release(kDefaultTenant, "s").ok());
   EXPECT_EQ(core.pool->used_bytes(), 0u);
+}
+
+// The CPU backend, counting the DemoteRows calls and the layers their moves come from.
+class DemotionCountingBackend final : public ComputeBackend {
+ public:
+  explicit DemotionCountingBackend(ComputeBackend* inner) : inner_(inner) {}
+  int calls = 0;
+  std::vector<size_t> moves_per_call;
+
+  absl::string_view name() const override { return inner_->name(); }
+  absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) override {
+    return inner_->AllocateArena(bytes);
+  }
+  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
+                         absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
+    return inner_->StageRows(m, layer, k, v, writes);
+  }
+  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
+    ++calls;
+    moves_per_call.push_back(moves.size());
+    return inner_->DemoteRows(m, moves);
+  }
+  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
+                        int count, absl::Span<float> out) override {
+    return inner_->ReadRows(m, block, history, t, slot, count, out);
+  }
+  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
+                            absl::Span<Bf16> out) override {
+    return inner_->ReadBf16Rows(m, page, t, slot, count, out);
+  }
+  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+    return inner_->CopyFromPool(dst, src, bytes);
+  }
+  bool batched_attention() const override { return inner_->batched_attention(); }
+  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
+    return inner_->AttendBatch(m, b);
+  }
+  absl::StatusOr<AttentionOutput> AttendRotated(const Model& m, const SequenceTiers& t,
+                                                absl::Span<const float> q) override {
+    return inner_->AttendRotated(m, t, q);
+  }
+
+ private:
+  ComputeBackend* inner_;
+};
+
+// A decode step appends a token to every layer; when it demotes, every layer's moves go to the
+// backend in one DemoteRows call (one launch per tensor on the GPU), and the data stays exact.
+TEST(SequenceStoreTest, DecodeDemotesEveryLayerInOneBackendCall) {
+  TestCore core;
+  const int layers = 5;
+  auto m = core.AddModel("m", RotationKind::kIdentity, BypassQuant(), layers);
+  DemotionCountingBackend counting(core.backend.get());
+  SequenceStore store(core.pool.get(), core.index.get(), &counting);
+  ASSERT_TRUE(store.Create(kDefaultTenant, m, "s", {}).ok());
+  Expected want;
+  ASSERT_TRUE(AppendAll(store, *m, "s", 0, 24, AppendKind::kFinalPrefill, 1).ok());
+  want.Add(*m, 24, 1);
+  counting.calls = 0;
+  counting.moves_per_call.clear();
+  for (int step = 0; step < 16; ++step) {  // demotes once every 8 steps (batch 8, window 16)
+    ASSERT_TRUE(AppendAll(store, *m, "s", 24 + step, 1, AppendKind::kDecode, 500 + step).ok());
+    want.Add(*m, 1, 500 + step);
+  }
+  ASSERT_EQ(counting.calls, 16);  // one call per step; the steps without demotion move nothing
+  int demoting = 0;
+  for (size_t moves : counting.moves_per_call) {
+    if (moves == 0) continue;
+    ++demoting;
+    EXPECT_EQ(moves % layers, 0u) << "every layer's moves in the same call";
+    EXPECT_GE(moves, static_cast<size_t>(layers));
+  }
+  EXPECT_EQ(demoting, 2);
+  EXPECT_EQ(store.Describe(kDefaultTenant, "s")->history, 24 - 8 - 16 + 16);
+  ExpectExactReadback(core, *m, "s", want, &store);
+  ASSERT_TRUE(store.Release(kDefaultTenant, "s").ok());
 }
 
 TEST(SequenceStoreTest, MultiTokenDecodeEqualsStepByStep) {
