@@ -267,6 +267,13 @@ absl::Status GpuAttentionClient::Enqueue(const std::function<void()>& issue, abs
     if (ncclCommGetAsyncError(Comm(comm_), &state) != ncclSuccess) state = ncclInternalError;
     if (state == ncclSuccess) return absl::OkStatus();
     if (state != ncclInProgress) return Broken(NcclCheck(state, "NCCL (the daemon failed)"));
+    // A group that connects a new path waits for the daemon's side: if the daemon ended the
+    // channel meanwhile, say so now rather than at the deadline.
+    absl::Status why;
+    if (LeaseEnded(&why)) {
+      return Broken(absl::UnavailableError(absl::StrCat("the daemon ended the attention channel: ",
+                                                        why.ok() ? "closed" : why.ToString())));
+    }
     if (absl::Now() > deadline) return Broken(absl::DeadlineExceededError("NCCL enqueue"));
   }
 }
