@@ -219,7 +219,7 @@ absl::Status AppendTxn::Demote(LayerState& l) {
     moves = std::move(pending_moves_);
     pending_moves_.clear();
   }
-  return backend_->DemoteRows(*model_, moves);
+  return store_->demotions_.Demote(*model_, std::move(moves));
 }
 
 absl::Status AppendTxn::CheckChunk(int layer, int offset, int n) const {
@@ -323,7 +323,7 @@ void AppendTxn::Release() {
 // SequenceStore
 
 SequenceStore::SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend)
-    : pool_(pool), index_(index), backend_(backend) {}
+    : pool_(pool), index_(index), backend_(backend), demotions_(backend) {}
 
 SequenceStore::~SequenceStore() {
   absl::MutexLock lock(&mu_);

@@ -46,6 +46,7 @@
 #include "kernels/mixed_sequence.h"
 #include "server/backend.h"
 #include "server/block_pool.h"
+#include "server/demotion_batcher.h"
 #include "server/model_registry.h"
 #include "server/prefix_index.h"
 #include "server/tenant.h"
@@ -222,7 +223,8 @@ class AppendTxn {
                      const std::function<absl::Status(absl::Span<const RowWrite>)>& write);
   // Queues the layer's demotion moves; the layer that completes last hands every layer's moves
   // to the backend in one DemoteRows (one launch per tensor on the GPU, not one per layer: a
-  // decode step appends one token to every layer).
+  // decode step appends one token to every layer), shared with the demotions of other appends
+  // running at the same moment (DemotionBatcher).
   absl::Status Demote(LayerState& l);
   void Release();
 
@@ -310,6 +312,7 @@ class SequenceStore {
   BlockPool* const pool_;
   PrefixIndex* const index_;
   ComputeBackend* const backend_;
+  DemotionBatcher demotions_;  // concurrent appends' demotions share backend calls
   mutable absl::Mutex mu_;
   std::map<std::pair<TenantId, std::string>, std::shared_ptr<Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
