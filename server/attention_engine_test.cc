@@ -153,9 +153,9 @@ TEST(AttentionEngineTest, DeviceCallIsUnavailableOnTheCpuBackend) {
 // A "GPU" backend whose device memory is host memory: AttendBatch with device I/O attends each
 // query row with the CPU backend (rotate, AttendRotated, un-rotate), so RunOnDevice's mapping of
 // rows to sequences can be checked against Run without a GPU.
-class HostMemoryAsDevice final : public ComputeBackend {
+class HostMemoryAsDevice final : public testing::ForwardingBackend {
  public:
-  explicit HostMemoryAsDevice(ComputeBackend* cpu) : cpu_(cpu) {}
+  using ForwardingBackend::ForwardingBackend;
   absl::string_view name() const override { return "host-as-device"; }
   int device() const override { return 0; }
   bool batched_attention() const override { return true; }
@@ -168,43 +168,15 @@ class HostMemoryAsDevice final : public ComputeBackend {
       KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Rotate(
           b.layer, KvTensor::kKey, absl::MakeConstSpan(b.device_queries + i * per_row, per_row),
           absl::MakeSpan(rotated)));
-      KVPOOL_ASSIGN_OR_RETURN(AttentionOutput o, cpu_->AttendRotated(m, *b.tiers[i], rotated));
+      KVPOOL_ASSIGN_OR_RETURN(AttentionOutput o, inner()->AttendRotated(m, *b.tiers[i], rotated));
       KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Unrotate(
           b.layer, KvTensor::kValue, o.out, absl::MakeSpan(b.device_out + i * per_row, per_row)));
       std::copy(o.lse.begin(), o.lse.end(), b.device_lse + i * m.q_heads);
     }
     return absl::OkStatus();
   }
-  // The rest is the CPU backend's (the store writes through the real one).
-  absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) override {
-    return cpu_->AllocateArena(bytes);
-  }
-  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
-                         absl::Span<const Bf16> v, absl::Span<const RowWrite> w) override {
-    return cpu_->StageRows(m, layer, k, v, w);
-  }
-  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
-    return cpu_->DemoteRows(m, moves);
-  }
-  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
-                        int count, absl::Span<float> out) override {
-    return cpu_->ReadRows(m, block, history, t, slot, count, out);
-  }
-  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
-                            absl::Span<Bf16> out) override {
-    return cpu_->ReadBf16Rows(m, page, t, slot, count, out);
-  }
-  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
-    return cpu_->CopyFromPool(dst, src, bytes);
-  }
-  absl::StatusOr<AttentionOutput> AttendRotated(const Model& m, const SequenceTiers& tiers,
-                                                absl::Span<const float> q) override {
-    return cpu_->AttendRotated(m, tiers, q);
-  }
+  // The rest is the CPU backend's (ForwardingBackend: the store writes through the real one).
   int calls = 0;
-
- private:
-  ComputeBackend* cpu_;
 };
 
 TEST(AttentionEngineTest, DeviceCallMatchesRunRowForRow) {

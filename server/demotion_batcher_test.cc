@@ -16,11 +16,12 @@ namespace {
 using testing::BypassQuant;
 using testing::TestCore;
 
-// Records DemoteRows calls; the first call blocks until `release`; a call with a move of count
-// kBad fails.
-class RecordingBackend final : public ComputeBackend {
+// Records DemoteRows calls (their moves are never carried out); the first call blocks until
+// `release`; a call with a move of count kBad fails.
+class RecordingBackend final : public testing::ForwardingBackend {
  public:
   static constexpr int kBad = 99;
+  using ForwardingBackend::ForwardingBackend;
   absl::Notification entered_first, release;
   absl::Mutex mu;
   std::vector<std::pair<const Model*, size_t>> calls ABSL_GUARDED_BY(mu);  // model, moves
@@ -40,34 +41,6 @@ class RecordingBackend final : public ComputeBackend {
       if (mv.count == kBad) return absl::OutOfRangeError("a scale overflows");
     }
     return absl::OkStatus();
-  }
-
-  absl::string_view name() const override { return "recording"; }
-  absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t) override {
-    return absl::UnimplementedError("");
-  }
-  absl::Status StageRows(const Model&, int, absl::Span<const Bf16>, absl::Span<const Bf16>,
-                         absl::Span<const RowWrite>) override {
-    return absl::UnimplementedError("");
-  }
-  absl::Status ReadRows(const Model&, const uint8_t*, bool, KvTensor, int, int,
-                        absl::Span<float>) override {
-    return absl::UnimplementedError("");
-  }
-  absl::Status ReadBf16Rows(const Model&, const uint8_t*, KvTensor, int, int,
-                            absl::Span<Bf16>) override {
-    return absl::UnimplementedError("");
-  }
-  absl::Status CopyFromPool(void*, const uint8_t*, size_t) override {
-    return absl::UnimplementedError("");
-  }
-  bool batched_attention() const override { return false; }
-  absl::Status AttendBatch(const Model&, const AttentionBatch&) override {
-    return absl::UnimplementedError("");
-  }
-  absl::StatusOr<AttentionOutput> AttendRotated(const Model&, const SequenceTiers&,
-                                                absl::Span<const float>) override {
-    return absl::UnimplementedError("");
   }
 };
 
@@ -90,7 +63,7 @@ class DemotionBatcherTest : public ::testing::Test {
 };
 
 TEST_F(DemotionBatcherTest, RequestsWaitingDuringACallShareTheNextOne) {
-  RecordingBackend backend;
+  RecordingBackend backend(core_.backend.get());
   DemotionBatcher batcher(&backend);
   std::thread leader([&] { EXPECT_TRUE(batcher.Demote(*a_, Moves(2)).ok()); });
   backend.entered_first.WaitForNotification();
@@ -109,7 +82,7 @@ TEST_F(DemotionBatcherTest, RequestsWaitingDuringACallShareTheNextOne) {
 }
 
 TEST_F(DemotionBatcherTest, ModelsGetTheirOwnCallsAndEmptyRequestsNone) {
-  RecordingBackend backend;
+  RecordingBackend backend(core_.backend.get());
   DemotionBatcher batcher(&backend);
   EXPECT_TRUE(batcher.Demote(*a_, {}).ok());
   {
@@ -137,7 +110,7 @@ TEST_F(DemotionBatcherTest, ModelsGetTheirOwnCallsAndEmptyRequestsNone) {
 }
 
 TEST_F(DemotionBatcherTest, AFailedMergedCallBlamesOnlyTheRequestThatFails) {
-  RecordingBackend backend;
+  RecordingBackend backend(core_.backend.get());
   DemotionBatcher batcher(&backend);
   std::thread leader([&] { EXPECT_TRUE(batcher.Demote(*a_, Moves(1)).ok()); });
   backend.entered_first.WaitForNotification();

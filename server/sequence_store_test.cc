@@ -115,48 +115,17 @@ TEST(SequenceStoreTest, DecodeDemotesInBatchesAndKeepsExactData) {
   EXPECT_EQ(core.pool->used_bytes(), 0u);
 }
 
-// The CPU backend, counting the DemoteRows calls and the layers their moves come from.
-class DemotionCountingBackend final : public ComputeBackend {
+// The CPU backend, counting the DemoteRows calls and their moves.
+class DemotionCountingBackend final : public testing::ForwardingBackend {
  public:
-  explicit DemotionCountingBackend(ComputeBackend* inner) : inner_(inner) {}
+  using ForwardingBackend::ForwardingBackend;
   int calls = 0;
   std::vector<size_t> moves_per_call;
-
-  absl::string_view name() const override { return inner_->name(); }
-  absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) override {
-    return inner_->AllocateArena(bytes);
-  }
-  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
-                         absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
-    return inner_->StageRows(m, layer, k, v, writes);
-  }
   absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
     ++calls;
     moves_per_call.push_back(moves.size());
-    return inner_->DemoteRows(m, moves);
+    return ForwardingBackend::DemoteRows(m, moves);
   }
-  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
-                        int count, absl::Span<float> out) override {
-    return inner_->ReadRows(m, block, history, t, slot, count, out);
-  }
-  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
-                            absl::Span<Bf16> out) override {
-    return inner_->ReadBf16Rows(m, page, t, slot, count, out);
-  }
-  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
-    return inner_->CopyFromPool(dst, src, bytes);
-  }
-  bool batched_attention() const override { return inner_->batched_attention(); }
-  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
-    return inner_->AttendBatch(m, b);
-  }
-  absl::StatusOr<AttentionOutput> AttendRotated(const Model& m, const SequenceTiers& t,
-                                                absl::Span<const float> q) override {
-    return inner_->AttendRotated(m, t, q);
-  }
-
- private:
-  ComputeBackend* inner_;
 };
 
 // A decode step appends a token to every layer; when it demotes, every layer's moves go to the

@@ -44,6 +44,49 @@ struct TestCore {
   std::unique_ptr<SequenceStore> store;
 };
 
+// A backend that hands every call to `inner` (the CPU backend, say): tests derive from it and
+// override only what they observe or fake.
+class ForwardingBackend : public ComputeBackend {
+ public:
+  explicit ForwardingBackend(ComputeBackend* inner) : inner_(inner) {}
+  absl::string_view name() const override { return inner_->name(); }
+  absl::StatusOr<std::unique_ptr<Arena>> AllocateArena(size_t bytes) override {
+    return inner_->AllocateArena(bytes);
+  }
+  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
+                         absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
+    return inner_->StageRows(m, layer, k, v, writes);
+  }
+  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
+    return inner_->DemoteRows(m, moves);
+  }
+  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
+                        int count, absl::Span<float> out) override {
+    return inner_->ReadRows(m, block, history, t, slot, count, out);
+  }
+  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
+                            absl::Span<Bf16> out) override {
+    return inner_->ReadBf16Rows(m, page, t, slot, count, out);
+  }
+  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+    return inner_->CopyFromPool(dst, src, bytes);
+  }
+  bool batched_attention() const override { return inner_->batched_attention(); }
+  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
+    return inner_->AttendBatch(m, b);
+  }
+  absl::StatusOr<AttentionOutput> AttendRotated(const Model& m, const SequenceTiers& tiers,
+                                                absl::Span<const float> q) override {
+    return inner_->AttendRotated(m, tiers, q);
+  }
+
+ protected:
+  ComputeBackend* inner() const { return inner_; }
+
+ private:
+  ComputeBackend* const inner_;
+};
+
 // `tokens` rows of `row_values` BF16 values: real-like (outlier channels), deterministic.
 std::vector<Bf16> TestRows(int tokens, size_t row_values, uint64_t seed);
 
