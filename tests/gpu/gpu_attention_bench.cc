@@ -46,6 +46,7 @@
 #include "kernels/common/status_macros.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
+#include "tests/gpu/two_gpu_bench.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::bench {
@@ -546,24 +547,14 @@ int main(int argc, char** argv) {
                                      "--kvpoold PATH [--out FILE] [--quick] [--fault]")) {
     return 2;
   }
-  setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off in this process and its children
-  setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
-  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  kvpool::bench::DisableNvlinkMulticastHere();
   if (!opt.child_target.empty()) {
     const absl::Status s =
         kvpool::bench::ChildAttend(opt.child_target, std::atoi(opt.child_fd.c_str()));
     std::cerr << "child: " << s << "\n";
     return 1;
   }
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
-    std::fprintf(stderr, "needs two GPUs (found %d)\n", gpus);
-    return 2;
-  }
-  if (opt.kvpoold.empty()) {
-    std::fprintf(stderr, "--kvpoold is required\n");
-    return 2;
-  }
+  if (!kvpool::bench::TwoGpuBenchCanRun(opt.kvpoold)) return 2;
   const absl::Status s = opt.fault ? kvpool::bench::Fault(opt, argv[0]) : kvpool::bench::Run(opt);
   return kvpool::bench::ExitCode(s);
 }
