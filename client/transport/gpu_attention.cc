@@ -119,6 +119,8 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
   req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
   req.set_client_name("gpu-attention");
+  const bool blocking_ops = gpu_internal::WantBlockingOps();
+  req.set_blocking_ops(blocking_ops);
   {
     absl::MutexLock lease_lock(&lease_mu_);
     lease_ended_ = false;
@@ -153,6 +155,16 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
     } else {
       absl::SleepFor(absl::Microseconds(200));
     }
+  }
+  if (joined.ok() && blocking_ops) {
+    // The calls run on a blocking communicator split from the joined one (JoinNcclComm).
+    absl::StatusOr<ncclComm_t> child =
+        gpu_internal::SplitBlocking(comm, deadline, [&]() -> absl::Status {
+          if (read.load() != kRefused) return absl::OkStatus();
+          return absl::UnavailableError("the daemon refused the channel");
+        });
+    comm = child.ok() ? *child : nullptr;  // SplitBlocking aborted the parent
+    joined = child.status();
   }
   if (!joined.ok()) lease_context_->TryCancel();  // the daemon's join then gives up
   reader.join();
@@ -338,11 +350,11 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
     const char* v = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
     return v != nullptr && v[0] == '1';
   }();
-  auto step = [&](const char* what) {
-    if (trace) {
-      std::fprintf(stderr, "attention client: call %llu %s\n",
-                   static_cast<unsigned long long>(call), what);
-    }
+  // Microseconds from the call's start to each step (trace only), printed once answered.
+  const absl::Time started = absl::Now();
+  double steps_us[4] = {0, 0, 0, 0};
+  auto step = [&](int i) {
+    if (trace) steps_us[i] = absl::ToDoubleMicroseconds(absl::Now() - started);
   };
   // Three groups, not one. NCCL runs a group's operations with one peer as pairs (the n-th send
   // with the n-th receive) and starts a pair only after the previous one finished, so a single
@@ -354,11 +366,11 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
       Enqueue([&] { ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
               deadline));
   ++next_call_;  // the header is on its way: the daemon counts it
-  step("header enqueued");
+  step(0);
   KVPOOL_RETURN_IF_ERROR(
       Enqueue([&] { ncclSend(queries, plan.query_bytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
               deadline));
-  step("queries enqueued");
+  step(1);
   KVPOOL_RETURN_IF_ERROR(Enqueue(
       [&] {
         ncclRecv(d_status_, kCallStatusBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
@@ -366,14 +378,21 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
         ncclRecv(lse, plan.lse_bytes, ncclUint8, 1, Comm(comm_), s);
       },
       deadline));
-  step("answer receives enqueued");
+  step(2);
   absl::Status st =
       CudaCheck(cudaMemcpyAsync(h_status_, d_status_, kCallStatusBytes, cudaMemcpyDeviceToHost, s),
                 "D2H status");
   if (st.ok()) st = CudaCheck(cudaEventRecord(Event(done_), s), "event");
   if (!st.ok()) return Broken(st);
   KVPOOL_RETURN_IF_ERROR(Wait(done_, deadline));
-  step("answered");
+  step(3);
+  if (trace) {
+    std::fprintf(stderr,
+                 "attention client: call %llu: us after the start: header enqueued %.1f, "
+                 "queries enqueued %.1f, answer receives enqueued %.1f, answered %.1f\n",
+                 static_cast<unsigned long long>(call), steps_us[0], steps_us[1], steps_us[2],
+                 steps_us[3]);
+  }
   absl::StatusOr<CallStatus> status =
       server::DecodeCallStatus(absl::MakeConstSpan(h_status_, kCallStatusBytes));
   if (!status.ok()) return Broken(absl::InternalError(status.status().ToString()));

@@ -5,7 +5,11 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <functional>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
 namespace kvpool::client::gpu_internal {
@@ -20,5 +24,16 @@ absl::Status CudaCheck(cudaError_t e, const char* what);
 absl::Status NcclCheck(ncclResult_t r, const char* what);
 // The gRPC status as an absl::Status with the same code, prefixed by `what`.
 absl::Status FromGrpc(const grpc::Status& s, const char* what);
+
+// Whether to ask for blocking data-plane operations (OpenNcclChannelRequest.blocking_ops): yes,
+// unless KVPOOL_NCCL_BLOCKING_OPS=0 (kept for A/B measurements and as a way back).
+bool WantBlockingOps();
+
+// Rank 0's half of the daemon's JoinNcclComm(blocking_ops): splits the joined `parent` into a
+// blocking communicator (groups launch on the calling thread, not a new one per group) and
+// aborts the parent. A non-blocking parent's split is polled until `deadline` or until
+// `give_up()` returns an error; on any failure the parent is aborted and the error returned.
+absl::StatusOr<ncclComm_t> SplitBlocking(ncclComm_t parent, absl::Time deadline,
+                                         const std::function<absl::Status()>& give_up);
 
 }  // namespace kvpool::client::gpu_internal

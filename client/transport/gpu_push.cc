@@ -63,9 +63,12 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
   req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
   req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
   req.set_client_name("gpu-push");
+  const bool blocking_ops = gpu_internal::WantBlockingOps();
+  req.set_blocking_ops(blocking_ops);
   v1::OpenNcclChannelResponse resp;
   grpc::Status rpc;
-  // The daemon joins as rank 1 while this thread joins as rank 0.
+  // The daemon joins as rank 1 (then splits and waits for the connect messages) while this
+  // thread does the same as rank 0; it answers once all of that is done.
   std::thread t([&] {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
@@ -74,15 +77,46 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
   });
   ncclComm_t comm = nullptr;
   const ncclResult_t r = ncclCommInitRank(&comm, 2, id, 0);
+  absl::Status joined = NcclCheck(r, "ncclCommInitRank");
+  if (joined.ok() && blocking_ops) {
+    // Blocking parent: the split returns when done (or failed).
+    absl::StatusOr<ncclComm_t> child =
+        gpu_internal::SplitBlocking(comm, absl::InfiniteFuture(), [] { return absl::OkStatus(); });
+    comm = nullptr;  // aborted by SplitBlocking
+    joined = child.status();
+    if (joined.ok()) {
+      comm = *child;
+      joined = Connect(comm);
+    }
+  }
   t.join();
-  if (r != ncclSuccess || !rpc.ok()) {
+  if (!joined.ok() || !rpc.ok()) {
     if (comm != nullptr) ncclCommAbort(comm);
     KVPOOL_RETURN_IF_ERROR(FromGrpc(rpc, "OpenNcclChannel"));
-    return NcclCheck(r, "ncclCommInitRank");
+    return joined;
   }
   comm_ = comm;
   channel_id_ = resp.channel_id();
   return absl::OkStatus();
+}
+
+absl::Status GpuPushClient::Connect(void* comm) {
+  // The daemon's NcclChannel::Join receives kConnectBytes twice (a K and a V slot) right after
+  // the split, so the path is connected before the first push.
+  constexpr size_t kConnectBytes = 16;  // NcclChannel::kConnectBytes
+  cudaStream_t s = static_cast<cudaStream_t>(stream_);
+  void* bytes = nullptr;
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMallocAsync(&bytes, kConnectBytes, s), "cudaMallocAsync"));
+  absl::Status st = CudaCheck(cudaMemsetAsync(bytes, 0, kConnectBytes, s), "cudaMemsetAsync");
+  if (st.ok()) {
+    ncclGroupStart();
+    ncclSend(bytes, kConnectBytes, ncclUint8, /*peer=*/1, static_cast<ncclComm_t>(comm), s);
+    ncclSend(bytes, kConnectBytes, ncclUint8, /*peer=*/1, static_cast<ncclComm_t>(comm), s);
+    st = NcclCheck(ncclGroupEnd(), "connecting the NCCL channel");
+  }
+  cudaFreeAsync(bytes, s);
+  if (st.ok()) st = CudaCheck(cudaStreamSynchronize(s), "connecting the NCCL channel");
+  return st;
 }
 
 absl::Status GpuPushClient::CloseNccl() {

@@ -71,6 +71,8 @@ class GpuPushClient {
 
  private:
   GpuPushClient(std::shared_ptr<grpc::Channel> channel, int device);
+  // Sends the connect messages the daemon waits for after joining.
+  absl::Status Connect(void* comm);
   absl::StatusOr<kvpool::v1::AppendKvResponse> Push(const GpuPushSpec& spec,
                                                     absl::Span<const GpuLayerRows> layers,
                                                     bool nccl);

@@ -130,11 +130,12 @@ AttentionChannel::AttentionChannel(ServiceContext* ctx, TenantId tenant, std::st
 
 absl::StatusOr<std::unique_ptr<AttentionChannel>> AttentionChannel::Join(
     ServiceContext* ctx, TenantId tenant, const std::string& unique_id, absl::Duration timeout,
-    std::string name, const std::function<bool()>& cancelled) {
+    std::string name, const std::function<bool()>& cancelled, bool blocking_ops) {
   const int device = ctx->backend->device();
   if (device < 0) return absl::UnavailableError("this kvpoold keeps its pool in host memory");
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Buffers> buffers, Buffers::Create(device));
-  KVPOOL_ASSIGN_OR_RETURN(void* joined, JoinNcclComm(device, unique_id, timeout, cancelled));
+  KVPOOL_ASSIGN_OR_RETURN(void* joined,
+                          JoinNcclComm(device, unique_id, timeout, cancelled, blocking_ops));
   ncclComm_t comm = Comm(joined);
   return std::unique_ptr<AttentionChannel>(new AttentionChannel(
       ctx, std::move(tenant), std::move(name), device, comm, std::move(buffers)));
@@ -262,8 +263,8 @@ absl::Status AttentionChannel::WaitEvent(absl::Time deadline) {
 }
 
 namespace {
-// KVPOOL_TRACE_ATTENTION_CHANNEL=1 logs each step of each call (info level), to see where a
-// call stops without a profiler or debugger.
+// KVPOOL_TRACE_ATTENTION_CHANNEL=1 logs each call with the time of each step (info level), to
+// see where a call's time goes without a profiler.
 bool TraceCalls() {
   static const bool on = [] {
     const char* v = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
@@ -278,7 +279,9 @@ absl::Status AttentionChannel::Connect() {
   // one up waits for the peer to use the matching path. A call's first round trip would then
   // deadlock: the client's group (send header and queries, receive the answer) needs our send
   // path, which we set up only after its header arrived. One symmetric exchange first connects
-  // both directions on both ends.
+  // both directions on both ends. (On a blocking communicator this group waits on the host
+  // until the client joins in, which its Open does right after the channel's answer; no later
+  // group waits for the peer on the host.)
   Buffers& b = *buffers_;
   const absl::Time deadline = absl::Now() + kCallTimeout;
   ncclGroupStart();
@@ -332,6 +335,12 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   if (!s.ok()) return Failed(s);
   KVPOOL_RETURN_IF_ERROR(WaitEvent(absl::InfiniteFuture()));
   if (aborted_) return absl::OkStatus();
+  const absl::Time arrived = absl::Now();
+  // Microseconds from the header's arrival to each later step (trace only).
+  double steps_us[4] = {0, 0, 0, 0};
+  auto mark = [&](int step) {
+    if (TraceCalls()) steps_us[step] = absl::ToDoubleMicroseconds(absl::Now() - arrived);
+  };
 
   // 2. Parse: a header that cannot be trusted ends the channel.
   absl::StatusOr<CallHeader> header =
@@ -341,10 +350,6 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
         absl::StrCat("unparseable call header: ", header.status().message())));
   }
   const CallHeader& h = *header;
-  if (TraceCalls()) {
-    spdlog::info("attention channel {}: call {} header: plan {}, layer {}, {} query bytes", name_,
-                 h.call, h.plan_id, h.layer, h.query_bytes);
-  }
   if (h.call != expected_call) {
     return Failed(absl::InvalidArgumentError(
         absl::StrCat("call number ", h.call, " out of order (expected ", expected_call, ")")));
@@ -360,18 +365,16 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclRecv queries"));
   KVPOOL_RETURN_IF_ERROR(Settle(deadline));
   if (aborted_) return absl::OkStatus();
+  mark(0);
   s = CudaCheck(cudaEventRecord(b.event, b.stream), "event");
   if (!s.ok()) return Failed(s);
   KVPOOL_RETURN_IF_ERROR(WaitEvent(deadline));
   if (aborted_) return absl::OkStatus();
+  mark(1);
 
   // 4. Attend with device I/O; the outcome goes back in the status block.
-  if (TraceCalls()) spdlog::info("attention channel {}: call {} queries in", name_, h.call);
   absl::StatusOr<std::vector<int>> attended = Attend(h);
-  if (TraceCalls()) {
-    spdlog::info("attention channel {}: call {} attended: {}", name_, h.call,
-                 attended.status().ToString());
-  }
+  mark(2);
   CallStatus status;
   status.call = h.call;
   if (attended.ok()) {
@@ -400,7 +403,14 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   r = ncclGroupEnd();
   if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclSend answer"));
   s = Settle(deadline);
-  if (TraceCalls()) spdlog::info("attention channel {}: call {} answer sent", name_, h.call);
+  mark(3);
+  if (TraceCalls()) {
+    spdlog::info(
+        "attention channel {}: call {} (plan {}, layer {}, {} query bytes): {}; us after the "
+        "header: queries posted {:.1f}, queries in {:.1f}, attended {:.1f}, answer posted {:.1f}",
+        name_, h.call, h.plan_id, h.layer, h.query_bytes, attended.status().ToString(), steps_us[0],
+        steps_us[1], steps_us[2], steps_us[3]);
+  }
   return s;
 }
 

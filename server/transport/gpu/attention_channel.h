@@ -14,7 +14,8 @@
 // plan or sequence, wrong layer, ...) gets its status back and the channel keeps serving.
 //
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<AttentionChannel> ch,
-//       AttentionChannel::Join(ctx, tenant, unique_id, absl::Seconds(60), "worker-3", cancelled));
+//       AttentionChannel::Join(ctx, tenant, unique_id, absl::Seconds(60), "worker-3", cancelled,
+//                              /*blocking_ops=*/true));
 //   KVPOOL_ASSIGN_OR_RETURN(SetAttentionPlanResult plan, ch->AddPlan(model, ids, 1));
 //   ch->Start([](absl::Status why) { ... });   // the loop thread runs until the channel ends
 //   ch->Close();                                // aborts, frees, `why` is OK
@@ -57,12 +58,13 @@ struct AttentionPlanInfo {
 class AttentionChannel {
  public:
   // Joins a two-rank communicator as rank 1 on the daemon's GPU, waiting up to `timeout` for
-  // rank 0 (or until `cancelled()`), and allocates the channel's buffers. The loop does not run
-  // until Start. InvalidArgument (id size), DeadlineExceeded, Cancelled, Unavailable (NCCL),
-  // Internal / ResourceExhausted (CUDA).
+  // rank 0 (or until `cancelled()`), and allocates the channel's buffers; with `blocking_ops`
+  // the calls run on a blocking communicator split from the joined one (JoinNcclComm). The
+  // loop does not run until Start. InvalidArgument (id size), DeadlineExceeded, Cancelled,
+  // Unavailable (NCCL), Internal / ResourceExhausted (CUDA).
   static absl::StatusOr<std::unique_ptr<AttentionChannel>> Join(
       ServiceContext* ctx, TenantId tenant, const std::string& unique_id, absl::Duration timeout,
-      std::string name, const std::function<bool()>& cancelled);
+      std::string name, const std::function<bool()>& cancelled, bool blocking_ops);
   // Close(), then frees what the loop did not.
   ~AttentionChannel();
 

@@ -144,8 +144,9 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenAttentionChann
     const uint32_t timeout_ms = request.timeout_ms() == 0 ? 60000 : request.timeout_ms();
     // Joining waits for the client's rank: off the gRPC thread.
     std::thread([r, tenant = TenantOf(call), id = request.nccl_unique_id(), timeout_ms,
-                 name = request.client_name()] {
-      r->JoinAndAnswer(tenant, id, absl::Milliseconds(static_cast<int64_t>(timeout_ms)), name);
+                 name = request.client_name(), blocking = request.blocking_ops()] {
+      r->JoinAndAnswer(tenant, id, absl::Milliseconds(static_cast<int64_t>(timeout_ms)), name,
+                       blocking);
     }).detach();
     return r.get();
   }
@@ -176,9 +177,10 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenAttentionChann
   explicit OpenReactor(GpuAttentionServiceImpl* service) : service_(service) {}
 
   void JoinAndAnswer(const TenantId& tenant, const std::string& unique_id, absl::Duration timeout,
-                     const std::string& name) {
+                     const std::string& name, bool blocking_ops) {
     absl::StatusOr<std::unique_ptr<AttentionChannel>> joined = AttentionChannel::Join(
-        service_->ctx(), tenant, unique_id, timeout, name, [this] { return cancelled(); });
+        service_->ctx(), tenant, unique_id, timeout, name, [this] { return cancelled(); },
+        blocking_ops);
     if (!joined.ok()) {
       End(joined.status());
       Release();

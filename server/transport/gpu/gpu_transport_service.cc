@@ -62,10 +62,11 @@ absl::StatusOr<size_t> AllocationBytes(const void* ptr, const void** base) {
 }
 
 // Per-chunk timeline of one push, logged at its end when KVPOOL_TRACE_GPU_PUSH=1 (info level):
-// where a push's time goes (read, receive posted, rows ready, staged) without a profiler.
+// where a push's time goes (read, slot acquired, receive posted, rows ready, staged) without a
+// profiler.
 class PushTrace {
  public:
-  enum Event { kRead, kPosted, kReady, kStaged, kEvents };
+  enum Event { kRead, kSlot, kPosted, kReady, kStaged, kEvents };
 
   static bool Enabled() {
     static const bool on = [] {
@@ -96,10 +97,10 @@ class PushTrace {
     std::string line =
         absl::StrCat("push ", sequence_id, " ", status.ok() ? "ok" : "failed", " in ",
                      absl::ToDoubleMicroseconds(absl::Now() - start_),
-                     " us; chunks (layer@offset+tokens: read/posted/ready/staged us):");
+                     " us; chunks (layer@offset+tokens: read/slot/posted/ready/staged us):");
     for (const Chunk& c : chunks_) {
       absl::StrAppend(&line, " ", c.layer, "@", c.offset, "+", c.tokens, ":", c.us[kRead], "/",
-                      c.us[kPosted], "/", c.us[kReady], "/", c.us[kStaged]);
+                      c.us[kSlot], "/", c.us[kPosted], "/", c.us[kReady], "/", c.us[kStaged]);
     }
     spdlog::info("{}", line);
   }
@@ -184,9 +185,10 @@ class GpuTransportServiceImpl final : public v1::GpuTransportService::CallbackSe
     const uint32_t timeout_ms = request->timeout_ms() == 0 ? 60000 : request->timeout_ms();
     // Joining waits for the client's rank: off the gRPC thread.
     std::thread([this, reactor, id = request->nccl_unique_id(), timeout_ms, response,
-                 name = request->client_name()] {
-      absl::StatusOr<std::unique_ptr<NcclChannel>> ch = NcclChannel::Join(
-          ctx_->backend->device(), id, absl::Milliseconds(static_cast<int64_t>(timeout_ms)));
+                 name = request->client_name(), blocking = request->blocking_ops()] {
+      absl::StatusOr<std::unique_ptr<NcclChannel>> ch =
+          NcclChannel::Join(ctx_->backend->device(), id,
+                            absl::Milliseconds(static_cast<int64_t>(timeout_ms)), blocking);
       if (!ch.ok()) {
         reactor->Finish(ToGrpcStatus(ch.status()));
         return;
@@ -395,6 +397,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
       }
       auto cancelled = [call = call_] { return call->IsCancelled(); };
       absl::StatusOr<NcclChannel::Slot*> slot = channel_->AcquireSlot(bytes, cancelled);
+      trace_.Mark(traced, PushTrace::kSlot);
       absl::Status posted = slot.ok() ? channel_->PostRecv(*slot, bytes) : slot.status();
       if (!posted.ok()) {
         if (slot.ok()) channel_->ReleaseSlot(*slot);
@@ -429,6 +432,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
     auto cancelled = [call = call_] { return call->IsCancelled(); };
     DeviceSlots& slots = service_->ipc_slots();
     absl::StatusOr<DeviceSlots::Slot*> slot = slots.Acquire(bytes, cancelled, [] { return false; });
+    trace_.Mark(traced, PushTrace::kSlot);
     absl::StatusOr<cudaStream_t> stream = service_->CopyStream();
     absl::Status copied = !slot.ok() ? slot.status() : stream.status();
     if (copied.ok()) {

@@ -42,7 +42,7 @@ NcclChannel::NcclChannel(int device, void* comm, void* stream)
     : device_(device), comm_(comm), stream_(stream), slots_(device, kSlots) {}
 
 absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, absl::Duration timeout,
-                                   const std::function<bool()>& cancelled) {
+                                   const std::function<bool()>& cancelled, bool blocking_ops) {
   DisableNvlinkMulticast();
   ncclUniqueId id;
   if (unique_id.size() != sizeof(id)) {
@@ -57,29 +57,49 @@ absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, abs
   const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 1, &config);
   if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
   const absl::Time deadline = absl::Now() + timeout;
-  ncclResult_t state = ncclInProgress;
-  while (true) {
-    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
-    if (cancelled() || absl::Now() > deadline) {
-      ncclCommAbort(comm);
-      return cancelled() ? absl::CancelledError("the client left while joining")
-                         : absl::DeadlineExceededError(
-                               "the client did not join the NCCL communicator in time");
+  // Polls `comm` until its pending operation (the join, then the split) ends; aborts it on an
+  // error, the deadline or cancellation.
+  auto settle = [&](const char* what) -> absl::Status {
+    ncclResult_t state = ncclInProgress;
+    while (true) {
+      if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
+      if (cancelled() || absl::Now() > deadline) {
+        ncclCommAbort(comm);
+        return cancelled() ? absl::CancelledError("the client left while joining")
+                           : absl::DeadlineExceededError(
+                                 "the client did not join the NCCL communicator in time");
+      }
+      absl::SleepFor(absl::Microseconds(200));
     }
-    absl::SleepFor(absl::Microseconds(200));
-  }
-  if (state != ncclSuccess) {
+    if (state == ncclSuccess) return absl::OkStatus();
     ncclCommAbort(comm);
-    return NcclError(state, "joining the NCCL communicator");
+    return NcclError(state, what);
+  };
+  KVPOOL_RETURN_IF_ERROR(settle("joining the NCCL communicator"));
+  if (!blocking_ops) return static_cast<void*>(comm);
+  // The split runs in the parent's (non-blocking) mode, so it too can time out; the child is
+  // blocking: its groups launch on the calling thread instead of a new one.
+  ncclConfig_t child_config = NCCL_CONFIG_INITIALIZER;
+  child_config.blocking = 1;
+  ncclComm_t child = nullptr;
+  const ncclResult_t split = ncclCommSplit(comm, /*color=*/0, /*key=*/1, &child, &child_config);
+  if (split != ncclSuccess && split != ncclInProgress) {
+    ncclCommAbort(comm);
+    return NcclError(split, "ncclCommSplit");
   }
-  return static_cast<void*>(comm);
+  KVPOOL_RETURN_IF_ERROR(settle("splitting the NCCL communicator"));
+  ncclCommAbort(comm);  // the child has resources of its own (splitShare is off)
+  if (child == nullptr) return absl::InternalError("ncclCommSplit gave no communicator");
+  return static_cast<void*>(child);
 }
 
 absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
                                                                const std::string& unique_id,
-                                                               absl::Duration timeout) {
+                                                               absl::Duration timeout,
+                                                               bool blocking_ops) {
   KVPOOL_ASSIGN_OR_RETURN(void* joined,
-                          JoinNcclComm(device, unique_id, timeout, [] { return false; }));
+                          JoinNcclComm(
+                              device, unique_id, timeout, [] { return false; }, blocking_ops));
   ncclComm_t comm = Comm(joined);
   cudaStream_t stream = nullptr;
   if (absl::Status s =
@@ -88,7 +108,22 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
     ncclCommAbort(comm);
     return s;
   }
-  return std::unique_ptr<NcclChannel>(new NcclChannel(device, comm, stream));
+  auto channel = std::unique_ptr<NcclChannel>(new NcclChannel(device, comm, stream));
+  if (blocking_ops) KVPOOL_RETURN_IF_ERROR(channel->Connect(timeout));
+  return channel;
+}
+
+absl::Status NcclChannel::Connect(absl::Duration timeout) {
+  // A blocking communicator connects a path inside the group that first uses it, waiting on
+  // the host for the peer: that must happen here (the joining thread, where the client sends
+  // kConnectBytes right after it joined), never inside a push on a gRPC thread.
+  KVPOOL_ASSIGN_OR_RETURN(Slot * slot, AcquireSlot(kConnectBytes, [] { return false; }));
+  absl::Status s = PostRecv(slot, kConnectBytes);
+  if (s.ok())
+    s = WaitRecv(
+        slot, [] { return false; }, timeout);
+  ReleaseSlot(slot);
+  return s;
 }
 
 NcclChannel::~NcclChannel() {

@@ -1,13 +1,16 @@
 // NcclChannel: the daemon's end (rank 1) of a two-rank NCCL communicator with one prefill
 // worker (rank 0), with a few device staging slots that K/V chunks are received into.
 //
-// The communicator runs in NCCL's non-blocking mode so that no call can hang the daemon: every
+// Joining runs in NCCL's non-blocking mode so that it can time out. The operations then run on
+// that communicator or, when the client asks (blocking_ops), on a blocking one split from it
+// once the client's path is connected (a blocking group then never waits for the peer on the
+// host). Every
 // wait polls the communicator's asynchronous error, a cancellation callback and a deadline, and
 // aborts the communicator (ncclCommAbort) on any of them. An aborted channel fails every later
 // call; the client must open a new one.
 //
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<NcclChannel> ch,
-//                           NcclChannel::Join(/*device=*/0, unique_id, absl::Seconds(60)));
+//       NcclChannel::Join(/*device=*/0, unique_id, absl::Seconds(60), /*blocking_ops=*/true));
 //   KVPOOL_ASSIGN_OR_RETURN(NcclChannel::Slot* slot, ch->AcquireSlot(bytes, cancelled));
 //   KVPOOL_RETURN_IF_ERROR(ch->PostRecv(slot, bytes));        // K then V from rank 0
 //   KVPOOL_RETURN_IF_ERROR(ch->WaitRecv(slot, cancelled));    // the bytes are in slot->k, slot->v
@@ -39,19 +42,27 @@ void DisableNvlinkMulticast();
 
 // Joins a two-rank non-blocking NCCL communicator as rank 1 on GPU `device` (the client, rank 0,
 // joins with the same ncclUniqueId), polling until it is up; aborts it and gives up after
-// `timeout` (DeadlineExceeded) or once `cancelled()` (Cancelled). Returns the ncclComm_t.
-// InvalidArgument (id size), Unavailable (NCCL errors).
+// `timeout` (DeadlineExceeded) or once `cancelled()` (Cancelled). With `blocking_ops` both ranks
+// then split it (ncclCommSplit, still polled) into a blocking communicator, whose groups launch
+// on the calling thread (a non-blocking one starts a thread per group), and the parent is
+// aborted. Returns the ncclComm_t. InvalidArgument (id size), Unavailable (NCCL errors).
 absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, absl::Duration timeout,
-                                   const std::function<bool()>& cancelled);
+                                   const std::function<bool()>& cancelled, bool blocking_ops);
 
 class NcclChannel {
  public:
   using Slot = DeviceSlots::Slot;
 
-  // Joins a two-rank communicator as rank 1 on GPU `device`, waiting up to `timeout` for rank 0.
+  // Bytes of each of the two messages (K, V) a client sends right after joining a channel with
+  // blocking operations, so that the path is connected before the first push.
+  static constexpr size_t kConnectBytes = 16;
+
+  // Joins a two-rank communicator as rank 1 on GPU `device`, waiting up to `timeout` for rank 0
+  // (JoinNcclComm); with `blocking_ops` also receives the client's connect messages.
   // InvalidArgument (id size), DeadlineExceeded, Unavailable (NCCL errors).
   static absl::StatusOr<std::unique_ptr<NcclChannel>> Join(int device, const std::string& unique_id,
-                                                           absl::Duration timeout);
+                                                           absl::Duration timeout,
+                                                           bool blocking_ops);
   ~NcclChannel();
 
   NcclChannel(const NcclChannel&) = delete;
@@ -77,6 +88,7 @@ class NcclChannel {
 
  private:
   NcclChannel(int device, void* comm, void* stream);
+  absl::Status Connect(absl::Duration timeout);
   // Polls until the communicator has no operation in progress; aborts on errors.
   absl::Status Settle(const std::function<bool()>& cancelled, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(comm_mu_);
