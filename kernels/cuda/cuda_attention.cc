@@ -169,6 +169,12 @@ bool UseBulkCopies() {
   return v == nullptr || std::string_view(v) != "0";
 }
 
+// KVPOOL_ATTN_MERGE=v1 selects the first merge kernel (a CTA per KV head; for A/B runs).
+bool MergeV2() {
+  const char* v = std::getenv("KVPOOL_ATTN_MERGE");
+  return v == nullptr || std::string_view(v) != "v1";
+}
+
 bool UsePdl() {
   const char* v = std::getenv("KVPOOL_ATTN_PDL");
   return v == nullptr || std::string_view(v) != "0";
@@ -317,6 +323,7 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.out = io.out;
   p.lse = io.lse;
   p.use_pdl = UsePdl() ? 1 : 0;
+  p.merge_v2 = MergeV2() ? 1 : 0;
   p.hist_v2 = plan.hist_v2 ? 1 : 0;
   {
     // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment

@@ -468,6 +468,19 @@ TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
   RunScenario(sc);
 }
 
+// The first merge kernel (KVPOOL_ATTN_MERGE=v1, a CTA per KV head) still merges what the
+// default (a CTA per query head) does, for both head sizes.
+TEST_F(CudaAttentionTest, MergeVersion1) {
+  ScopedEnv env("KVPOOL_ATTN_MERGE", "v1");
+  Scenario sc;
+  sc.seqs = {{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
+  RunScenario(sc);
+  sc.head_dim = 64;
+  sc.q_heads = 9;
+  sc.kv_heads = 3;
+  RunScenario(sc);
+}
+
 // D = 64 through version 2's asynchronous copies (sequence 0 starts at slot 0), both scale
 // dtypes.
 TEST_F(CudaAttentionTest, Head64Group3BlockSize16BothScaleDtypes) {
