@@ -5,6 +5,8 @@
 // tests/gpu/sdpa_bench.py adds torch SDPA BF16 on the same shapes.
 //
 //   gpu_bench --out bench-results/gpu-kernels.json [--quick]
+//       [--skip-codec] [--model NAME] [--batch B]... [--context TOKENS]...   (a subset, e.g. for
+//       ncu)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -373,11 +375,22 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
 int Main(int argc, char** argv) {
   std::string out_path = "bench-results/gpu-kernels.json";
   bool quick = false;
+  bool codec = true;
+  std::string only_model;
+  std::vector<int> only_batches, only_contexts;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
       out_path = argv[++i];
     } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--skip-codec") == 0) {
+      codec = false;
+    } else if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
+      only_model = argv[++i];
+    } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc) {
+      only_batches.push_back(std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--context") == 0 && i + 1 < argc) {
+      only_contexts.push_back(std::atoi(argv[++i]));
     } else {
       Die(std::string("unknown argument ") + argv[i]);
     }
@@ -390,12 +403,15 @@ int Main(int argc, char** argv) {
   const double copy_gbs = CopyBandwidthGBs(stream);
   std::printf("device %s, %d SMs, L2 %.0f MB, copy bandwidth %.0f GB/s (read + write)\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_gbs);
-  BenchCodec(stream, copy_gbs);
-  const std::vector<int> batches = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
-  const std::vector<int> contexts =
+  if (codec) BenchCodec(stream, copy_gbs);
+  std::vector<int> batches = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
+  std::vector<int> contexts =
       quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
+  if (!only_batches.empty()) batches = only_batches;
+  if (!only_contexts.empty()) contexts = only_contexts;
   for (const Model& m :
        {Model{"llama70b", 64, 8, 128}, Model{"hq32", 32, 8, 128}, Model{"smollm2", 9, 3, 64}}) {
+    if (!only_model.empty() && only_model != m.name) continue;
     BenchAttention(stream, copy_gbs, m, batches, contexts,
                    /*ab=*/std::strcmp(m.name, "llama70b") == 0);
   }
