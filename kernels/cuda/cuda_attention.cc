@@ -29,6 +29,7 @@ constexpr int kV2Quantum = 128;    // int2_history_v2.cuh kV2Quantum (4 warps x 
 constexpr int kMaxGroup = 16;
 constexpr int kMaxParts = 256;     // decode_attention.cuh kMaxParts (merge kernel)
 constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
+constexpr int kMaxMergeHeads = 8;  // decode_attention.cuh kMaxMergeHeads
 
 struct Plan {
   int group = 0;
@@ -38,6 +39,7 @@ struct Plan {
   int bf16_chunks = 0;
   int bf16_chunk_tokens = kChunkQuantum;
   int num_parts = 0;
+  int merge_heads = 1;  // query heads per CTA of merge kernel version 2
   // Workspace layout (byte offsets).
   size_t q_rot = 0, q_sum = 0, q_scale = 0, part_out = 0, part_lse = 0, total = 0;
 };
@@ -175,6 +177,13 @@ bool MergeV2() {
   return v == nullptr || std::string_view(v) != "v1";
 }
 
+// KVPOOL_ATTN_OVERLAP=0 runs the BF16 tier kernel before the INT2 history kernel, as it was,
+// instead of beside it (for A/B runs).
+bool OverlapTiers() {
+  const char* v = std::getenv("KVPOOL_ATTN_OVERLAP");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
 bool UsePdl() {
   const char* v = std::getenv("KVPOOL_ATTN_PDL");
   return v == nullptr || std::string_view(v) != "0";
@@ -232,6 +241,14 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
     }
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
+  // Merge version 2: as many query heads per CTA as leave two CTAs per SM (each CTA reads all of
+  // M_V: one head per CTA at batch 32 read 134 MB of it from L2), one head for small batches.
+  for (int h = std::min(p.group, kMaxMergeHeads); h > 1; --h) {
+    if (s.q_heads % h == 0 && int64_t{s.q_heads / h} * s.num_seqs >= 2 * int64_t{sms}) {
+      p.merge_heads = h;
+      break;
+    }
+  }
   const size_t rows = static_cast<size_t>(s.num_seqs) * s.q_heads;
   const size_t d = s.history_pool.layout.head_dim;
   auto take = [&](size_t bytes) {
@@ -324,6 +341,9 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.lse = io.lse;
   p.use_pdl = UsePdl() ? 1 : 0;
   p.merge_v2 = MergeV2() ? 1 : 0;
+  p.merge_heads = plan.merge_heads;
+  p.bf16_after_history =
+      p.use_pdl != 0 && plan.history_chunks > 0 && plan.bf16_chunks > 0 && OverlapTiers() ? 1 : 0;
   p.hist_v2 = plan.hist_v2 ? 1 : 0;
   {
     // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment

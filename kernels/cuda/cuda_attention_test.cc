@@ -468,8 +468,21 @@ TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
   RunScenario(sc);
 }
 
+// The BF16 tier kernel before the INT2 history (KVPOOL_ATTN_OVERLAP=0) instead of beside it,
+// and with no programmatic dependent launch at all (KVPOOL_ATTN_PDL=0).
+TEST_F(CudaAttentionTest, TiersInSequence) {
+  Scenario sc;
+  sc.seqs = {{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
+  {
+    ScopedEnv env("KVPOOL_ATTN_OVERLAP", "0");
+    RunScenario(sc);
+  }
+  ScopedEnv env("KVPOOL_ATTN_PDL", "0");
+  RunScenario(sc);
+}
+
 // The first merge kernel (KVPOOL_ATTN_MERGE=v1, a CTA per KV head) still merges what the
-// default (a CTA per query head) does, for both head sizes.
+// default (query heads per CTA by batch size) does, for both head sizes.
 TEST_F(CudaAttentionTest, MergeVersion1) {
   ScopedEnv env("KVPOOL_ATTN_MERGE", "v1");
   Scenario sc;

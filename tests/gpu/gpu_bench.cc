@@ -190,8 +190,9 @@ struct Model {
 // cuda_attention.cc): "no_pdl" (no programmatic dependent launch), "legacy_split" (the first
 // version's split of the work) and "ordinary_loads" (the version 2 history kernel without
 // asynchronous copies); every model runs "hist_v1" (the first INT2 history kernel) at batch 32 x
-// 128K and batch 8 x 32K, and "merge_v1" (the first merge kernel) at batch 1 and at batch 8 x
-// 32K. Those results are named int2_decode_attention_variant.
+// 128K and batch 8 x 32K, and "merge_v1" (the first merge kernel) and "tiers_in_sequence" (the
+// BF16 tier kernel before the INT2 history instead of beside it) at batch 1 and at batch 8 x 32K.
+// Those results are named int2_decode_attention_variant.
 void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
                     const std::vector<int>& batches, const std::vector<int>& contexts,
                     bool ab = false) {
@@ -308,13 +309,17 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       if ((b == 32 && ctx == 131072) || (b == 8 && ctx == 32768) || (ab && b == 1 && ctx == 8192)) {
         variants.push_back("hist_v1");
       }
-      if (b == 1 || (b == 8 && ctx == 32768)) variants.push_back("merge_v1");
+      if (b == 1 || (b == 8 && ctx == 32768)) {
+        variants.push_back("merge_v1");
+        variants.push_back("tiers_in_sequence");
+      }
       for (const std::string& variant : variants) {
         if (variant == "no_pdl") setenv("KVPOOL_ATTN_PDL", "0", 1);
         if (variant == "legacy_split") setenv("KVPOOL_ATTN_SPLIT", "legacy", 1);
         if (variant == "hist_v1") setenv("KVPOOL_ATTN_HIST", "v1", 1);
         if (variant == "ordinary_loads") setenv("KVPOOL_ATTN_BULK", "0", 1);
         if (variant == "merge_v1") setenv("KVPOOL_ATTN_MERGE", "v1", 1);
+        if (variant == "tiers_in_sequence") setenv("KVPOOL_ATTN_OVERLAP", "0", 1);
         auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
         Check(ws_bytes.status(), "workspace");
         uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
@@ -362,6 +367,7 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         unsetenv("KVPOOL_ATTN_HIST");
         unsetenv("KVPOOL_ATTN_BULK");
         unsetenv("KVPOOL_ATTN_MERGE");
+        unsetenv("KVPOOL_ATTN_OVERLAP");
       }
       for (void* p : std::vector<void*>{d_hist, d_sink, d_recent, d_zero, d_hist_n, d_sink_n,
                                         d_recent_n, q, out, lse}) {
