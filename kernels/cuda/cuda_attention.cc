@@ -243,7 +243,10 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   p.num_parts = p.history_chunks + p.bf16_chunks;
   // Merge version 2: as many query heads per CTA as leave two CTAs per SM (each CTA reads all of
   // M_V: one head per CTA at batch 32 read 134 MB of it from L2), one head for small batches.
-  for (int h = std::min(p.group, kMaxMergeHeads); h > 1; --h) {
+  // KVPOOL_ATTN_MERGE_HEADS=1 keeps one head per CTA (for A/B runs).
+  const char* one_head = std::getenv("KVPOOL_ATTN_MERGE_HEADS");
+  const bool merge_one = one_head != nullptr && std::string_view(one_head) == "1";
+  for (int h = merge_one ? 1 : std::min(p.group, kMaxMergeHeads); h > 1; --h) {
     if (s.q_heads % h == 0 && int64_t{s.q_heads / h} * s.num_seqs >= 2 * int64_t{sms}) {
       p.merge_heads = h;
       break;
