@@ -51,8 +51,7 @@ struct AttentionParams {
   int32_t use_pdl;             // 1: kernels 2-4 are programmatic dependent launches
   int32_t hist_v2;             // 1: INT2 history kernel version 2 (groups <= 8), chunks of 128
   int32_t hist_bulk;           // 1: version 2 fills its ring with asynchronous copies
-  int32_t merge_v2;            // 1: merge kernel version 2 (merge_heads query heads per CTA)
-  int32_t merge_heads;         // divides q_heads, at most 8
+  int32_t merge_v2;            // 1: merge kernel version 2 (a CTA per query head)
   int32_t bf16_after_history;  // 1: the BF16 tier kernel runs beside the INT2 history (PDL)
 };
 

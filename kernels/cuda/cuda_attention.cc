@@ -29,7 +29,6 @@ constexpr int kV2Quantum = 128;    // int2_history_v2.cuh kV2Quantum (4 warps x 
 constexpr int kMaxGroup = 16;
 constexpr int kMaxParts = 256;     // decode_attention.cuh kMaxParts (merge kernel)
 constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
-constexpr int kMaxMergeHeads = 8;  // decode_attention.cuh kMaxMergeHeads
 
 struct Plan {
   int group = 0;
@@ -39,7 +38,6 @@ struct Plan {
   int bf16_chunks = 0;
   int bf16_chunk_tokens = kChunkQuantum;
   int num_parts = 0;
-  int merge_heads = 1;  // query heads per CTA of merge kernel version 2
   // Workspace layout (byte offsets).
   size_t q_rot = 0, q_sum = 0, q_scale = 0, part_out = 0, part_lse = 0, total = 0;
 };
@@ -241,17 +239,6 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
     }
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
-  // Merge version 2: as many query heads per CTA as leave two CTAs per SM (each CTA reads all of
-  // M_V: one head per CTA at batch 32 read 134 MB of it from L2), one head for small batches.
-  // KVPOOL_ATTN_MERGE_HEADS=1 keeps one head per CTA (for A/B runs).
-  const char* one_head = std::getenv("KVPOOL_ATTN_MERGE_HEADS");
-  const bool merge_one = one_head != nullptr && std::string_view(one_head) == "1";
-  for (int h = merge_one ? 1 : std::min(p.group, kMaxMergeHeads); h > 1; --h) {
-    if (s.q_heads % h == 0 && int64_t{s.q_heads / h} * s.num_seqs >= 2 * int64_t{sms}) {
-      p.merge_heads = h;
-      break;
-    }
-  }
   const size_t rows = static_cast<size_t>(s.num_seqs) * s.q_heads;
   const size_t d = s.history_pool.layout.head_dim;
   auto take = [&](size_t bytes) {
@@ -344,7 +331,6 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.lse = io.lse;
   p.use_pdl = UsePdl() ? 1 : 0;
   p.merge_v2 = MergeV2() ? 1 : 0;
-  p.merge_heads = plan.merge_heads;
   p.bf16_after_history =
       p.use_pdl != 0 && plan.history_chunks > 0 && plan.bf16_chunks > 0 && OverlapTiers() ? 1 : 0;
   p.hist_v2 = plan.hist_v2 ? 1 : 0;

@@ -482,7 +482,7 @@ TEST_F(CudaAttentionTest, TiersInSequence) {
 }
 
 // The first merge kernel (KVPOOL_ATTN_MERGE=v1, a CTA per KV head) still merges what the
-// default (query heads per CTA by batch size) does, for both head sizes.
+// default (a CTA per query head) does, for both head sizes.
 TEST_F(CudaAttentionTest, MergeVersion1) {
   ScopedEnv env("KVPOOL_ATTN_MERGE", "v1");
   Scenario sc;

@@ -917,19 +917,17 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionPara
 }
 
 // 4'. Merge, version 2 (the default; KVPOOL_ATTN_MERGE=v1 selects the one above). Grid
-// (q_heads / merge_heads, num_seqs), kMergeV2Threads threads: merge_heads query heads per CTA
-// (1 for small batches: group times the CTAs of version 1; more for large batches, so that the
-// CTAs do not each read the whole M_V), each phase's loads issued together, so that a small
-// batch pays a few L2 round trips instead of version 1's chains of them (28 us at batch 1 on
-// the H200, under ncu). Per head:
+// (q_heads, num_seqs), kMergeV2Threads threads: one query head per CTA (group times the CTAs of
+// version 1) and each phase's loads issued together, so that a small batch pays a few L2 round
+// trips instead of version 1's chains of them (28 us at batch 1 on the H200, under ncu):
 //   a. thread k < parts loads lse_k; block max and sum; w_k = exp2(lse_k - max) / sum;
 //   b. thread (slice, c) sums w_k * part_k[4c .. 4c + 3] over k = slice, slice + slices, ...,
 //      the slices are added in a fixed order;
-// then for all of the CTA's heads at once:
 //   c. out[j] = sum_i o'[i] * M_V[j][i]: a warp takes rows j, its lanes run along i (coalesced
-//      rows of M_V, loaded once per CTA with every load in flight), a shuffle sum per row.
+//      rows of M_V, every row's load in flight at once), a shuffle sum per row.
+// (Several heads per CTA, to read M_V fewer times at large batches, was slower: 168 us against
+// 125 us at batch 32 x 8K, the heads' latency chains in series.)
 inline constexpr int kMergeV2Threads = 256;
-inline constexpr int kMaxMergeHeads = 8;  // cuda_attention.cc keeps merge_heads at or below this
 
 template <int kD>
 __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const AttentionParams p) {
@@ -942,76 +940,72 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
   __shared__ float wts[kMaxParts];
   __shared__ float red[kWarps];
   __shared__ float4 part_acc[kSlices][kVec];
-  __shared__ __align__(16) float o_rot[kMaxMergeHeads][kD];
+  __shared__ __align__(16) float o_rot[kD];
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   const int parts = p.num_parts;
-  const int heads = p.merge_heads;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * p.q_heads + blockIdx.x * heads;
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * p.q_heads + blockIdx.x;
   GridDependencyWait();
-  for (int h = 0; h < heads; ++h) {
-    const int64_t row = row0 + h;
-    if (h > 0) __syncthreads();  // the previous head's phase b is done with wts and red
-    const float my_lse = tid < parts ? p.part_lse[row * parts + tid] : kNegInf;
-    float m = my_lse;
-    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = red[0];
+  const float my_lse = tid < parts ? p.part_lse[row * parts + tid] : kNegInf;
+  float m = my_lse;
+  for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
-    const float e = (tid < parts && m != kNegInf) ? exp2f(my_lse - m) : 0.f;
-    float l = e;
-    for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
-    __syncthreads();  // every thread has read the maxima before red is reused
-    if (lane == 0) red[warp] = l;
-    __syncthreads();
-    l = red[0];
+  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, red[w]);
+  const float e = (tid < parts && m != kNegInf) ? exp2f(my_lse - m) : 0.f;
+  float l = e;
+  for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
+  __syncthreads();  // every thread has read the maxima before red is reused
+  if (lane == 0) red[warp] = l;
+  __syncthreads();
+  l = red[0];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) l += red[w];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (tid < parts) wts[tid] = e * inv;
-    if (tid == 0) p.lse[row] = m == kNegInf ? kNegInf : (m + log2f(l)) * 0.69314718055994531f;
-    __syncthreads();
+  for (int w = 1; w < kWarps; ++w) l += red[w];
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  if (tid < parts) wts[tid] = e * inv;
+  if (tid == 0) p.lse[row] = m == kNegInf ? kNegInf : (m + log2f(l)) * 0.69314718055994531f;
+  __syncthreads();
 
-    const int slice = tid / kVec;
-    const int c = tid % kVec;
-    const float4* src = reinterpret_cast<const float4*>(p.part_out + row * parts * kD) + c;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int slice = tid / kVec;
+  const int c = tid % kVec;
+  const float4* src = reinterpret_cast<const float4*>(p.part_out + row * parts * kD) + c;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-    for (int k = slice; k < parts; k += kSlices) {
-      const float w = wts[k];
-      const float4 v = __ldg(src + static_cast<int64_t>(k) * kVec);
-      acc.x = __fmaf_rn(w, v.x, acc.x);
-      acc.y = __fmaf_rn(w, v.y, acc.y);
-      acc.z = __fmaf_rn(w, v.z, acc.z);
-      acc.w = __fmaf_rn(w, v.w, acc.w);
-    }
-    part_acc[slice][c] = acc;
-    __syncthreads();
-    if (tid < kVec) {
-      float4 o = part_acc[0][tid];
+  for (int k = slice; k < parts; k += kSlices) {
+    const float w = wts[k];
+    const float4 v = __ldg(src + static_cast<int64_t>(k) * kVec);
+    acc.x = __fmaf_rn(w, v.x, acc.x);
+    acc.y = __fmaf_rn(w, v.y, acc.y);
+    acc.z = __fmaf_rn(w, v.z, acc.z);
+    acc.w = __fmaf_rn(w, v.w, acc.w);
+  }
+  part_acc[slice][c] = acc;
+  __syncthreads();
+  if (tid < kVec) {
+    float4 o = part_acc[0][tid];
 #pragma unroll
-      for (int s = 1; s < kSlices; ++s) {
-        const float4 v = part_acc[s][tid];
-        o.x += v.x;
-        o.y += v.y;
-        o.z += v.z;
-        o.w += v.w;
-      }
-      *reinterpret_cast<float4*>(&o_rot[h][4 * tid]) = o;
+    for (int s = 1; s < kSlices; ++s) {
+      const float4 v = part_acc[s][tid];
+      o.x += v.x;
+      o.y += v.y;
+      o.z += v.z;
+      o.w += v.w;
     }
+    *reinterpret_cast<float4*>(&o_rot[4 * tid]) = o;
   }
   __syncthreads();
 
-  float* out = p.out + row0 * kD;
+  float* out = p.out + row * kD;
   if (p.rotation_v == nullptr) {
-    for (int i = tid; i < heads * kD; i += kMergeV2Threads) out[i] = o_rot[i / kD][i % kD];
+    if (tid < kD) out[tid] = o_rot[tid];
     return;
   }
   const int sub = lane / kVec;  // which of the pass's rows
   const int li = lane % kVec;   // which float4 of the row
+  const float4 o = *reinterpret_cast<const float4*>(&o_rot[4 * li]);
   float4 mv[kPasses];
 #pragma unroll
   for (int r = 0; r < kPasses; ++r) {
@@ -1019,17 +1013,14 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
     mv[r] =
         __ldg(reinterpret_cast<const float4*>(p.rotation_v + static_cast<int64_t>(j) * kD) + li);
   }
-  for (int h = 0; h < heads; ++h) {
-    const float4 o = *reinterpret_cast<const float4*>(&o_rot[h][4 * li]);
 #pragma unroll
-    for (int r = 0; r < kPasses; ++r) {
-      float d = o.x * mv[r].x;
-      d = __fmaf_rn(o.y, mv[r].y, d);
-      d = __fmaf_rn(o.z, mv[r].z, d);
-      d = __fmaf_rn(o.w, mv[r].w, d);
-      for (int off = kVec / 2; off >= 1; off >>= 1) d += __shfl_xor_sync(kFullMask, d, off);
-      if (li == 0) out[h * kD + (warp * kPasses + r) * kRowsPerPass + sub] = d;
-    }
+  for (int r = 0; r < kPasses; ++r) {
+    float d = o.x * mv[r].x;
+    d = __fmaf_rn(o.y, mv[r].y, d);
+    d = __fmaf_rn(o.z, mv[r].z, d);
+    d = __fmaf_rn(o.w, mv[r].w, d);
+    for (int off = kVec / 2; off >= 1; off >>= 1) d += __shfl_xor_sync(kFullMask, d, off);
+    if (li == 0) out[(warp * kPasses + r) * kRowsPerPass + sub] = d;
   }
 }
 
