@@ -166,6 +166,9 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
     comm = child.ok() ? *child : nullptr;  // SplitBlocking aborted the parent
     joined = child.status();
   }
+  // Connect both directions before the first call (attention_wire.h, kConnectBytes); the daemon
+  // does its half before it answers.
+  if (joined.ok()) joined = ConnectPeer(comm, deadline, [&] { return read.load() == kRefused; });
   if (!joined.ok()) lease_context_->TryCancel();  // the daemon's join then gives up
   reader.join();
   const bool answered = read.load() == kAnswered;
@@ -198,24 +201,43 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
     (void)CloseLocked();
     return absl::FailedPreconditionError("the daemon speaks another attention wire version");
   }
-  // Connect both directions before the first call (attention_wire.h, kConnectBytes).
+  return absl::OkStatus();
+}
+
+absl::Status GpuAttentionClient::ConnectPeer(void* peer_comm, absl::Time deadline,
+                                             const std::function<bool()>& refused) {
+  ncclComm_t comm = Comm(peer_comm);
   KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
   cudaStream_t s = Stream(stream_);
-  const absl::Time connect_deadline = absl::Now() + timeout;
-  absl::Status connected = Enqueue(
-      [&] {
-        ncclSend(d_header_, server::kConnectBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
-        ncclRecv(d_status_, server::kConnectBytes, ncclUint8, /*peer=*/1, Comm(comm_), s);
-      },
-      connect_deadline);
-  if (connected.ok()) connected = CudaCheck(cudaEventRecord(Event(done_), s), "event");
-  if (connected.ok()) connected = Wait(done_, connect_deadline);
-  if (!connected.ok()) {
-    (void)Broken(connected);
-    (void)CloseLocked();
-    return connected;
-  }
-  return absl::OkStatus();
+  // Polls until the communicator has nothing in progress (with `event`: and done_ has fired).
+  auto settle = [&](bool event) -> absl::Status {
+    while (true) {
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
+      if (state != ncclSuccess && state != ncclInProgress) {
+        return NcclCheck(state, "connecting the NCCL channel");
+      }
+      if (state == ncclSuccess) {
+        if (!event) return absl::OkStatus();
+        const cudaError_t e = cudaEventQuery(Event(done_));
+        if (e == cudaSuccess) return absl::OkStatus();
+        if (e != cudaErrorNotReady) return CudaCheck(e, "connecting the NCCL channel");
+      }
+      if (refused()) return absl::UnavailableError("the daemon refused the channel");
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError("the daemon did not connect the NCCL channel");
+      }
+      absl::SleepFor(absl::Microseconds(50));
+    }
+  };
+  ncclGroupStart();
+  ncclSend(d_header_, server::kConnectBytes, ncclUint8, /*peer=*/1, comm, s);
+  ncclRecv(d_status_, server::kConnectBytes, ncclUint8, /*peer=*/1, comm, s);
+  const ncclResult_t r = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress) return NcclCheck(r, "connecting the NCCL channel");
+  KVPOOL_RETURN_IF_ERROR(settle(/*event=*/false));
+  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaEventRecord(Event(done_), s), "event"));
+  return settle(/*event=*/true);
 }
 
 absl::StatusOr<GpuAttentionPlan> GpuAttentionClient::SetPlan(

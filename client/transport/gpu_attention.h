@@ -115,6 +115,10 @@ class GpuAttentionClient {
   // Enqueues the grouped NCCL calls issued by `issue` and waits until NCCL accepted them.
   absl::Status Enqueue(const std::function<void()>& issue, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The connect exchange on `comm` (ncclComm_t) while opening, before the daemon's answer:
+  // gives up once `refused()` or after `deadline`.
+  absl::Status ConnectPeer(void* comm, absl::Time deadline, const std::function<bool()>& refused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The lease stream's end status once it ended (the daemon closed or aborted the channel).
   bool LeaseEnded(absl::Status* why) const;
 

@@ -37,6 +37,15 @@ constexpr absl::Duration kCallTimeout = absl::Seconds(30);
 constexpr absl::Duration kSpin = absl::Milliseconds(5);
 constexpr absl::Duration kMaxNap = absl::Milliseconds(1);
 
+// KVPOOL_TRACE_ATTENTION_CHANNEL=1 logs each call with the time of each step (info level), to
+// see where a call's time goes without a profiler.
+bool TraceCalls() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
 }  // namespace
 
 // The channel's CUDA resources: one stream for every NCCL operation and copy, an event the
@@ -137,8 +146,18 @@ absl::StatusOr<std::unique_ptr<AttentionChannel>> AttentionChannel::Join(
   KVPOOL_ASSIGN_OR_RETURN(void* joined,
                           JoinNcclComm(device, unique_id, timeout, cancelled, blocking_ops));
   ncclComm_t comm = Comm(joined);
-  return std::unique_ptr<AttentionChannel>(new AttentionChannel(
-      ctx, std::move(tenant), std::move(name), device, comm, std::move(buffers)));
+  auto* raw = new AttentionChannel(ctx, std::move(tenant), std::move(name), device, comm,
+                                   std::move(buffers));
+  // The connect exchange before the channel is answered (the client connects right after it
+  // joined), on a thread of its own: on a blocking communicator it may wait on the host.
+  bool abandoned = false;
+  absl::Status connected = ConnectWithin([raw] { return raw->Connect(); }, [raw] { delete raw; },
+                                         timeout, cancelled, &abandoned);
+  if (abandoned) return connected;  // the connecting thread frees the channel
+  std::unique_ptr<AttentionChannel> channel(raw);
+  KVPOOL_RETURN_IF_ERROR(connected);
+  if (TraceCalls()) spdlog::info("attention channel {}: connected", channel->name_);
+  return channel;
 }
 
 AttentionChannel::~AttentionChannel() {
@@ -146,7 +165,7 @@ AttentionChannel::~AttentionChannel() {
   absl::MutexLock lock(&start_mu_);
   if (!started_) {  // never ran: the loop's cleanup is ours
     cudaSetDevice(device_);
-    ncclCommAbort(Comm(comm_));
+    if (!aborted_) ncclCommAbort(Comm(comm_));  // a failed Connect aborted it already
     buffers_.reset();
   }
 }
@@ -262,26 +281,14 @@ absl::Status AttentionChannel::WaitEvent(absl::Time deadline) {
   }
 }
 
-namespace {
-// KVPOOL_TRACE_ATTENTION_CHANNEL=1 logs each call with the time of each step (info level), to
-// see where a call's time goes without a profiler.
-bool TraceCalls() {
-  static const bool on = [] {
-    const char* v = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on;
-}
-}  // namespace
-
 absl::Status AttentionChannel::Connect() {
   // NCCL connects a peer's send and receive paths lazily, each at its first use, and setting
   // one up waits for the peer to use the matching path. A call's first round trip would then
   // deadlock: the client's group (send header and queries, receive the answer) needs our send
   // path, which we set up only after its header arrived. One symmetric exchange first connects
   // both directions on both ends. (On a blocking communicator this group waits on the host
-  // until the client joins in, which its Open does right after the channel's answer; no later
-  // group waits for the peer on the host.)
+  // until the client joins in, which its Open does right after joining, before it reads the
+  // channel's answer; no later group waits for the peer on the host.)
   Buffers& b = *buffers_;
   const absl::Time deadline = absl::Now() + kCallTimeout;
   ncclGroupStart();
@@ -299,8 +306,6 @@ absl::Status AttentionChannel::Connect() {
 void AttentionChannel::Loop() {
   absl::Status why = CudaCheck(cudaSetDevice(device_), "cudaSetDevice");
   if (!why.ok()) why = Failed(why);
-  if (why.ok()) why = Connect();
-  if (TraceCalls()) spdlog::info("attention channel {}: connected ({})", name_, why.ToString());
   for (uint64_t call = 1; why.ok() && !aborted_; ++call) {
     why = ServeOne(call);
     if (why.ok() && !aborted_) calls_.fetch_add(1, std::memory_order_relaxed);

@@ -58,9 +58,10 @@ struct AttentionPlanInfo {
 class AttentionChannel {
  public:
   // Joins a two-rank communicator as rank 1 on the daemon's GPU, waiting up to `timeout` for
-  // rank 0 (or until `cancelled()`), and allocates the channel's buffers; with `blocking_ops`
-  // the calls run on a blocking communicator split from the joined one (JoinNcclComm). The
-  // loop does not run until Start. InvalidArgument (id size), DeadlineExceeded, Cancelled,
+  // rank 0 (or until `cancelled()`), allocates the channel's buffers and makes the connect
+  // exchange with the client (ConnectWithin, same limits); with `blocking_ops` the calls run on
+  // a blocking communicator split from the joined one (JoinNcclComm). The loop does not run
+  // until Start. InvalidArgument (id size), DeadlineExceeded, Cancelled,
   // Unavailable (NCCL), Internal / ResourceExhausted (CUDA).
   static absl::StatusOr<std::unique_ptr<AttentionChannel>> Join(
       ServiceContext* ctx, TenantId tenant, const std::string& unique_id, absl::Duration timeout,
@@ -105,7 +106,7 @@ class AttentionChannel {
                    std::unique_ptr<Buffers> buffers);
 
   void Loop();
-  // The first exchange, both directions at once (see attention_wire.h kConnectBytes).
+  // The first exchange, both directions at once (see attention_wire.h kConnectBytes); Join's.
   absl::Status Connect();
   // One call; an error means the channel must be aborted.
   absl::Status ServeOne(uint64_t expected_call);

@@ -109,7 +109,15 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
     return s;
   }
   auto channel = std::unique_ptr<NcclChannel>(new NcclChannel(device, comm, stream));
-  if (blocking_ops) KVPOOL_RETURN_IF_ERROR(channel->Connect(timeout));
+  if (!blocking_ops) return channel;
+  NcclChannel* raw = channel.release();  // the connecting thread's until it returns
+  bool abandoned = false;
+  absl::Status connected =
+      ConnectWithin([raw, timeout] { return raw->Connect(timeout); }, [raw] { delete raw; },
+                    timeout, [] { return false; }, &abandoned);
+  if (abandoned) return connected;  // the connecting thread frees the channel
+  channel.reset(raw);
+  KVPOOL_RETURN_IF_ERROR(connected);
   return channel;
 }
 

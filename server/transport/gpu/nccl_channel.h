@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/transport/gpu/connect_within.h"
 #include "server/transport/gpu/device_slots.h"
 
 namespace kvpool::server {
@@ -58,7 +59,8 @@ class NcclChannel {
   static constexpr size_t kConnectBytes = 16;
 
   // Joins a two-rank communicator as rank 1 on GPU `device`, waiting up to `timeout` for rank 0
-  // (JoinNcclComm); with `blocking_ops` also receives the client's connect messages.
+  // (JoinNcclComm); with `blocking_ops` also receives the client's connect messages (within
+  // `timeout`, ConnectWithin).
   // InvalidArgument (id size), DeadlineExceeded, Unavailable (NCCL errors).
   static absl::StatusOr<std::unique_ptr<NcclChannel>> Join(int device, const std::string& unique_id,
                                                            absl::Duration timeout,
