@@ -656,19 +656,19 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
     const int n = nt * 8 + g;
     const bool valid = n < p.group;
     const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + n;
-    const float* qv = p.q_rot + qrow * kD;
     const float qs = valid ? __ldcg(p.q_scale + qrow) : 0.f;
+    // The lane's dims t * kD/4 + [0, kD/4), in 16-byte loads.
+    const float4* q4 = reinterpret_cast<const float4*>(p.q_rot + qrow * kD + t * (kD / 4));
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int dim = t * (kD / 4) + 4 * j + 2 * s;
-        qb[nt][j][s][0] = 0u;
-        qb[nt][j][s][1] = 0u;
-        if (valid) {
-          SplitHalf2(__ldcg(qv + dim) * qs, __ldcg(qv + dim + 1) * qs, qb[nt][j][s][0],
-                     qb[nt][j][s][1]);
-        }
+      const float4 x = valid ? __ldcg(q4 + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+      qb[nt][j][0][0] = 0u;
+      qb[nt][j][0][1] = 0u;
+      qb[nt][j][1][0] = 0u;
+      qb[nt][j][1][1] = 0u;
+      if (valid) {
+        SplitHalf2(x.x * qs, x.y * qs, qb[nt][j][0][0], qb[nt][j][0][1]);
+        SplitHalf2(x.z * qs, x.w * qs, qb[nt][j][1][0], qb[nt][j][1][1]);
       }
     }
 #pragma unroll
