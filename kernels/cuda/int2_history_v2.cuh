@@ -208,16 +208,17 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     *reinterpret_cast<uint32_t*>(stage + kKmOff + half * 64 + tok * 4) = meta;
   };
 
-  // Prologue: the first kS / 2 pairs on their way before waiting for the query rotation (the
-  // pool was written by earlier, completed stream work).
+  // Prologue: the first pair on its way before waiting for the query rotation (the pool was
+  // written by earlier, completed stream work), the other kS / 2 - 1 right after the rotated
+  // queries' loads: loads queue behind the copies already in flight, and with all kS / 2 pairs
+  // ahead of them the queries' first use was 7-11 % of the stall samples (ncu, B = 8 x 32K and
+  // 1 x 128K).
   int blk_next[2] = {0, 0};
+  int blk[kS / 2][2];
   if (bulk) {
-    int blk[kS / 2][2];
 #pragma unroll
     for (int k = 0; k < kS / 2; ++k) table_entries(k, blk[k]);
-#pragma unroll
-    for (int k = 0; k < kS / 2; ++k) issue(k, blk[k]);
-    table_entries(kS / 2, blk_next);
+    issue(0, blk[0]);
   }
   GridDependencyWait();
   LaunchDependents();
@@ -231,6 +232,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     const bool valid = g < p.group;
     const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + g;
     const float qs = valid ? p.q_scale[qrow] : 0.f;
+    const float q_sum = valid ? p.q_sum[qrow] : 0.f;
     // The lane's dims are t * kD/4 + [0, kD/4): kD/16 16-byte loads (32 scalar loads per lane
     // were 37 % of this kernel's stall samples at batch 1 x 8K, waiting on L1 misses).
     float q[kD / 4];
@@ -242,6 +244,11 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
       q[4 * v + 1] = x.y;
       q[4 * v + 2] = x.z;
       q[4 * v + 3] = x.w;
+    }
+    if (bulk) {  // the rest of the prologue, behind the queries' loads
+#pragma unroll
+      for (int k = 1; k < kS / 2; ++k) issue(k, blk[k]);
+      table_entries(kS / 2, blk_next);
     }
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
@@ -257,7 +264,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     }
     // logit (log2) = gamma * v2 with v2 = s_k * (q'.c) + m_k * beta_g.
     gamma = valid ? 16777216.f * p.softmax_scale_log2 / qs : 1.f;
-    beta_g = valid ? p.q_sum[qrow] * qs * (1.f / 16777216.f) : 0.f;
+    beta_g = valid ? q_sum * qs * (1.f / 16777216.f) : 0.f;
   }
 
   float mo = kNegInf;   // reference of p = exp2(logit - mo) for query g; quad-uniform
