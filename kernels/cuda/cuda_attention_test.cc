@@ -11,9 +11,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -457,28 +459,27 @@ class ScopedEnv {
   const char* name_;
 };
 
-TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
-  Scenario sc;
-  sc.seqs = {{64, 1000, 256}, {64, 37, 300}, {64, 2100, 263}};
-  {
-    ScopedEnv env("KVPOOL_ATTN_HIST", "v1");
+// Runs `sc` once under each (variable, value), one setting at a time.
+void RunScenarioUnderEach(const Scenario& sc,
+                          std::initializer_list<std::pair<const char*, const char*>> settings) {
+  for (const auto& [name, value] : settings) {
+    ScopedEnv env(name, value);
     RunScenario(sc);
   }
-  ScopedEnv env("KVPOOL_ATTN_BULK", "0");
-  RunScenario(sc);
+}
+
+TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
+  Scenario sc;
+  sc.seqs = std::vector<SeqSpec>{{64, 1000, 256}, {64, 37, 300}, {64, 2100, 263}};
+  RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_HIST", "v1"}, {"KVPOOL_ATTN_BULK", "0"}});
 }
 
 // The BF16 tier kernel before the INT2 history (KVPOOL_ATTN_OVERLAP=0) instead of beside it,
 // and with no programmatic dependent launch at all (KVPOOL_ATTN_PDL=0).
 TEST_F(CudaAttentionTest, TiersInSequence) {
   Scenario sc;
-  sc.seqs = {{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
-  {
-    ScopedEnv env("KVPOOL_ATTN_OVERLAP", "0");
-    RunScenario(sc);
-  }
-  ScopedEnv env("KVPOOL_ATTN_PDL", "0");
-  RunScenario(sc);
+  sc.seqs = std::vector<SeqSpec>{{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
+  RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_OVERLAP", "0"}, {"KVPOOL_ATTN_PDL", "0"}});
 }
 
 // The first merge kernel (KVPOOL_ATTN_MERGE=v1, a CTA per KV head) still merges what the
