@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -67,6 +68,7 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
   req.set_blocking_ops(blocking_ops);
   v1::OpenNcclChannelResponse resp;
   grpc::Status rpc;
+  std::atomic<bool> rpc_done{false};
   // The daemon joins as rank 1 (then splits and waits for the connect messages) while this
   // thread does the same as rank 0; it answers once all of that is done.
   std::thread t([&] {
@@ -74,19 +76,47 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout) + 5000));
     rpc = stub_->OpenNcclChannel(&ctx, req, &resp);
+    rpc_done.store(true, std::memory_order_release);
   });
   ncclComm_t comm = nullptr;
-  const ncclResult_t r = ncclCommInitRank(&comm, 2, id, 0);
-  absl::Status joined = NcclCheck(r, "ncclCommInitRank");
-  if (joined.ok() && blocking_ops) {
-    // Blocking parent: the split returns when done (or failed).
-    absl::StatusOr<ncclComm_t> child =
-        gpu_internal::SplitBlocking(comm, absl::InfiniteFuture(), [] { return absl::OkStatus(); });
-    comm = nullptr;  // aborted by SplitBlocking
-    joined = child.status();
+  absl::Status joined;
+  if (!blocking_ops) {
+    joined = NcclCheck(ncclCommInitRank(&comm, 2, id, 0), "ncclCommInitRank");
+  } else {
+    // Non-blocking join, so that a daemon that refuses the channel (its answer comes before it
+    // ever joins: a CPU daemon, a bad request) or never joins ends the wait; then the blocking
+    // communicator the operations run on (JoinNcclComm on the daemon's side).
+    const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
+    auto give_up = [&]() -> absl::Status {
+      if (rpc_done.load(std::memory_order_acquire) && !rpc.ok()) {
+        return FromGrpc(rpc, "OpenNcclChannel");
+      }
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError("the daemon did not join the NCCL communicator");
+      }
+      return absl::OkStatus();
+    };
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
+    joined = (r == ncclSuccess || r == ncclInProgress) ? absl::OkStatus()
+                                                       : NcclCheck(r, "ncclCommInitRankConfig");
+    while (joined.ok()) {
+      ncclResult_t state = ncclInProgress;
+      if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
+      if (state == ncclSuccess) break;
+      joined =
+          state != ncclInProgress ? NcclCheck(state, "joining the NCCL communicator") : give_up();
+      if (joined.ok()) absl::SleepFor(absl::Microseconds(200));
+    }
     if (joined.ok()) {
-      comm = *child;
-      joined = Connect(comm);
+      absl::StatusOr<ncclComm_t> child = gpu_internal::SplitBlocking(comm, deadline, give_up);
+      comm = nullptr;  // aborted by SplitBlocking
+      joined = child.status();
+      if (joined.ok()) {
+        comm = *child;
+        joined = Connect(comm);
+      }
     }
   }
   t.join();
