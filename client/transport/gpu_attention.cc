@@ -142,27 +142,17 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
                             ? absl::OkStatus()
                             : NcclCheck(r, "ncclCommInitRankConfig");
   const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
-  while (joined.ok()) {
-    ncclResult_t state = ncclInProgress;
-    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
-    if (state == ncclSuccess) break;
-    if (state != ncclInProgress) {
-      joined = NcclCheck(state, "joining the NCCL communicator");
-    } else if (read.load() == kRefused) {  // the daemon will not join: its status says why
-      joined = absl::UnavailableError("the daemon refused the channel");
-    } else if (absl::Now() > deadline) {
-      joined = absl::DeadlineExceededError("the daemon did not join the NCCL communicator");
-    } else {
-      absl::SleepFor(absl::Microseconds(200));
-    }
+  // The daemon will not join once it answered the stream with an error: its status says why.
+  auto refused = [&]() -> absl::Status {
+    if (read.load() != kRefused) return absl::OkStatus();
+    return absl::UnavailableError("the daemon refused the channel");
+  };
+  if (joined.ok()) {
+    joined = gpu_internal::AwaitComm(comm, "joining the NCCL communicator", deadline, refused);
   }
   if (joined.ok() && blocking_ops) {
     // The calls run on a blocking communicator split from the joined one (JoinNcclComm).
-    absl::StatusOr<ncclComm_t> child =
-        gpu_internal::SplitBlocking(comm, deadline, [&]() -> absl::Status {
-          if (read.load() != kRefused) return absl::OkStatus();
-          return absl::UnavailableError("the daemon refused the channel");
-        });
+    absl::StatusOr<ncclComm_t> child = gpu_internal::SplitBlocking(comm, deadline, refused);
     comm = child.ok() ? *child : nullptr;  // SplitBlocking aborted the parent
     joined = child.status();
   }

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/common/status_macros.h"
 
 namespace kvpool::client::gpu_internal {
 
@@ -35,27 +36,30 @@ bool WantBlockingOps() {
   return v == nullptr || v[0] != '0';
 }
 
+absl::Status AwaitComm(ncclComm_t comm, const char* what, absl::Time deadline,
+                       const std::function<absl::Status()>& give_up) {
+  while (true) {
+    ncclResult_t state = ncclInProgress;
+    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) return NcclCheck(state, what);
+    KVPOOL_RETURN_IF_ERROR(give_up());
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(what, ": the daemon did not take part"));
+    }
+    absl::SleepFor(absl::Microseconds(200));
+  }
+}
+
 absl::StatusOr<ncclComm_t> SplitBlocking(ncclComm_t parent, absl::Time deadline,
                                          const std::function<absl::Status()>& give_up) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 1;
   ncclComm_t child = nullptr;
-  ncclResult_t r = ncclCommSplit(parent, /*color=*/0, /*key=*/0, &child, &config);
-  absl::Status s =
-      (r == ncclSuccess || r == ncclInProgress) ? absl::OkStatus() : NcclCheck(r, "ncclCommSplit");
-  while (s.ok()) {
-    ncclResult_t state = ncclInProgress;
-    if (ncclCommGetAsyncError(parent, &state) != ncclSuccess) state = ncclInternalError;
-    if (state == ncclSuccess) break;
-    if (state != ncclInProgress) {
-      s = NcclCheck(state, "splitting the NCCL communicator");
-    } else if (absl::Now() > deadline) {
-      s = absl::DeadlineExceededError("the daemon did not split the NCCL communicator");
-    } else {
-      s = give_up();
-      if (s.ok()) absl::SleepFor(absl::Microseconds(200));
-    }
-  }
+  const ncclResult_t r = ncclCommSplit(parent, /*color=*/0, /*key=*/0, &child, &config);
+  absl::Status s = (r == ncclSuccess || r == ncclInProgress)
+                       ? AwaitComm(parent, "splitting the NCCL communicator", deadline, give_up)
+                       : NcclCheck(r, "ncclCommSplit");
   ncclCommAbort(parent);  // the child has resources of its own (splitShare is off)
   if (!s.ok()) return s;
   if (child == nullptr) return absl::InternalError("ncclCommSplit gave no communicator");

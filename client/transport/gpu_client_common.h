@@ -29,6 +29,12 @@ absl::Status FromGrpc(const grpc::Status& s, const char* what);
 // unless KVPOOL_NCCL_BLOCKING_OPS=0 (kept for A/B measurements and as a way back).
 bool WantBlockingOps();
 
+// Polls the non-blocking communicator `comm` until its pending operation (a join, a split)
+// finished: OK; the operation's NCCL error (prefixed by `what`); DeadlineExceeded after
+// `deadline`; or the first error `give_up()` returns (the caller's reasons to stop waiting).
+absl::Status AwaitComm(ncclComm_t comm, const char* what, absl::Time deadline,
+                       const std::function<absl::Status()>& give_up);
+
 // Rank 0's half of the daemon's JoinNcclComm(blocking_ops): splits the joined `parent` into a
 // blocking communicator (groups launch on the calling thread, not a new one per group) and
 // aborts the parent. A non-blocking parent's split is polled until `deadline` or until

@@ -91,9 +91,6 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
       if (rpc_done.load(std::memory_order_acquire) && !rpc.ok()) {
         return FromGrpc(rpc, "OpenNcclChannel");
       }
-      if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError("the daemon did not join the NCCL communicator");
-      }
       return absl::OkStatus();
     };
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -101,13 +98,8 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
     const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
     joined = (r == ncclSuccess || r == ncclInProgress) ? absl::OkStatus()
                                                        : NcclCheck(r, "ncclCommInitRankConfig");
-    while (joined.ok()) {
-      ncclResult_t state = ncclInProgress;
-      if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
-      if (state == ncclSuccess) break;
-      joined =
-          state != ncclInProgress ? NcclCheck(state, "joining the NCCL communicator") : give_up();
-      if (joined.ok()) absl::SleepFor(absl::Microseconds(200));
+    if (joined.ok()) {
+      joined = gpu_internal::AwaitComm(comm, "joining the NCCL communicator", deadline, give_up);
     }
     if (joined.ok()) {
       absl::StatusOr<ncclComm_t> child = gpu_internal::SplitBlocking(comm, deadline, give_up);

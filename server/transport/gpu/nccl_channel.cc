@@ -65,9 +65,9 @@ absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, abs
       if (ncclCommGetAsyncError(comm, &state) != ncclSuccess || state != ncclInProgress) break;
       if (cancelled() || absl::Now() > deadline) {
         ncclCommAbort(comm);
-        return cancelled() ? absl::CancelledError("the client left while joining")
+        return cancelled() ? absl::CancelledError(absl::StrCat(what, ": the client left"))
                            : absl::DeadlineExceededError(
-                                 "the client did not join the NCCL communicator in time");
+                                 absl::StrCat(what, ": the client did not take part in time"));
       }
       absl::SleepFor(absl::Microseconds(200));
     }
