@@ -4,11 +4,14 @@
 //
 // One warp takes a tile of 16 consecutive input rows (token x KV head) at a time, in a
 // persistent grid:
-// - Rotation on the tensor cores: X[16 x D] (BF16, exact) times M = M_hi + M_lo (both BF16, so
-//   M carries ~16 bits; the products are exact and accumulate in fp32), mma.m16n8k16. The CTA
-//   stages M once, already in B-fragment order, in shared memory (one 16-byte load per k-step
-//   and n-tile gives the lane both halves). The input is read with 16-byte loads; the k order
-//   of the product is permuted to match them (the rows of M are permuted the same way).
+// - Rotation on the tensor cores: (X M)^T = M^T X^T with M = M_hi + M_lo (both BF16, so M carries
+//   ~16 bits; the products are exact and accumulate in fp32), mma.m16n8k16. X^T is the B
+//   operand: a lane's two B registers are one token's consecutive words, so the 16-byte input
+//   loads feed the MMAs as they are (as the A operand, X interleaves two tokens per register
+//   quad, and ptxas spent ~45 moves per row building the quads). The CTA stages M^T once,
+//   already in A-fragment order, in shared memory (16-byte loads, hi and lo). The k order of the
+//   product is permuted to match the loads (the rows of M are permuted the same way). One
+//   movmatrix per 8 x 8 BF16 block transposes the result back to a row per quad.
 // - The rotated row rounds to BF16 in the accumulator layout: the 4 lanes of a quad hold one
 //   row (and a second one, 8 rows down), D/4 values each, as packed BF16 pairs.
 // - Exact clip order statistic: a binary search for the largest magnitude key K with
@@ -37,9 +40,9 @@ namespace kvpool::cuda::internal {
 inline constexpr int kArrivalWarps = 8;
 inline constexpr int kArrivalThreads = kArrivalWarps * kWarpSize;
 
-// B fragments of M: [k-step][n-tile][lane] x {hi b0, hi b1, lo b0, lo b1}.
+// A fragments of M^T: [k-step][m-tile][hi, lo][lane] x {a0, a1, a2, a3}.
 template <int kD>
-inline constexpr int kArrivalSmemBytes = (kD / 16) * (kD / 8) * kWarpSize * 16;
+inline constexpr int kArrivalSmemBytes = (kD / 16) * (kD / 16) * 2 * kWarpSize * 16;
 
 __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                         uint32_t b1) {
@@ -48,6 +51,14 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], u
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Transposes the 8 x 8 matrix of 16-bit values whose row l / 4 holds, in lane l, elements
+// 2 (l % 4) and 2 (l % 4) + 1.
+__device__ __forceinline__ uint32_t Transpose8x8(uint32_t v) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(v));
+  return d;
 }
 
 __device__ __forceinline__ uint32_t Bf16x2Bits(__nv_bfloat162 v) {
@@ -60,8 +71,8 @@ __device__ __forceinline__ __nv_bfloat162 AsBf16x2(uint32_t v) {
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return Bf16x2Bits(__floats2bfloat162_rn(lo, hi));
 }
-__device__ __forceinline__ uint32_t AbsLessBf16x2(uint32_t a, uint32_t b) {  // |a| < b: 1.0 / 0.0
-  return Bf16x2Bits(__hlt2(__habs2(AsBf16x2(a)), AsBf16x2(b)));
+__device__ __forceinline__ uint32_t LessBf16x2(uint32_t a, uint32_t b) {  // a < b: 1.0 / 0.0
+  return Bf16x2Bits(__hlt2(AsBf16x2(a), AsBf16x2(b)));
 }
 __device__ __forceinline__ uint32_t GreaterEqualBf16x2(uint32_t a, uint32_t b) {
   return Bf16x2Bits(__hge2(AsBf16x2(a), AsBf16x2(b)));
@@ -128,33 +139,42 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
   constexpr int kChunks = kD / 32;  // 16-byte input chunks per row and lane
   constexpr int kWords = kD / 16;   // 32-bit code words per row
   constexpr int kLaneWords = kWords / 4;
-  extern __shared__ __align__(16) uint4 bfrag[];
+  constexpr int kMT = kD / 16;  // m-tiles of the rotated row (M^T rows)
+  extern __shared__ __align__(16) uint4 afrag[];
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int g = lane / 4;
   const int t = lane % 4;
   const bool rotate = p.rotation != nullptr;
 
-  // Stage M (rotation only). Lane (g, t) of k-step j, n-tile nt: b0 = rows k 2t, 2t+1, b1 = rows
-  // 2t+8, 2t+9 of column n = 8 nt + g; k index 16 j + 8 h + 2t + b holds dim 32 (j / 2) + 8t + 4 (j
-  // % 2) + 2h + b (the order of the 16-byte input loads below).
-  for (int idx = threadIdx.x; rotate && idx < kKSteps * kNT * kWarpSize; idx += kArrivalThreads) {
-    const int j = idx / (kNT * kWarpSize);
-    const int nt = (idx / kWarpSize) % kNT;
+  // Stage M^T (rotation only). Lane (g, t) of k-step j, m-tile mt: a0 = (m g, k 2t, 2t+1), a1 =
+  // (m g+8, k 2t, 2t+1), a2 = (m g, k 2t+8, 2t+9), a3 = (m g+8, k 2t+8, 2t+9), with m the rotated
+  // dim 16 mt + m and k index 8h + 2t + b of k-step j holding input dim 32 (j / 2) + 8t + 4 (j %
+  // 2) + 2h + b (the order of the 16-byte input loads below).
+  for (int idx = threadIdx.x; rotate && idx < kKSteps * kMT * kWarpSize; idx += kArrivalThreads) {
+    const int j = idx / (kMT * kWarpSize);
+    const int mt = (idx / kWarpSize) % kMT;
     const int ln = idx % kWarpSize;
-    const int n = 8 * nt + ln / 4;
+    const int lg = ln / 4;
     const int lt = ln % 4;
     uint32_t hi[4], lo[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int d = 32 * (j / 2) + 8 * lt + 4 * (j % 2) + 2 * (q / 2) + (q % 2);
-      const float m = __ldg(p.rotation + d * kD + n);
-      const uint16_t h = FloatToBf16Bits(m);
-      hi[q] = h;
-      lo[q] = FloatToBf16Bits(__fsub_rn(m, Bf16BitsToFloat(h)));
+      const int n = 16 * mt + lg + 8 * (q % 2);
+      hi[q] = lo[q] = 0;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int d = 32 * (j / 2) + 8 * lt + 4 * (j % 2) + 2 * (q / 2) + b;
+        const float m = __ldg(p.rotation + d * kD + n);
+        const uint32_t h = FloatToBf16Bits(m);
+        hi[q] |= h << (16 * b);
+        lo[q] |= static_cast<uint32_t>(FloatToBf16Bits(__fsub_rn(m, Bf16BitsToFloat(h))))
+                 << (16 * b);
+      }
     }
-    bfrag[idx] = make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16),
-                            lo[2] | (lo[3] << 16));
+    const int base = ((j * kMT + mt) * 2) * kWarpSize + ln;
+    afrag[base] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    afrag[base + kWarpSize] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
   __syncthreads();
 
@@ -165,6 +185,18 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
   const int c = p.clip_rank;
   for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kArrivalWarps + warp; tile < num_tiles;
        tile += static_cast<int64_t>(gridDim.x) * kArrivalWarps) {
+    // The warp's next tile into L2 (its 16 rows are contiguous: 128 bytes per lane at D = 128),
+    // so that its loads wait on L2 rather than on DRAM.
+    {
+      const int64_t next = tile + static_cast<int64_t>(gridDim.x) * kArrivalWarps;
+      if (next < num_tiles) {
+        const uint16_t* ahead = p.rows + next * 16 * kD + lane * (16 * kD / kWarpSize);
+        const int64_t left = (total - next * 16) * kD;
+        if (lane * (16 * kD / kWarpSize) < left) {
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ahead));
+        }
+      }
+    }
     // Rows r = 0 (g) and 1 (g + 8) of the tile.
     int64_t rh[2];
     bool in[2];
@@ -195,21 +227,29 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
           xc[r][u] = in[r] ? __ldg(src + 4 * u + t) : make_uint4(0u, 0u, 0u, 0u);
         }
       }
+      // acc[r]: rotated dims 16 mt + g (+8) of tokens 2t, 2t+1 of n-tile r (the tile's rows r).
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int mt = 0; mt < kMT; ++mt) {
+        float acc[2][4] = {};
 #pragma unroll
         for (int j = 0; j < kKSteps; ++j) {
-          const uint4 b = bfrag[(j * kNT + nt) * kWarpSize + lane];
+          const uint4 ah = afrag[((j * kMT + mt) * 2) * kWarpSize + lane];
+          const uint4 al = afrag[((j * kMT + mt) * 2 + 1) * kWarpSize + lane];
+          const uint32_t a_hi[4] = {ah.x, ah.y, ah.z, ah.w};
+          const uint32_t a_lo[4] = {al.x, al.y, al.z, al.w};
           const int u = j / 2;
           const int w = 2 * (j % 2);
-          const uint32_t a[4] = {Word(xc[0][u], w), Word(xc[1][u], w), Word(xc[0][u], w + 1),
-                                 Word(xc[1][u], w + 1)};
-          MmaBf16(acc, a, b.x, b.y);
-          MmaBf16(acc, a, b.z, b.w);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            MmaBf16(acc[r], a_hi, Word(xc[r][u], w), Word(xc[r][u], w + 1));
+            MmaBf16(acc[r], a_lo, Word(xc[r][u], w), Word(xc[r][u], w + 1));
+          }
         }
-        ob[0][nt] = PackBf16x2(acc[0], acc[1]);
-        ob[1][nt] = PackBf16x2(acc[2], acc[3]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          ob[r][2 * mt] = Transpose8x8(PackBf16x2(acc[r][0], acc[r][1]));
+          ob[r][2 * mt + 1] = Transpose8x8(PackBf16x2(acc[r][2], acc[r][3]));
+        }
       }
     } else {
       // Identity: the input bits as they are (no product, so -0 stays -0).
@@ -251,14 +291,21 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
 
     // Clip: tau = the c-th smallest magnitude key of the row.
     if (c >= 0) {
+      // The magnitudes once (HSET2 takes no |x| operand: per probe, the abs cost a third more).
+      uint32_t key[2][kNT];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) key[r][nt] = ob[r][nt] & 0x7fff7fffu;
+      }
       auto count_less = [&](int r, int cand) {
         const uint32_t cc = static_cast<uint32_t>(min(cand, 0x7f80)) * 0x10001u;
-        uint32_t acc = AbsLessBf16x2(ob[r][0], cc);
-        uint32_t acc2 = AbsLessBf16x2(ob[r][1], cc);
+        uint32_t acc = LessBf16x2(key[r][0], cc);
+        uint32_t acc2 = LessBf16x2(key[r][1], cc);
 #pragma unroll
         for (int nt = 2; nt < kNT; nt += 2) {
-          acc = AddBf16x2(acc, AbsLessBf16x2(ob[r][nt], cc));
-          acc2 = AddBf16x2(acc2, AbsLessBf16x2(ob[r][nt + 1], cc));
+          acc = AddBf16x2(acc, LessBf16x2(key[r][nt], cc));
+          acc2 = AddBf16x2(acc2, LessBf16x2(key[r][nt + 1], cc));
         }
         acc = AddBf16x2(acc, acc2);
         acc = AddBf16x2(acc, __shfl_xor_sync(kFullMask, acc, 1));
@@ -267,16 +314,35 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
                                 Bf16BitsToFloat(static_cast<uint16_t>(acc >> 16)));
       };
       // Largest K with #{keys < K} <= c; invariant #{< lo} <= c < #{< hi + 1}.
+      // Brackets: the binade below the max (128 keys) holds tau on Gaussian-like rows at clip
+      // ratios near 1; then the next binade (only when a row of the warp needs it), then the
+      // rest.
       int lo[2], hi[2];
+      bool below[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         lo[r] = 0;
         hi[r] = ok[r] ? max_key[r] : 0;
-        const int probe = max(hi[r] - 256, 0);
-        if (count_less(r, probe) <= c) {
-          lo[r] = probe;
-        } else {
+        const int probe = max(hi[r] - 128, 0);
+        below[r] = count_less(r, probe) > c;
+        if (below[r]) {
           hi[r] = probe - 1;
+        } else {
+          lo[r] = probe;
+        }
+      }
+      if (__any_sync(kFullMask, below[0] || below[1])) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int probe = max(hi[r] - 127, 0);
+          const bool le = count_less(r, probe) <= c;
+          if (below[r]) {
+            if (le) {
+              lo[r] = probe;
+            } else {
+              hi[r] = probe - 1;
+            }
+          }
         }
       }
 #pragma unroll 1
@@ -378,13 +444,20 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       if (write && s != 0.0f && t < 3) {
         const float y = CodeThresholdY(t + 1, s);
         // Predicate P(o): fl(x(o) - m) >= y, monotone; lo_o (P false) and hi_o (P true) are
-        // sentinels just outside [mn, mx]. Try the window of 4 around m + y first.
+        // sentinels just outside [mn, mx]. fl(x - m) >= y holds from x - m = the midpoint of
+        // y and its fp32 predecessor on (ties aside), so the answer is the BF16 value at or
+        // just above m + that midpoint (exact in double): try the window of 4 around it first.
+        // (Around m + y instead, the window missed whenever m + y is near zero, where BF16
+        // values are dense: the middle threshold of every row that straddles zero.)
         const int o_min = Bf16Order(mn_bits[r]) - 1;
         const int o_max = Bf16Order(mx_bits[r]) + 1;
         auto holds = [&](int o) {
           return __fsub_rn(Bf16BitsToFloat(static_cast<uint16_t>(Bf16FromOrder(o))), m) >= y;
         };
-        const int o_est = Bf16Order(FloatToBf16Bits(__fadd_rn(m, y)));
+        const double mid_y = 0.5 * (static_cast<double>(y) +
+                                    static_cast<double>(__int_as_float(__float_as_int(y) - 1)));
+        const int o_est =
+            Bf16Order(FloatToBf16Bits(__double2float_rn(static_cast<double>(m) + mid_y)));
         int lo_o = max(o_min, min(o_est - 2, o_max));
         int hi_o = min(o_max, max(o_est + 2, o_min));
         if (lo_o > o_min && holds(lo_o)) lo_o = o_min;
