@@ -12,6 +12,10 @@
 //   already in A-fragment order, in shared memory (16-byte loads, hi and lo). The k order of the
 //   product is permuted to match the loads (the rows of M are permuted the same way). One
 //   movmatrix per 8 x 8 BF16 block transposes the result back to a row per quad.
+// - Layout of a rotated row in its quad (the columns of M^T are permuted to give it): lane t
+//   holds the dims of code words [kD/64 t, kD/64 (t+1)) of the row, as BF16 pairs (dim d, dim
+//   d + 8), which the packed code word holds at bits 2 (d % 16) and 2 (d % 16) + 16: so each
+//   lane packs its own code words, no shuffles.
 // - The rotated row rounds to BF16 in the accumulator layout: the 4 lanes of a quad hold one
 //   row (and a second one, 8 rows down), D/4 values each, as packed BF16 pairs.
 // - Exact clip order statistic: a binary search for the largest magnitude key K with
@@ -22,9 +26,9 @@
 //   min or max follows the first zero in dim order, as the CPU's sequential scan).
 // - Codes without a division per element: the code is #{k : x >= T_k}, k = 1..3, for three
 //   per-row BF16 thresholds found exactly (monotone search on the normative formula
-//   floor(fl(fl(fl(x - m) / s) + 0.5))); per element pair three packed compares and adds.
-// - Packing: nibbles of a quad's row are reduce-scattered across the quad (6 shuffles at
-//   D = 128), each lane stores its 8 (4) code bytes; lane 0 of the quad stores the meta word.
+//   floor(fl(fl(fl(x - m) / s) + 0.5))). The thresholds are monotone, so with the three compare
+//   masks m1 >= m2 >= m3 the code's bits are (m2, m1 ^ m2 ^ m3): three packed compares and
+//   three bitwise ops per element pair, straight into the lane's code words.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -74,8 +78,8 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t LessBf16x2(uint32_t a, uint32_t b) {  // a < b: 1.0 / 0.0
   return Bf16x2Bits(__hlt2(AsBf16x2(a), AsBf16x2(b)));
 }
-__device__ __forceinline__ uint32_t GreaterEqualBf16x2(uint32_t a, uint32_t b) {
-  return Bf16x2Bits(__hge2(AsBf16x2(a), AsBf16x2(b)));
+__device__ __forceinline__ uint32_t GreaterEqualMaskBf16x2(uint32_t a, uint32_t b) {  // 0xffff / 0
+  return __hge2_mask(AsBf16x2(a), AsBf16x2(b));
 }
 __device__ __forceinline__ uint32_t AddBf16x2(uint32_t a, uint32_t b) {
   return Bf16x2Bits(__hadd2(AsBf16x2(a), AsBf16x2(b)));
@@ -100,6 +104,13 @@ __device__ __forceinline__ uint32_t PermuteBytes(uint32_t a, uint32_t b, uint32_
 }
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// The dim that lane t of a quad holds in half e of its packed word L of a rotated row (the
+// layout above): code word kD/64 t + L / 8, bit 2 (8 e + L % 8).
+template <int kD>
+__device__ __forceinline__ int ArrivalLaneDim(int t, int L, int e) {
+  return 16 * ((kD / 64) * t + L / 8) + 8 * e + L % 8;
 }
 
 // Position of a BF16 bit pattern in value order (-inf = 0x7f, -0 = 0x7fff, +0 = 0x8000,
@@ -148,9 +159,11 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
   const bool rotate = p.rotation != nullptr;
 
   // Stage M^T (rotation only). Lane (g, t) of k-step j, m-tile mt: a0 = (m g, k 2t, 2t+1), a1 =
-  // (m g+8, k 2t, 2t+1), a2 = (m g, k 2t+8, 2t+9), a3 = (m g+8, k 2t+8, 2t+9), with m the rotated
-  // dim 16 mt + m and k index 8h + 2t + b of k-step j holding input dim 32 (j / 2) + 8t + 4 (j %
-  // 2) + 2h + b (the order of the 16-byte input loads below).
+  // (m g+8, k 2t, 2t+1), a2 = (m g, k 2t+8, 2t+9), a3 = (m g+8, k 2t+8, 2t+9); row m of m-tile mt
+  // ends, after the transpose, in lane (m % 8) / 2 of the quad, half m % 2 of its packed word
+  // 2 mt + m / 8, so it is the rotated dim ArrivalLaneDim there; k index 8h + 2t + b of k-step j
+  // holds input dim 32 (j / 2) + 8t + 4 (j % 2) + 2h + b (the order of the 16-byte input loads
+  // below).
   for (int idx = threadIdx.x; rotate && idx < kKSteps * kMT * kWarpSize; idx += kArrivalThreads) {
     const int j = idx / (kMT * kWarpSize);
     const int mt = (idx / kWarpSize) % kMT;
@@ -160,7 +173,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
     uint32_t hi[4], lo[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int n = 16 * mt + lg + 8 * (q % 2);
+      const int n = ArrivalLaneDim<kD>(lg / 2, 2 * mt + q % 2, lg % 2);
       hi[q] = lo[q] = 0;
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
@@ -197,7 +210,8 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
         }
       }
     }
-    // Rows r = 0 (g) and 1 (g + 8) of the tile.
+    // Rows r = 0 (g) and 1 (g + 8) of the tile; row 1's location follows from row 0's without
+    // another division or search.
     int64_t rh[2];
     bool in[2];
     RowSlot slot[2];
@@ -208,14 +222,20 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       slot[r].valid = false;
       slot[r].codes = 0;
       slot[r].meta = 0;
-      if (in[r]) {
-        const int row = static_cast<int>(rh[r] / kv_heads);
-        const int head = static_cast<int>(rh[r] % kv_heads);
-        slot[r] = LocateRow(p.geo, p.batch, FindSequence(p.batch, row), row, head, p.tensor);
+    }
+    if (in[0]) {
+      int row = static_cast<int>(rh[0] / kv_heads);
+      int head = static_cast<int>(rh[0] - static_cast<int64_t>(row) * kv_heads);
+      int seq = FindSequence(p.batch, row);
+      slot[0] = LocateRow(p.geo, p.batch, seq, row, head, p.tensor);
+      if (in[1]) {
+        for (head += 8; head >= kv_heads; head -= kv_heads) ++row;
+        while (seq + 1 < p.batch.num_seqs && __ldg(p.batch.row_offsets + seq + 1) <= row) ++seq;
+        slot[1] = LocateRow(p.geo, p.batch, seq, row, head, p.tensor);
       }
     }
 
-    // ob[r][nt] = the rotated row r's BF16 pair at cols 8 nt + 2t, +1.
+    // ob[r][L] = the rotated row r's BF16 pair at dims ArrivalLaneDim(t, L, 0), (t, L, 1).
     uint32_t ob[2][kNT];
     if (rotate) {
       uint4 xc[2][kChunks];
@@ -227,7 +247,8 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
           xc[r][u] = in[r] ? __ldg(src + 4 * u + t) : make_uint4(0u, 0u, 0u, 0u);
         }
       }
-      // acc[r]: rotated dims 16 mt + g (+8) of tokens 2t, 2t+1 of n-tile r (the tile's rows r).
+      // acc[r]: M^T rows g (and g + 8) of m-tile mt for tokens 2t, 2t+1 of n-tile r (the tile's
+      // rows r).
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         float acc[2][4] = {};
@@ -252,12 +273,26 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
         }
       }
     } else {
-      // Identity: the input bits as they are (no product, so -0 stays -0).
+      // Identity: the input bits as they are (no product, so -0 stays -0). The lane's dims are
+      // contiguous: 16-byte loads, then pairs (d, d + 8) (same half of words w and w + 4).
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(p.rows + (in[r] ? rh[r] : 0) * kD);
+        const uint4* src =
+            reinterpret_cast<const uint4*>(p.rows + (in[r] ? rh[r] : 0) * kD) + kLaneWords * 2 * t;
+        uint32_t v[kLaneWords * 8];
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) ob[r][nt] = in[r] ? __ldg(src + 4 * nt + t) : 0u;
+        for (int u = 0; u < kLaneWords * 2; ++u) {
+          const uint4 x = in[r] ? __ldg(src + u) : make_uint4(0u, 0u, 0u, 0u);
+          v[4 * u] = x.x;
+          v[4 * u + 1] = x.y;
+          v[4 * u + 2] = x.z;
+          v[4 * u + 3] = x.w;
+        }
+#pragma unroll
+        for (int L = 0; L < kNT; ++L) {
+          const int w = 8 * (L / 8) + (L % 8) / 2;
+          ob[r][L] = PermuteBytes(v[w], v[w + 4], L % 2 == 0 ? 0x5410u : 0x7632u);
+        }
       }
     }
 
@@ -267,9 +302,19 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (p.rotated_rows != nullptr && in[r] && slot[r].valid) {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(p.rotated_rows + rh[r] * kD) + t;
+        // Back to dim order: output word w of the lane holds dims 2w, 2w + 1 of its span.
+        uint4* dst = reinterpret_cast<uint4*>(p.rotated_rows + rh[r] * kD) + kLaneWords * 2 * t;
+        uint32_t v[kLaneWords * 8];
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) dst[4 * nt] = ob[r][nt];
+        for (int w = 0; w < kLaneWords * 8; ++w) {
+          const int j = 2 * (w % 8);  // dim of the pair within its code word's 16
+          const int L = 8 * (w / 8) + j % 8;
+          v[w] = PermuteBytes(ob[r][L], ob[r][L + 1], j < 8 ? 0x5410u : 0x7632u);
+        }
+#pragma unroll
+        for (int u = 0; u < kLaneWords * 2; ++u) {
+          dst[u] = make_uint4(v[4 * u], v[4 * u + 1], v[4 * u + 2], v[4 * u + 3]);
+        }
       }
       uint32_t mk = ob[r][0] & 0x7fff7fffu;
 #pragma unroll
@@ -300,14 +345,15 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       }
       auto count_less = [&](int r, int cand) {
         const uint32_t cc = static_cast<uint32_t>(min(cand, 0x7f80)) * 0x10001u;
-        uint32_t acc = LessBf16x2(key[r][0], cc);
-        uint32_t acc2 = LessBf16x2(key[r][1], cc);
+        // Four partial sums: short dependent chains (exact: counts <= 64 per half).
+        uint32_t part[4];
 #pragma unroll
-        for (int nt = 2; nt < kNT; nt += 2) {
-          acc = AddBf16x2(acc, LessBf16x2(key[r][nt], cc));
-          acc2 = AddBf16x2(acc2, LessBf16x2(key[r][nt + 1], cc));
+        for (int i = 0; i < 4; ++i) part[i] = LessBf16x2(key[r][i], cc);
+#pragma unroll
+        for (int nt = 4; nt < kNT; ++nt) {
+          part[nt % 4] = AddBf16x2(part[nt % 4], LessBf16x2(key[r][nt], cc));
         }
-        acc = AddBf16x2(acc, acc2);
+        uint32_t acc = AddBf16x2(AddBf16x2(part[0], part[1]), AddBf16x2(part[2], part[3]));
         acc = AddBf16x2(acc, __shfl_xor_sync(kFullMask, acc, 1));
         acc = AddBf16x2(acc, __shfl_xor_sync(kFullMask, acc, 2));
         return static_cast<int>(Bf16BitsToFloat(static_cast<uint16_t>(acc & 0xffffu)) +
@@ -401,12 +447,13 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
         int first = kD;
         uint32_t sign = 0u;
 #pragma unroll
-        for (int nt = kNT - 1; nt >= 0; --nt) {
+        for (int L = 0; L < kNT; ++L) {
 #pragma unroll
-          for (int cc = 1; cc >= 0; --cc) {
-            const uint32_t v = (ob[r][nt] >> (16 * cc)) & 0xffffu;
-            if ((v & 0x7fffu) == 0u) {
-              first = 8 * nt + 2 * t + cc;
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t v = (ob[r][L] >> (16 * e)) & 0xffffu;
+            const int d = ArrivalLaneDim<kD>(t, L, e);
+            if ((v & 0x7fffu) == 0u && d < first) {
+              first = d;
               sign = v & 0x8000u;
             }
           }
@@ -483,37 +530,16 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       const uint32_t t1 = __shfl_sync(kFullMask, my_t, quad) * 0x10001u;
       const uint32_t t2 = __shfl_sync(kFullMask, my_t, quad + 1) * 0x10001u;
       const uint32_t t3 = __shfl_sync(kFullMask, my_t, quad + 2) * 0x10001u;
-      // code = #{k : x >= T_k}: 128 + code in BF16 has the code in its low two bits.
-      uint32_t words[kWords];
+      // code = #{k : x >= T_k} = (m2, m1 ^ m2 ^ m3) in bits for the masks mk = (x >= T_k).
+      uint32_t mine[kLaneWords] = {};
 #pragma unroll
-      for (int w = 0; w < kWords; ++w) {
-        uint32_t nib[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t x = ob[r][2 * w + h];
-          uint32_t acc = AddBf16x2(0x43004300u, GreaterEqualBf16x2(x, t1));
-          acc = AddBf16x2(acc, GreaterEqualBf16x2(x, t2));
-          acc = AddBf16x2(acc, GreaterEqualBf16x2(x, t3));
-          nib[h] = (acc & 3u) | ((acc >> 14) & 0xcu);
-        }
-        words[w] = (nib[0] | (nib[1] << 16)) << (4 * t);
-      }
-      // Reduce-scatter over the quad: lane t ends with words [t kLaneWords, +kLaneWords).
-      uint32_t half[kWords / 2];
-      const bool upper = (t & 2) != 0;
-#pragma unroll
-      for (int i = 0; i < kWords / 2; ++i) {
-        const uint32_t keep = upper ? words[kWords / 2 + i] : words[i];
-        const uint32_t give = upper ? words[i] : words[kWords / 2 + i];
-        half[i] = keep | __shfl_xor_sync(kFullMask, give, 2);
-      }
-      uint32_t mine[kLaneWords];
-      const bool odd = (t & 1) != 0;
-#pragma unroll
-      for (int i = 0; i < kLaneWords; ++i) {
-        const uint32_t keep = odd ? half[kLaneWords + i] : half[i];
-        const uint32_t give = odd ? half[i] : half[kLaneWords + i];
-        mine[i] = keep | __shfl_xor_sync(kFullMask, give, 1);
+      for (int L = 0; L < kNT; ++L) {
+        const uint32_t x = ob[r][L];
+        const uint32_t m1 = GreaterEqualMaskBf16x2(x, t1);
+        const uint32_t m2 = GreaterEqualMaskBf16x2(x, t2);
+        const uint32_t m3 = GreaterEqualMaskBf16x2(x, t3);
+        const uint32_t bit0 = (0x00010001u << (2 * (L % 8)));
+        mine[L / 8] |= ((m1 ^ m2 ^ m3) & bit0) | (m2 & (bit0 << 1));
       }
       if (!write) continue;
       uint8_t* codes = p.pool + slot[r].codes;

@@ -61,7 +61,9 @@ struct RowSlot {
 __device__ __forceinline__ RowSlot LocateRow(const BlockGeometry& g, const BatchParams& b, int seq,
                                              int row, int head, int tensor) {
   const int position = __ldg(b.first_token + seq) + (row - __ldg(b.row_offsets + seq));
-  const int block_index = position / g.tokens;
+  // Blocks are powers of two tokens in every layout kvpool builds: a shift, not a division.
+  const int block_index =
+      (g.tokens & (g.tokens - 1)) == 0 ? position >> (__ffs(g.tokens) - 1) : position / g.tokens;
   const int slot = position - block_index * g.tokens;
   const int32_t block =
       __ldg(b.block_tables + static_cast<int64_t>(seq) * b.block_table_stride + block_index);
