@@ -111,15 +111,19 @@ __global__ void __launch_bounds__(kRotSlices* kD) RotateQueriesKernel(const Atte
   const int slice = threadIdx.x / kD;
   const int j = threadIdx.x % kD;
   const int64_t row0 = static_cast<int64_t>(b) * p.q_heads + head0;
+  // The thread's slice of M first: its loads need nothing and go out with the queries' loads
+  // (after the barrier, they were a second memory round trip on this kernel's critical path).
+  const int i0 = slice * kSpan;
+  float m[kSpan];
+  if (p.rotation_k != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kSpan; ++i) m[i] = __ldg(p.rotation_k + (i0 + i) * kD + j);
+  }
   for (int idx = threadIdx.x; idx < p.group * kD; idx += kRotSlices * kD) {
     q_in[idx / kD][idx % kD] = __ldg(p.queries + row0 * kD + idx);
   }
   __syncthreads();
   if (p.rotation_k != nullptr) {
-    const int i0 = slice * kSpan;
-    float m[kSpan];
-#pragma unroll
-    for (int i = 0; i < kSpan; ++i) m[i] = __ldg(p.rotation_k + (i0 + i) * kD + j);
     for (int n = 0; n < p.group; ++n) {
       float acc = 0.f;
 #pragma unroll
@@ -946,6 +950,19 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
   const int lane = tid % kWarpSize;
   const int parts = p.num_parts;
   const int64_t row = static_cast<int64_t>(blockIdx.y) * p.q_heads + blockIdx.x;
+  // The rows of M_V this warp un-rotates with (constant input) into L1 before the wait, so that
+  // they arrive while the attention kernels still run (loaded at the end, they were one more
+  // memory round trip after the parts' reduction; held in registers, they cost occupancy).
+  const int sub = lane / kVec;  // which of the pass's rows
+  const int li = lane % kVec;   // which float4 of the row
+  auto mv_at = [&](int r) {
+    const int j = (warp * kPasses + r) * kRowsPerPass + sub;
+    return reinterpret_cast<const float4*>(p.rotation_v + static_cast<int64_t>(j) * kD) + li;
+  };
+  if (p.rotation_v != nullptr && li % 8 == 0) {  // one prefetch per 128-byte line
+#pragma unroll
+    for (int r = 0; r < kPasses; ++r) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(mv_at(r)));
+  }
   GridDependencyWait();
   const float my_lse = tid < parts ? p.part_lse[row * parts + tid] : kNegInf;
   float m = my_lse;
@@ -1003,16 +1020,10 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
     if (tid < kD) out[tid] = o_rot[tid];
     return;
   }
-  const int sub = lane / kVec;  // which of the pass's rows
-  const int li = lane % kVec;   // which float4 of the row
   const float4 o = *reinterpret_cast<const float4*>(&o_rot[4 * li]);
   float4 mv[kPasses];
 #pragma unroll
-  for (int r = 0; r < kPasses; ++r) {
-    const int j = (warp * kPasses + r) * kRowsPerPass + sub;
-    mv[r] =
-        __ldg(reinterpret_cast<const float4*>(p.rotation_v + static_cast<int64_t>(j) * kD) + li);
-  }
+  for (int r = 0; r < kPasses; ++r) mv[r] = __ldg(mv_at(r));
 #pragma unroll
   for (int r = 0; r < kPasses; ++r) {
     float d = o.x * mv[r].x;
