@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
   const int g = lane / 4;
   const int t = lane % 4;
   const bool rotate = p.rotation != nullptr;
+  const bool bypass = p.geo.bits == 16;
 
   // Stage M^T (rotation only). Lane (g, t) of k-step j, m-tile mt: a0 = (m g, k 2t, 2t+1), a1 =
   // (m g+8, k 2t, 2t+1), a2 = (m g, k 2t+8, 2t+9), a3 = (m g+8, k 2t+8, 2t+9); row m of m-tile mt
@@ -164,6 +165,10 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
   // 2 mt + m / 8, so it is the rotated dim ArrivalLaneDim there; k index 8h + 2t + b of k-step j
   // holds input dim 32 (j / 2) + 8t + 4 (j % 2) + 2h + b (the order of the 16-byte input loads
   // below).
+  // Unrolled, so that all of a thread's loads of M are in flight at once (one at a time, the
+  // staging was a fixed ~10 us per launch: most of a small chunk's kernel time).
+  static_assert(kKSteps * kMT * kWarpSize % kArrivalThreads == 0);
+#pragma unroll
   for (int idx = threadIdx.x; rotate && idx < kKSteps * kMT * kWarpSize; idx += kArrivalThreads) {
     const int j = idx / (kMT * kWarpSize);
     const int mt = (idx / kWarpSize) % kMT;
@@ -296,21 +301,25 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       }
     }
 
+    // The lane's span of row r back in dim order: word w holds dims 2w, 2w + 1 of the span.
+    auto InDimOrder = [&](int r, uint32_t(&v)[kLaneWords * 8]) {
+#pragma unroll
+      for (int w = 0; w < kLaneWords * 8; ++w) {
+        const int j = 2 * (w % 8);  // dim of the pair within its code word's 16
+        const int L = 8 * (w / 8) + j % 8;
+        v[w] = PermuteBytes(ob[r][L], ob[r][L + 1], j < 8 ? 0x5410u : 0x7632u);
+      }
+    };
+
     // Row status (identical on the quad's lanes).
     bool ok[2];
     int max_key[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (p.rotated_rows != nullptr && in[r] && slot[r].valid) {
-        // Back to dim order: output word w of the lane holds dims 2w, 2w + 1 of its span.
-        uint4* dst = reinterpret_cast<uint4*>(p.rotated_rows + rh[r] * kD) + kLaneWords * 2 * t;
         uint32_t v[kLaneWords * 8];
-#pragma unroll
-        for (int w = 0; w < kLaneWords * 8; ++w) {
-          const int j = 2 * (w % 8);  // dim of the pair within its code word's 16
-          const int L = 8 * (w / 8) + j % 8;
-          v[w] = PermuteBytes(ob[r][L], ob[r][L + 1], j < 8 ? 0x5410u : 0x7632u);
-        }
+        InDimOrder(r, v);
+        uint4* dst = reinterpret_cast<uint4*>(p.rotated_rows + rh[r] * kD) + kLaneWords * 2 * t;
 #pragma unroll
         for (int u = 0; u < kLaneWords * 2; ++u) {
           dst[u] = make_uint4(v[4 * u], v[4 * u + 1], v[4 * u + 2], v[4 * u + 3]);
@@ -332,6 +341,19 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
           atomicOr(p.error_word, kErrorNonFinite);
         }
       }
+    }
+
+    if (bypass) {  // BF16 pages (sink, recent): the rotated row as it is, 8-byte stores
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (!ok[r]) continue;
+        uint32_t v[kLaneWords * 8];
+        InDimOrder(r, v);
+        uint2* dst = reinterpret_cast<uint2*>(p.pool + slot[r].codes) + kLaneWords * 4 * t;
+#pragma unroll
+        for (int u = 0; u < kLaneWords * 4; ++u) dst[u] = make_uint2(v[2 * u], v[2 * u + 1]);
+      }
+      continue;
     }
 
     // Clip: tau = the c-th smallest magnitude key of the row.

@@ -193,10 +193,15 @@ template <int kD>
 int LaunchArrival(const ArrivalParams& p, CUstream_st* stream) {
   if (p.batch.total_rows == 0) return 0;
   if constexpr (kD == 64 || kD == 128) {
-    const bool fits = p.arrival_v2 != 0 && p.geo.bits == 2 && p.geo.group_size == kD &&
-                      p.lloyd_max == 0 && reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 &&
+    // INT2 with one group per row, or BF16 bypass pages whose rows take 8-byte stores.
+    const bool int2 = p.geo.bits == 2 && p.geo.group_size == kD && p.lloyd_max == 0;
+    const bool bypass = p.geo.bits == 16 && p.geo.code_bytes_per_row == 2 * kD &&
+                        p.geo.block_bytes % 8 == 0 && p.geo.head_segment_bytes % 8 == 0 &&
+                        p.geo.codes_offset[p.tensor] % 8 == 0;
+    const bool fits = p.arrival_v2 != 0 && (int2 || bypass) &&
+                      reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(p.pool) % 8 == 0 &&
-                      reinterpret_cast<uintptr_t>(p.rotated_rows) % 4 == 0;
+                      reinterpret_cast<uintptr_t>(p.rotated_rows) % 16 == 0;
     if (fits) {
       const int ctas = ArrivalV2Ctas<kD>();
       if (ctas < 0) return static_cast<int>(cudaGetLastError());
