@@ -189,29 +189,56 @@ int ArrivalV2Ctas() {
   return ctas;
 }
 
+// Whether the version 2 kernel takes `p`: INT2 with one group per row, or BF16 bypass pages
+// whose rows take 8-byte stores; 16-byte aligned rows.
 template <int kD>
-int LaunchArrival(const ArrivalParams& p, CUstream_st* stream) {
-  if (p.batch.total_rows == 0) return 0;
+bool ArrivalV2Fits(const ArrivalParams& p) {
   if constexpr (kD == 64 || kD == 128) {
-    // INT2 with one group per row, or BF16 bypass pages whose rows take 8-byte stores.
     const bool int2 = p.geo.bits == 2 && p.geo.group_size == kD && p.lloyd_max == 0;
     const bool bypass = p.geo.bits == 16 && p.geo.code_bytes_per_row == 2 * kD &&
                         p.geo.block_bytes % 8 == 0 && p.geo.head_segment_bytes % 8 == 0 &&
                         p.geo.codes_offset[p.tensor] % 8 == 0;
-    const bool fits = p.arrival_v2 != 0 && (int2 || bypass) &&
-                      reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(p.pool) % 8 == 0 &&
-                      reinterpret_cast<uintptr_t>(p.rotated_rows) % 16 == 0;
-    if (fits) {
-      const int ctas = ArrivalV2Ctas<kD>();
-      if (ctas < 0) return static_cast<int>(cudaGetLastError());
-      const int64_t tiles = (static_cast<int64_t>(p.batch.total_rows) * p.geo.kv_heads + 15) / 16;
-      const int64_t grid = std::min<int64_t>(ctas, (tiles + kArrivalWarps - 1) / kArrivalWarps);
-      ArrivalKernelV2<kD><<<static_cast<unsigned>(grid), kArrivalThreads,
-                            p.rotation != nullptr ? kArrivalSmemBytes<kD> : 0, stream>>>(p);
-      return static_cast<int>(cudaGetLastError());
-    }
+    return p.arrival_v2 != 0 && (int2 || bypass) && reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(p.pool) % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(p.rotated_rows) % 16 == 0;
+  } else {
+    return false;
   }
+}
+
+template <int kD>
+int LaunchArrivalJobs(const ArrivalJobsParams& p, CUstream_st* stream) {
+  if (p.count < 1 || p.count > kMaxArrivalJobs) return kArrivalNotFused;
+  bool rotate = false;
+  int64_t most_tiles = 0;
+  for (int i = 0; i < p.count; ++i) {
+    if (!ArrivalV2Fits<kD>(p.job[i])) return kArrivalNotFused;
+    rotate = rotate || p.job[i].rotation != nullptr;
+    most_tiles = std::max<int64_t>(
+        most_tiles,
+        (static_cast<int64_t>(p.job[i].batch.total_rows) * p.job[i].geo.kv_heads + 15) / 16);
+  }
+  if constexpr (kD == 64 || kD == 128) {
+    if (most_tiles == 0) return 0;
+    const int ctas = ArrivalV2Ctas<kD>();
+    if (ctas < 0) return static_cast<int>(cudaGetLastError());
+    // Persistent in x (each warp strides over its job's tiles), one job per y.
+    const int64_t grid = std::min<int64_t>(ctas, (most_tiles + kArrivalWarps - 1) / kArrivalWarps);
+    ArrivalKernelV2<kD><<<dim3(static_cast<unsigned>(grid), static_cast<unsigned>(p.count)),
+                          kArrivalThreads, rotate ? kArrivalSmemBytes<kD> : 0, stream>>>(p);
+    return static_cast<int>(cudaGetLastError());
+  }
+  return kArrivalNotFused;
+}
+
+template <int kD>
+int LaunchArrival(const ArrivalParams& p, CUstream_st* stream) {
+  if (p.batch.total_rows == 0) return 0;
+  ArrivalJobsParams one{};
+  one.job[0] = p;
+  one.count = 1;
+  const int fused = LaunchArrivalJobs<kD>(one, stream);
+  if (fused != kArrivalNotFused) return fused;
   ArrivalKernel<kD>
       <<<CodecGrid(p.batch.total_rows, p.geo.kv_heads), kCodecWarpsPerCta * kWarpSize, 0, stream>>>(
           p);

@@ -56,6 +56,14 @@ struct ArrivalParams {
   int32_t arrival_v2;     // 1 = version 2 where it applies (INT2 uniform, G = D, D 64 / 128)
 };
 
+// Several arrival jobs (a chunk's K and V of its sink, history and recent runs) for one launch
+// of the version 2 kernel: job blockIdx.y. The jobs must write disjoint rows.
+inline constexpr int kMaxArrivalJobs = 6;
+struct ArrivalJobsParams {
+  ArrivalParams job[kMaxArrivalJobs];
+  int32_t count;
+};
+
 struct DequantParams {
   BlockGeometry geo;
   BatchParams batch;
@@ -70,6 +78,11 @@ struct DequantParams {
 // kD = 0 is the generic path (any supported head_dim at run time).
 template <int kD>
 int LaunchArrival(const ArrivalParams& p, CUstream_st* stream);
+// One launch for every job when all of them take the version 2 kernel; else launches nothing
+// and returns kArrivalNotFused.
+inline constexpr int kArrivalNotFused = -1;
+template <int kD>
+int LaunchArrivalJobs(const ArrivalJobsParams& p, CUstream_st* stream);
 template <int kD>
 int LaunchDequant(const DequantParams& p, CUstream_st* stream);
 

@@ -9,8 +9,11 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
 #include "kernels/cuda/codec_params.h"
@@ -109,14 +112,18 @@ bool ArrivalV1() {
 
 }  // namespace
 
-absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
-                               const SequenceBatch& batch, KvTensor tensor, const ArrivalRows& in,
-                               uint32_t* error_word, Stream stream) {
+namespace {
+
+// The kernel parameters of one arrival call, after checking its arguments.
+absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const PagedKvView& kv,
+                                              const SequenceBatch& batch, KvTensor tensor,
+                                              const ArrivalRows& in, uint32_t* error_word) {
   KVPOOL_RETURN_IF_ERROR(CheckModel(cfg, kv));
   KVPOOL_RETURN_IF_ERROR(CheckBatch(batch));
   if (error_word == nullptr) return absl::InvalidArgumentError("error_word is null");
-  if (batch.total_rows == 0) return absl::OkStatus();
-  if (in.rows == nullptr) return absl::InvalidArgumentError("input rows are null");
+  if (batch.total_rows > 0 && in.rows == nullptr) {
+    return absl::InvalidArgumentError("input rows are null");
+  }
   if (in.rotation != nullptr && reinterpret_cast<uintptr_t>(in.rotation) % 16 != 0) {
     return absl::InvalidArgumentError("rotation must be 16-byte aligned");
   }
@@ -133,19 +140,63 @@ absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
   p.scale_is_bf16 = cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
   p.lloyd_max = cfg.method == QuantMethod::kLloydMax ? 1 : 0;
   p.arrival_v2 = ArrivalV1() ? 0 : 1;
-  int err = 0;
-  switch (kv.layout.head_dim) {
+  return p;
+}
+
+int LaunchOne(const ArrivalParams& p, int head_dim, Stream stream) {
+  switch (head_dim) {
     case 64:
-      err = internal::LaunchArrival<64>(p, stream);
-      break;
+      return internal::LaunchArrival<64>(p, stream);
     case 128:
-      err = internal::LaunchArrival<128>(p, stream);
-      break;
+      return internal::LaunchArrival<128>(p, stream);
     default:
-      err = internal::LaunchArrival<0>(p, stream);
-      break;
+      return internal::LaunchArrival<0>(p, stream);
   }
-  return CudaStatus(err, "QuantizeOnArrival launch");
+}
+
+// KVPOOL_ARRIVAL_FUSE=0 makes QuantizeOnArrivalJobs launch once per job (for A/B runs).
+bool FuseArrivalJobs() {
+  const char* v = std::getenv("KVPOOL_ARRIVAL_FUSE");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
+}  // namespace
+
+absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
+                               const SequenceBatch& batch, KvTensor tensor, const ArrivalRows& in,
+                               uint32_t* error_word, Stream stream) {
+  KVPOOL_ASSIGN_OR_RETURN(const ArrivalParams p,
+                          ArrivalParamsOf(cfg, kv, batch, tensor, in, error_word));
+  if (batch.total_rows == 0) return absl::OkStatus();
+  return CudaStatus(LaunchOne(p, kv.layout.head_dim, stream), "QuantizeOnArrival launch");
+}
+
+absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* error_word,
+                                   Stream stream) {
+  // Every job is checked before anything launches (bad input changes nothing).
+  internal::ArrivalJobsParams fused{};
+  std::vector<std::pair<ArrivalParams, int>> all;  // (params, head_dim) of non-empty jobs
+  for (const ArrivalJob& j : jobs) {
+    KVPOOL_ASSIGN_OR_RETURN(const ArrivalParams p,
+                            ArrivalParamsOf(j.cfg, j.kv, j.batch, j.tensor, j.in, error_word));
+    if (j.batch.total_rows > 0) all.emplace_back(p, j.kv.layout.head_dim);
+  }
+  if (all.empty()) return absl::OkStatus();
+  const int d = all.front().second;
+  bool one_dim = all.size() <= static_cast<size_t>(internal::kMaxArrivalJobs);
+  for (const auto& [p, dim] : all) one_dim = one_dim && dim == d;
+  if (one_dim && (d == 64 || d == 128) && FuseArrivalJobs()) {
+    for (const auto& [p, dim] : all) fused.job[fused.count++] = p;
+    const int err = d == 64 ? internal::LaunchArrivalJobs<64>(fused, stream)
+                            : internal::LaunchArrivalJobs<128>(fused, stream);
+    if (err != internal::kArrivalNotFused) {
+      return CudaStatus(err, "QuantizeOnArrivalJobs launch");
+    }
+  }
+  for (const auto& [p, dim] : all) {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(LaunchOne(p, dim, stream), "QuantizeOnArrival launch"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,

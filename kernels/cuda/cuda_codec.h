@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
 
@@ -73,6 +74,22 @@ struct ArrivalRows {
                                              const SequenceBatch& batch, KvTensor tensor,
                                              const ArrivalRows& in, uint32_t* error_word,
                                              Stream stream);
+
+// One QuantizeOnArrival call's arguments.
+struct ArrivalJob {
+  QuantConfig cfg;
+  PagedKvView kv;
+  SequenceBatch batch;
+  KvTensor tensor = KvTensor::kKey;
+  ArrivalRows in;
+};
+
+// QuantizeOnArrival for every job, in one launch when they all take the version 2 kernel at
+// one head dim (at most 6 jobs: a chunk's K and V of its sink, history and recent runs), else
+// one launch per job. Each launch has a fixed cost of ~17 us on the H200 (most of a small
+// chunk's time before). The jobs must write disjoint rows; the results equal per-job calls.
+[[nodiscard]] absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs,
+                                                 uint32_t* error_word, Stream stream);
 
 // Dequantizes the stored rows named by `batch` (tokens first_token[i] + r, r in
 // [0, row_offsets[i+1] - row_offsets[i])) to BF16 [total_rows][Hkv][D] in the rotated basis:

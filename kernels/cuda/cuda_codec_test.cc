@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -330,6 +331,100 @@ TEST_F(CudaCodecTest, LloydMaxMatchesCpuBitForBit) {
 TEST_F(CudaCodecTest, BypassStoresRotatedRows) {
   RunCase({128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, true, false});
   RunCase({64, 1, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, false, false});
+}
+
+// QuantizeOnArrivalJobs (one launch for a chunk's INT2 and BF16-bypass runs, K and V) writes
+// exactly what one QuantizeOnArrival call per job writes (those are checked against the CPU
+// above), and nothing else.
+TEST_F(CudaCodecTest, ArrivalJobsInOneLaunchEqualOneLaunchPerJob) {
+  constexpr int kD = 128, kHkv = 2;
+  QuantConfig int2;
+  int2.block_tokens = 16;
+  int2.demotion_batch = 16;
+  QuantConfig bypass = int2;
+  bypass.method = QuantMethod::kBypass;
+  ASSERT_TRUE(int2.Validate(kD).ok());
+  ASSERT_TRUE(bypass.Validate(kD).ok());
+  const BlockLayout int2_layout = BlockLayout::ForModel(int2, kHkv, kD);
+  const BlockLayout bf16_layout = BlockLayout::ForModel(bypass, kHkv, kD);
+  const BatchPlan plan = MakePlan(16, 7, /*long_batch=*/true);
+  const int rows = plan.row_offsets.back();
+  const size_t values = static_cast<size_t>(rows) * kHkv * kD;
+  DeviceArray<int32_t> d_offsets(plan.row_offsets.size());
+  DeviceArray<int32_t> d_first(plan.first_token.size());
+  DeviceArray<int32_t> d_tables(plan.block_tables.size());
+  DeviceArray<uint16_t> d_k(values), d_v(values);
+  DeviceArray<float> d_rot_k(kD * kD), d_rot_v(kD * kD);
+  DeviceArray<uint32_t> d_err(1);
+  CUDA_ASSERT(d_offsets.Upload(plan.row_offsets));
+  CUDA_ASSERT(d_first.Upload(plan.first_token));
+  CUDA_ASSERT(d_tables.Upload(plan.block_tables));
+  CUDA_ASSERT(cudaMemset(d_err.get(), 0, sizeof(uint32_t)));
+  for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+    const std::vector<Bf16> input =
+        testing::ToBf16(testing::RealLikeRows(rows * kHkv, kD, t == KvTensor::kKey ? 21 : 22));
+    std::vector<uint16_t> bits(input.size());
+    for (size_t i = 0; i < input.size(); ++i) bits[i] = input[i].bits;
+    CUDA_ASSERT((t == KvTensor::kKey ? d_k : d_v).Upload(bits));
+    auto set = RotationSet::RandomizedHadamard(1, kD, t == KvTensor::kKey ? 31 : 32);
+    ASSERT_TRUE(set.ok()) << set.status();
+    CUDA_ASSERT((t == KvTensor::kKey ? d_rot_k : d_rot_v).Upload(set->Matrix(0, t)));
+  }
+  const SequenceBatch batch{static_cast<int>(plan.first_token.size()),
+                            d_offsets.get(),
+                            d_first.get(),
+                            d_tables.get(),
+                            plan.stride,
+                            rows};
+  // Two pool pairs: [INT2, BF16] written by the fused call and by the per-job calls.
+  std::vector<std::unique_ptr<DeviceArray<uint8_t>>> pools;
+  for (int i = 0; i < 4; ++i) {
+    const BlockLayout& l = i % 2 == 0 ? int2_layout : bf16_layout;
+    pools.push_back(std::make_unique<DeviceArray<uint8_t>>(plan.num_blocks * l.block_bytes()));
+    CUDA_ASSERT(cudaMemset(pools.back()->get(), 0xa5, pools.back()->size()));
+  }
+  auto jobs_for = [&](int pair) {
+    std::vector<ArrivalJob> jobs;
+    for (int kind = 0; kind < 2; ++kind) {
+      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+        ArrivalJob j;
+        j.cfg = kind == 0 ? int2 : bypass;
+        j.kv = PagedKvView{pools[2 * pair + kind]->get(), kind == 0 ? int2_layout : bf16_layout,
+                           ScaleDtype::kFp16, plan.num_blocks};
+        j.batch = batch;
+        j.tensor = t;
+        j.in.rows = t == KvTensor::kKey ? d_k.get() : d_v.get();
+        j.in.rotation = t == KvTensor::kKey ? d_rot_k.get() : d_rot_v.get();
+        jobs.push_back(j);
+      }
+    }
+    return jobs;
+  };
+  ASSERT_TRUE(QuantizeOnArrivalJobs(jobs_for(0), d_err.get(), nullptr).ok());
+  ASSERT_TRUE(TakeCodecErrors(d_err.get(), nullptr).ok());
+  for (const ArrivalJob& j : jobs_for(1)) {
+    ASSERT_TRUE(QuantizeOnArrival(j.cfg, j.kv, j.batch, j.tensor, j.in, d_err.get(), nullptr).ok());
+  }
+  ASSERT_TRUE(TakeCodecErrors(d_err.get(), nullptr).ok());
+  for (int kind = 0; kind < 2; ++kind) {
+    const std::vector<uint8_t> fused = pools[kind]->Download();
+    const std::vector<uint8_t> single = pools[2 + kind]->Download();
+    ASSERT_EQ(fused.size(), single.size());
+    size_t written = 0;
+    for (size_t i = 0; i < fused.size(); ++i) {
+      ASSERT_EQ(fused[i], single[i]) << (kind == 0 ? "INT2" : "BF16") << " pool byte " << i;
+      written += single[i] != 0xa5;
+    }
+    EXPECT_GT(written, fused.size() / 8) << "the jobs wrote their pools";
+  }
+  // A bad job fails the call before anything launches.
+  std::vector<ArrivalJob> bad = jobs_for(0);
+  bad[3].in.rows = nullptr;
+  CUDA_ASSERT(cudaMemset(pools[0]->get(), 0xa5, pools[0]->size()));
+  EXPECT_EQ(QuantizeOnArrivalJobs(bad, d_err.get(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  for (uint8_t b : pools[0]->Download()) ASSERT_EQ(b, 0xa5) << "nothing written";
 }
 
 TEST_F(CudaCodecTest, SignedZeroTiesMatchCpu) {
