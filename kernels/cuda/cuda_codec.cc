@@ -110,10 +110,6 @@ bool ArrivalV1() {
   return v != nullptr && std::string_view(v) == "v1";
 }
 
-}  // namespace
-
-namespace {
-
 // The kernel parameters of one arrival call, after checking its arguments.
 absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const PagedKvView& kv,
                                               const SequenceBatch& batch, KvTensor tensor,
@@ -174,7 +170,6 @@ absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
 absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* error_word,
                                    Stream stream) {
   // Every job is checked before anything launches (bad input changes nothing).
-  internal::ArrivalJobsParams fused{};
   std::vector<std::pair<ArrivalParams, int>> all;  // (params, head_dim) of non-empty jobs
   for (const ArrivalJob& j : jobs) {
     KVPOOL_ASSIGN_OR_RETURN(const ArrivalParams p,
@@ -183,9 +178,11 @@ absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* 
   }
   if (all.empty()) return absl::OkStatus();
   const int d = all.front().second;
-  bool one_dim = all.size() <= static_cast<size_t>(internal::kMaxArrivalJobs);
-  for (const auto& [p, dim] : all) one_dim = one_dim && dim == d;
-  if (one_dim && (d == 64 || d == 128) && FuseArrivalJobs()) {
+  bool fusable = (d == 64 || d == 128) &&
+                 all.size() <= static_cast<size_t>(internal::kMaxArrivalJobs) && FuseArrivalJobs();
+  for (const auto& [p, dim] : all) fusable = fusable && dim == d;
+  if (fusable) {
+    internal::ArrivalJobsParams fused{};
     for (const auto& [p, dim] : all) fused.job[fused.count++] = p;
     const int err = d == 64 ? internal::LaunchArrivalJobs<64>(fused, stream)
                             : internal::LaunchArrivalJobs<128>(fused, stream);
