@@ -153,6 +153,31 @@ __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
   shape.lloyd_max = false;
   float values[kMaxE];
   DecodeRowWarp<kMaxE>(p.pool + slot.codes, p.pool + slot.meta, e_count, shape, values);
+  if (p.unrotation != nullptr) {
+    // Back to the original basis, x[i] = sum_j x_rot[j] U[j][i], in fp32 from the decoded
+    // values: the arrival rotation's access pattern (lanes read consecutive columns of row j).
+    __shared__ float row_smem[kCodecWarpsPerCta][kMaxE * kWarpSize];
+    float* xs = row_smem[warp];
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) {
+      if (e < e_count) xs[lane * e_count + e] = values[e];
+    }
+    __syncwarp();
+    float acc[kMaxE];
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) acc[e] = 0.f;
+    const float* u_col = p.unrotation + lane * e_count;
+#pragma unroll 4
+    for (int jj = 0; jj < head_dim; ++jj) {
+      float u[kMaxE];
+      LoadLaneFloats<kMaxE, kStatic>(u_col + static_cast<int64_t>(jj) * head_dim, e_count, u);
+      const float xj = xs[jj];
+#pragma unroll
+      for (int e = 0; e < kMaxE; ++e) acc[e] = __fmaf_rn(xj, u[e], acc[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) values[e] = acc[e];
+  }
   uint16_t* dst = p.out + row_head * head_dim + lane * e_count;
 #pragma unroll
   for (int e = 0; e < kMaxE; ++e) {

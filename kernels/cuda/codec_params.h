@@ -68,10 +68,11 @@ struct DequantParams {
   BlockGeometry geo;
   BatchParams batch;
   const uint8_t* pool;
-  uint16_t* out;  // BF16 [total_rows][kv_heads][head_dim], rotated basis
+  uint16_t* out;  // BF16 [total_rows][kv_heads][head_dim]
   uint32_t* error_word;
   int32_t tensor;
   int32_t scale_is_bf16;
+  const float* unrotation;  // nullptr: rotated basis; else the original one: x = x_rot U
 };
 
 // Launchers, one set per instantiation file. Return a cudaError_t value (0 on success).

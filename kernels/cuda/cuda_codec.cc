@@ -196,12 +196,17 @@ absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* 
   return absl::OkStatus();
 }
 
-absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,
-                              const SequenceBatch& batch, KvTensor tensor, uint16_t* out,
-                              uint32_t* error_word, Stream stream) {
+namespace {
+
+absl::Status Dequantize(const QuantConfig& cfg, const PagedKvView& kv, const SequenceBatch& batch,
+                        KvTensor tensor, const float* unrotation, uint16_t* out,
+                        uint32_t* error_word, Stream stream) {
   KVPOOL_RETURN_IF_ERROR(CheckModel(cfg, kv));
   KVPOOL_RETURN_IF_ERROR(CheckBatch(batch));
   if (error_word == nullptr) return absl::InvalidArgumentError("error_word is null");
+  if (unrotation != nullptr && reinterpret_cast<uintptr_t>(unrotation) % 16 != 0) {
+    return absl::InvalidArgumentError("unrotation must be 16-byte aligned");
+  }
   if (batch.total_rows == 0) return absl::OkStatus();
   if (out == nullptr) return absl::InvalidArgumentError("output is null");
   DequantParams p;
@@ -212,6 +217,7 @@ absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,
   p.error_word = error_word;
   p.tensor = static_cast<int32_t>(tensor);
   p.scale_is_bf16 = cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
+  p.unrotation = unrotation;
   int err = 0;
   switch (kv.layout.head_dim) {
     case 64:
@@ -224,7 +230,23 @@ absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,
       err = internal::LaunchDequant<0>(p, stream);
       break;
   }
-  return CudaStatus(err, "DequantizeToBf16 launch");
+  return CudaStatus(err, "dequantization launch");
+}
+
+}  // namespace
+
+absl::Status DequantizeToBf16(const QuantConfig& cfg, const PagedKvView& kv,
+                              const SequenceBatch& batch, KvTensor tensor, uint16_t* out,
+                              uint32_t* error_word, Stream stream) {
+  return Dequantize(cfg, kv, batch, tensor, nullptr, out, error_word, stream);
+}
+
+absl::Status DequantizeToOriginalBf16(const QuantConfig& cfg, const PagedKvView& kv,
+                                      const SequenceBatch& batch, KvTensor tensor,
+                                      const float* unrotation, uint16_t* out, uint32_t* error_word,
+                                      Stream stream) {
+  if (unrotation == nullptr) return absl::InvalidArgumentError("unrotation is null");
+  return Dequantize(cfg, kv, batch, tensor, unrotation, out, error_word, stream);
 }
 
 absl::Status TakeCodecErrors(uint32_t* error_word, Stream stream) {

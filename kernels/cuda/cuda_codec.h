@@ -100,6 +100,15 @@ struct ArrivalJob {
                                             const SequenceBatch& batch, KvTensor tensor,
                                             uint16_t* out, uint32_t* error_word, Stream stream);
 
+// DequantizeToBf16, then back to the original basis for engines without an INT2 kernel that
+// attend in the model's own basis: x = x_rot * U in fp32 from the decoded values, rounded to
+// nearest even. U is the inverse of the rows' rotation M (M^T: rotations are orthogonal), D x D
+// fp32 row-major, 16-byte aligned.
+[[nodiscard]] absl::Status DequantizeToOriginalBf16(const QuantConfig& cfg, const PagedKvView& kv,
+                                                    const SequenceBatch& batch, KvTensor tensor,
+                                                    const float* unrotation, uint16_t* out,
+                                                    uint32_t* error_word, Stream stream);
+
 // Waits for `stream`, reads the device error word, resets it to 0 and turns it into a status:
 // OK, InvalidArgument (non-finite row), OutOfRange (scale/min overflow, bad block id), or the
 // CUDA error of the stream.

@@ -169,7 +169,9 @@ void RunCase(const Case& c) {
   DeviceArray<uint16_t> d_rows(row_values);
   DeviceArray<uint16_t> d_rotated(row_values);
   DeviceArray<uint16_t> d_dequant(row_values);
+  DeviceArray<uint16_t> d_original(row_values);
   DeviceArray<float> d_rotation(static_cast<size_t>(d) * d);
+  DeviceArray<float> d_unrotation(static_cast<size_t>(d) * d);
   DeviceArray<uint32_t> d_err(1);
   ASSERT_NE(pool.get(), nullptr);
   CUDA_ASSERT(d_offsets.Upload(plan.row_offsets));
@@ -198,6 +200,11 @@ void RunCase(const Case& c) {
       ASSERT_TRUE(set.ok()) << set.status();
       matrix = set->Matrix(0, t);
       CUDA_ASSERT(d_rotation.Upload(matrix));
+      std::vector<float> transposed(matrix.size());
+      for (int i = 0; i < d; ++i) {
+        for (int j = 0; j < d; ++j) transposed[j * d + i] = matrix[i * d + j];
+      }
+      CUDA_ASSERT(d_unrotation.Upload(transposed));
     }
     // Poison the pool so that unwritten bytes are visible.
     CUDA_ASSERT(cudaMemset(pool.get(), 0xa5, pool.size()));
@@ -208,10 +215,18 @@ void RunCase(const Case& c) {
     ASSERT_TRUE(DequantizeToBf16(cfg, kv, batch, t, d_dequant.get(), d_err.get(), nullptr).ok());
     const absl::Status dequant = TakeCodecErrors(d_err.get(), nullptr);
     ASSERT_TRUE(dequant.ok()) << dequant;
+    if (c.rotate) {
+      ASSERT_TRUE(DequantizeToOriginalBf16(cfg, kv, batch, t, d_unrotation.get(), d_original.get(),
+                                           d_err.get(), nullptr)
+                      .ok());
+      const absl::Status back = TakeCodecErrors(d_err.get(), nullptr);
+      ASSERT_TRUE(back.ok()) << back;
+    }
 
     const std::vector<uint8_t> blocks = pool.Download();
     const std::vector<uint16_t> rotated = d_rotated.Download();
     const std::vector<uint16_t> dequantized = d_dequant.Download();
+    const std::vector<uint16_t> original = d_original.Download();
     ASSERT_EQ(blocks.size(), pool.size());
 
     // 1. Rotation: within BF16 rounding of a float64 rotation.
@@ -268,6 +283,18 @@ void RunCase(const Case& c) {
           for (int i = 0; i < d; ++i) {
             ASSERT_EQ(dequantized[base + i], Bf16::FromFloat(decoded[i]).bits)
                 << "row " << r << " head " << h << " dim " << i;
+          }
+          // 4. Back in the original basis: decoded * M^T, within BF16 rounding.
+          if (c.rotate) {
+            double max_abs = 0;
+            for (int j = 0; j < d; ++j) max_abs = std::max(max_abs, std::fabs(double{decoded[j]}));
+            for (int i = 0; i < d; ++i) {
+              double ref = 0;
+              for (int j = 0; j < d; ++j) ref += double{decoded[j]} * matrix[i * d + j];
+              const float got = Bf16::FromBits(original[base + i]).ToFloat();
+              ASSERT_NEAR(got, ref, std::fabs(ref) * (1.0 / 128) + 1e-5 * max_abs)
+                  << "original basis: row " << r << " head " << h << " dim " << i;
+            }
           }
         }
       }

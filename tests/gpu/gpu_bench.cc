@@ -127,7 +127,13 @@ void BenchCodec(cudaStream_t stream, double copy_gbs) {
   int32_t* d_first = Upload(std::vector<int32_t>{0});
   auto set = RotationSet::RandomizedHadamard(1, kD, 11);
   Check(set.status(), "rotation");
-  float* rotation = Upload(set->Matrix(0, KvTensor::kKey));
+  const std::vector<float> m_k = set->Matrix(0, KvTensor::kKey);
+  float* rotation = Upload(m_k);
+  std::vector<float> m_k_t(m_k.size());  // M^T: the dequantization back to the original basis
+  for (int i = 0; i < kD; ++i) {
+    for (int j = 0; j < kD; ++j) m_k_t[j * kD + i] = m_k[i * kD + j];
+  }
+  float* unrotation = Upload(m_k_t);
   uint32_t* err = DeviceAlloc<uint32_t>(1);
   Check(cudaMemset(err, 0, 4), "memset");
   uint16_t* out = DeviceAlloc<uint16_t>(rows_per_set);
@@ -174,7 +180,22 @@ void BenchCodec(cudaStream_t stream, double copy_gbs) {
   std::printf("%-34s %10.1f us  %8.1f GB/s out\n", "dequantize_to_bf16", us,
               g_results.back().value);
   Check(TakeCodecErrors(err, stream), "codec errors");
-  for (void* p : std::vector<void*>{rows, pool, d_table, d_offsets, d_first, rotation, err, out}) {
+  // The same rows back in the original basis (x_rot * M^T on the CUDA cores).
+  const double back_us = TimeUs(stream, 5, 40, [&](int i) {
+    const int s = i % kSets;
+    Check(DequantizeToOriginalBf16(cfg, kv, batch_for(s), KvTensor::kKey, unrotation, out, err,
+                                   stream),
+          "dequant original");
+  });
+  g_results.push_back(
+      {"dequantize_to_bf16_original_basis", "{\"Hkv\": 8, \"D\": 128, \"tokens\": 65536}",
+       in_bytes / (back_us * 1e-6) / 1e9, "GB/s of BF16 output", "copy_bandwidth_GBs", copy_gbs,
+       in_bytes / (back_us * 1e-6) / 1e9 / copy_gbs});
+  std::printf("%-34s %10.1f us  %8.1f GB/s out\n", "dequantize_to_bf16_original_basis", back_us,
+              g_results.back().value);
+  Check(TakeCodecErrors(err, stream), "codec errors");
+  for (void* p : std::vector<void*>{rows, pool, d_table, d_offsets, d_first, rotation, unrotation,
+                                    err, out}) {
     cudaFree(p);
   }
 }
