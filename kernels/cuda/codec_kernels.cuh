@@ -48,6 +48,26 @@ __device__ __forceinline__ void LoadLaneFloats(const float* __restrict__ src, in
   }
 }
 
+// A row times a D x D row-major fp32 matrix, in fp32: the row is staged in the warp's shared
+// memory (xs[0, head_dim)), lane l gets out dims [l e_count, (l + 1) e_count) (lanes read
+// consecutive columns of each matrix row).
+template <int kMaxE, bool kStatic>
+__device__ __forceinline__ void WarpRowTimesMatrix(const float* xs, const float* __restrict__ m,
+                                                   int head_dim, int e_count, float (&acc)[kMaxE]) {
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int e = 0; e < kMaxE; ++e) acc[e] = 0.f;
+  const float* m_col = m + lane * e_count;
+#pragma unroll 4
+  for (int i = 0; i < head_dim; ++i) {
+    float v[kMaxE];
+    LoadLaneFloats<kMaxE, kStatic>(m_col + static_cast<int64_t>(i) * head_dim, e_count, v);
+    const float xi = xs[i];
+#pragma unroll
+    for (int e = 0; e < kMaxE; ++e) acc[e] = __fmaf_rn(xi, v[e], acc[e]);
+  }
+}
+
 template <int kD>
 __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
     ArrivalKernel(const ArrivalParams p) {
@@ -88,17 +108,7 @@ __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
     }
     __syncwarp();
     float acc[kMaxE];
-#pragma unroll
-    for (int e = 0; e < kMaxE; ++e) acc[e] = 0.f;
-    const float* m_col = p.rotation + lane * e_count;
-#pragma unroll 4
-    for (int i = 0; i < head_dim; ++i) {
-      float m[kMaxE];
-      LoadLaneFloats<kMaxE, kStatic>(m_col + static_cast<int64_t>(i) * head_dim, e_count, m);
-      const float xi = xs[i];
-#pragma unroll
-      for (int e = 0; e < kMaxE; ++e) acc[e] = __fmaf_rn(xi, m[e], acc[e]);
-    }
+    WarpRowTimesMatrix<kMaxE, kStatic>(xs, p.rotation, head_dim, e_count, acc);
 #pragma unroll
     for (int e = 0; e < kMaxE; ++e) bits[e] = e < e_count ? FloatToBf16Bits(acc[e]) : 0;
   }
@@ -163,20 +173,7 @@ __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
       if (e < e_count) xs[lane * e_count + e] = values[e];
     }
     __syncwarp();
-    float acc[kMaxE];
-#pragma unroll
-    for (int e = 0; e < kMaxE; ++e) acc[e] = 0.f;
-    const float* u_col = p.unrotation + lane * e_count;
-#pragma unroll 4
-    for (int jj = 0; jj < head_dim; ++jj) {
-      float u[kMaxE];
-      LoadLaneFloats<kMaxE, kStatic>(u_col + static_cast<int64_t>(jj) * head_dim, e_count, u);
-      const float xj = xs[jj];
-#pragma unroll
-      for (int e = 0; e < kMaxE; ++e) acc[e] = __fmaf_rn(xj, u[e], acc[e]);
-    }
-#pragma unroll
-    for (int e = 0; e < kMaxE; ++e) values[e] = acc[e];
+    WarpRowTimesMatrix<kMaxE, kStatic>(xs, p.unrotation, head_dim, e_count, values);
   }
   uint16_t* dst = p.out + row_head * head_dim + lane * e_count;
 #pragma unroll
