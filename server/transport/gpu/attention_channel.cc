@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
-#include "server/transport/gpu/nccl_channel.h"  // DisableNvlinkMulticast
+#include "server/transport/gpu/nccl_channel.h"  // DisableNvlinkMulticast, AwaitCommSettled
 #include "server/transport/gpu/poll_backoff.h"
 #include "spdlog/spdlog.h"
 
@@ -244,17 +244,10 @@ absl::Status AttentionChannel::Failed(absl::Status why) {
 }
 
 absl::Status AttentionChannel::Settle(absl::Time deadline) {
-  PollBackoff backoff;
-  while (true) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state);
-    if (r != ncclSuccess) state = r;
-    if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return Failed(NcclError(state, "NCCL (the peer failed or left)"));
-    if (stop_.load()) return Failed(absl::OkStatus());
-    if (absl::Now() > deadline) return Failed(absl::DeadlineExceededError("NCCL call timed out"));
-    backoff.Pause();  // a 10 us sleep cost ~60 us of timer slack on every call
-  }
+  const absl::Status s = AwaitCommSettled(
+      comm_, deadline, [this] { return stop_.load(); }, "NCCL call timed out");
+  if (s.ok()) return s;
+  return Failed(absl::IsCancelled(s) ? absl::OkStatus() : s);  // stopped: Close's own status
 }
 
 absl::Status AttentionChannel::WaitEvent(absl::Time deadline) {

@@ -41,6 +41,14 @@ namespace kvpool::server {
 // NCCL use; kvpoold also calls it at start.
 void DisableNvlinkMulticast();
 
+// Polls the non-blocking communicator `comm` (an ncclComm_t) until its posted operations are
+// enqueued: OK; UNAVAILABLE when its peer failed or left; CANCELLED when `stop` returns true;
+// DEADLINE_EXCEEDED (`timeout_message`) at `deadline`. Never aborts it: the channels do, each
+// with its own accounting.
+[[nodiscard]] absl::Status AwaitCommSettled(void* comm, absl::Time deadline,
+                                            const std::function<bool()>& stop,
+                                            const char* timeout_message);
+
 // Joins a two-rank non-blocking NCCL communicator as rank 1 on GPU `device` (the client, rank 0,
 // joins with the same ncclUniqueId), polling until it is up; aborts it and gives up after
 // `timeout` (DeadlineExceeded) or once `cancelled()` (Cancelled). With `blocking_ops` both ranks
