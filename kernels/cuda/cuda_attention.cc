@@ -32,7 +32,8 @@ constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
 
 struct Plan {
   int group = 0;
-  bool hist_v2 = false;  // INT2 history kernel version 2
+  bool hist_v2 = false;        // INT2 history kernel version 2
+  bool hist_q_shared = false;  // version 2 with the query fragments in shared memory
   int history_chunks = 0;
   int history_chunk_tokens = kChunkQuantum;
   int bf16_chunks = 0;
@@ -99,7 +100,7 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
 // Resident CTAs per SM of one attention kernel (0: INT2 history, 1: BF16 tiers, 2: INT2 history
 // version 2), cached.
 absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, int which) {
-  static std::atomic<int> cache[2][2][3] = {};
+  static std::atomic<int> cache[2][2][4] = {};
   std::atomic<int>& slot = cache[d == 128 ? 1 : 0][two_tiles ? 1 : 0][which];
   int n = slot.load(std::memory_order_relaxed);
   if (n > 0) return n;
@@ -182,6 +183,13 @@ bool OverlapTiers() {
   return v == nullptr || std::string_view(v) != "0";
 }
 
+// KVPOOL_ATTN_QSMEM=1: the version 2 history kernel keeps the queries' MMA fragments in shared
+// memory (5 CTAs per SM instead of 4; for A/B runs).
+bool QueriesInSharedMemory() {
+  const char* v = std::getenv("KVPOOL_ATTN_QSMEM");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
 bool UsePdl() {
   const char* v = std::getenv("KVPOOL_ATTN_PDL");
   return v == nullptr || std::string_view(v) != "0";
@@ -199,6 +207,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   Plan p;
   p.group = s.q_heads / kv_heads;
   p.hist_v2 = p.group <= 8 && !HistoryV1();
+  p.hist_q_shared = p.hist_v2 && QueriesInSharedMemory();
   const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
   if (LegacySplit()) {
     // The first version: about four CTAs per SM; chunks of at least 128 tokens.
@@ -230,7 +239,10 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
       p.bf16_chunk_tokens = b.chunk_tokens;
     }
     if (s.max_history_tokens > 0) {
-      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, p.hist_v2 ? 2 : 0));
+      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles,
+                                                          p.hist_q_shared ? 3
+                                                          : p.hist_v2     ? 2
+                                                                          : 0));
       const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
                                   2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
                                   p.hist_v2 ? kV2Quantum : kChunkQuantum);
@@ -334,6 +346,7 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.bf16_after_history =
       p.use_pdl != 0 && plan.history_chunks > 0 && plan.bf16_chunks > 0 && OverlapTiers() ? 1 : 0;
   p.hist_v2 = plan.hist_v2 ? 1 : 0;
+  p.hist_q_shared = plan.hist_q_shared ? 1 : 0;
   {
     // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment
     // (K codes, V codes, K meta, V meta) is laid out exactly like a stage, 16-byte aligned.

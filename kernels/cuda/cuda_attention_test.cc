@@ -446,8 +446,9 @@ TEST_F(CudaAttentionTest, MixedBatchHead128Group8) {
 }
 
 // The selectable paths of the INT2 history (cuda_attention.cc): the first kernel
-// (KVPOOL_ATTN_HIST=v1) and version 2 filling its ring with ordinary loads (KVPOOL_ATTN_BULK=0);
-// the default (version 2 with asynchronous copies for 16-aligned histories) runs everywhere else.
+// (KVPOOL_ATTN_HIST=v1), version 2 filling its ring with ordinary loads (KVPOOL_ATTN_BULK=0) and
+// version 2 with the queries' fragments in shared memory (KVPOOL_ATTN_QSMEM=1); the default
+// (version 2 with asynchronous copies for 16-aligned histories) runs everywhere else.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
@@ -471,7 +472,8 @@ void RunScenarioUnderEach(const Scenario& sc,
 TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
   Scenario sc;
   sc.seqs = std::vector<SeqSpec>{{64, 1000, 256}, {64, 37, 300}, {64, 2100, 263}};
-  RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_HIST", "v1"}, {"KVPOOL_ATTN_BULK", "0"}});
+  RunScenarioUnderEach(
+      sc, {{"KVPOOL_ATTN_HIST", "v1"}, {"KVPOOL_ATTN_BULK", "0"}, {"KVPOOL_ATTN_QSMEM", "1"}});
 }
 
 // The BF16 tier kernel before the INT2 history (KVPOOL_ATTN_OVERLAP=0) instead of beside it,
@@ -756,6 +758,11 @@ TEST_F(CudaAttentionTest, Batch32At128K) { CheckBatch32At128K(); }
 
 TEST_F(CudaAttentionTest, Batch32At128KHistoryVersion1) {
   ScopedEnv env("KVPOOL_ATTN_HIST", "v1");
+  CheckBatch32At128K();
+}
+
+TEST_F(CudaAttentionTest, Batch32At128KQueriesInSharedMemory) {
+  ScopedEnv env("KVPOOL_ATTN_QSMEM", "1");
   CheckBatch32At128K();
 }
 

@@ -1078,11 +1078,12 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
   if (err == cudaSuccess && p.history_chunks > 0) {
     const dim3 grid(p.history_chunks, p.kv_heads, p.num_seqs);
     if (kGroupTiles == 1 && p.hist_v2 != 0) {
-      err = p.scale_is_bf16 != 0
-                ? LaunchAttentionKernel(Int2HistoryKernelV2<kD, true>, grid, kAttnThreads, pdl, p,
-                                        stream, kV2SmemBytes<kD>)
-                : LaunchAttentionKernel(Int2HistoryKernelV2<kD, false>, grid, kAttnThreads, pdl, p,
-                                        stream, kV2SmemBytes<kD>);
+      auto kernel = p.scale_is_bf16 != 0
+                        ? (p.hist_q_shared != 0 ? Int2HistoryKernelV2<kD, true, true>
+                                                : Int2HistoryKernelV2<kD, true, false>)
+                        : (p.hist_q_shared != 0 ? Int2HistoryKernelV2<kD, false, true>
+                                                : Int2HistoryKernelV2<kD, false, false>);
+      err = LaunchAttentionKernel(kernel, grid, kAttnThreads, pdl, p, stream, kV2SmemBytes<kD>);
     } else {
       err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>, grid, kAttnThreads, pdl, p,
                                   stream);
@@ -1109,8 +1110,11 @@ int AttentionCtasPerSm(int which) {
   } else if (which == 1) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Bf16TierKernel<kD, kGroupTiles>,
                                                         kAttnThreads, 0);
+  } else if (which == 2) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false, false>,
+                                                        kAttnThreads, kV2SmemBytes<kD>);
   } else {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false>,
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false, true>,
                                                         kAttnThreads, kV2SmemBytes<kD>);
   }
   return err == cudaSuccess ? n : -static_cast<int>(err);

@@ -44,8 +44,11 @@ inline constexpr float kLazyMargin = 6.f;             // log2 units a logit may 
 
 template <int kD>
 inline constexpr int kV2TileBytes = 2 * 16 * (kD / 4) + 2 * 64;  // K, V codes + K, V meta
+inline constexpr int kV2EntrySlots = 8;  // pairs of block-table entries per warp ring
 template <int kD>
-inline constexpr int kV2SmemBytes = 4 * kV2Stages* kV2TileBytes<kD>;
+inline constexpr int kV2QOffset = 4 * kV2Stages* kV2TileBytes<kD> + 4 * kV2EntrySlots * 8;
+template <int kD>
+inline constexpr int kV2SmemBytes = kV2QOffset<kD> + (kD / 16) * 32 * 16;  // + A fragments of Q
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -57,6 +60,25 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint64_
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst),
                "l"(src), "l"(policy)
                : "memory");
+}
+
+// The same copy when `pred` holds, else nothing (a predicated instruction, no branch).
+__device__ __forceinline__ void CpAsync16If(bool pred, uint32_t dst, const void* src,
+                                            uint64_t policy) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
+      " @p cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n}\n" ::"r"(dst),
+      "l"(src), "l"(policy), "r"(static_cast<int>(pred))
+      : "memory");
+}
+
+// 4-byte global -> shared copy when `pred` holds (block-table entries).
+__device__ __forceinline__ void CpAsync4If(bool pred, uint32_t dst, const void* src) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], "
+      "4;\n}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(pred))
+      : "memory");
 }
 
 __device__ __forceinline__ void CpAsyncCommit() {
@@ -107,8 +129,11 @@ __device__ __forceinline__ float MetaHi(uint32_t w) {
 
 // 3. INT2 history, version 2. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk sizes
 // are multiples of kV2Quantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
-template <int kD, bool kBf16>
-__global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const AttentionParams p) {
+// kQShared: the A fragments of the queries live in shared memory (one LDS.128 per k-step and
+// pair of tiles) instead of 32 registers, for 5 CTAs (20 warps) per SM instead of 4.
+template <int kD, bool kBf16, bool kQShared>
+__global__ void __launch_bounds__(kAttnThreads, kQShared ? 5 : 4)
+    Int2HistoryKernelV2(const AttentionParams p) {
   constexpr int kRow = kD / 4;  // code bytes per row
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
@@ -145,44 +170,50 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
 
   // Asynchronous copies (hist_bulk: blocks of 16 tokens whose head segment is laid out like a
   // stage): 16-byte chunk c = lane + 32 j of tile e of pair k is byte 16 c of the segment of
-  // block table[(first + w0) / 16 + 8 k + e].
+  // block E[k][e] = table[(first + w0) / 16 + 8 k + e]. Every copy is a predicated instruction
+  // (no branches in the loop). The entries themselves also arrive by asynchronous copies, into a
+  // per-warp ring of kV2EntrySlots pairs in shared memory: E[k + kS] travels in the commit group
+  // of pair k + kS / 2, which the loop waits for before it needs E[k + kS]. (Loading them into
+  // registers one pair ahead, as before, made ptxas wait for that load at the top of the next
+  // iteration: 16 % of the stall samples at batch 32 x 128K, ncu.)
   constexpr int kChunks = kTile / 16;
   constexpr int kChunksPerLane = (kChunks + kWarpSize - 1) / kWarpSize;
+  constexpr int kER = kV2EntrySlots;
+  static_assert(kER >= kS / 2 + 1 && kER >= kS - kS / 2, "entry ring too small");
   const uint8_t* seg_lane =
       p.int2_pool + static_cast<int64_t>(kv_head) * geo.head_segment_bytes + 16 * lane;
   uint32_t dst_lane = ring_addr + 16 * lane;
   const int32_t* pair_table = table + ((first + w0) >> 4);
+  const int32_t* entries =
+      reinterpret_cast<const int32_t*>(v2_smem + 4 * kS * kTile) + warp * 2 * kER;
+  const uint32_t entries_addr = SmemAddress(entries);
   const uint64_t policy = EvictFirstPolicy();
   // Kept in registers (ptxas otherwise recomputes them from the thread index every tile).
   PinRegister(seg_lane);
   PinRegister(dst_lane);
   PinRegister(pair_table);
-  // Block ids of pair k's two tiles (every lane loads them: one broadcast load each).
-  auto table_entries = [&](int k, int(&blk)[2]) {
+  auto tile_present = [&](int k, int e) { return k < n_pairs && pair_start(k) + 16 * e < c1; };
+  // Copies of pair k (blocks blk0, blk1) into its stages; no commit.
+  auto copy_pair = [&](int k, int blk0, int blk1) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      blk[e] = k < n_pairs && pair_start(k) + 16 * e < c1 ? __ldg(pair_table + 8 * k + e) : 0;
-    }
-  };
-  // Copies of pair k into its stages, then one commit group (empty past the last pair).
-  auto issue = [&](int k, const int(&blk)[2]) {
-    if (k < n_pairs) {
+      const bool present = tile_present(k, e);
+      const uint8_t* src = seg_lane + static_cast<int64_t>(e == 0 ? blk0 : blk1) * geo.block_bytes;
+      const uint32_t dst = dst_lane + ((2 * k + e) % kS) * kTile;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (pair_start(k) + 16 * e < c1) {
-          const uint8_t* src = seg_lane + static_cast<int64_t>(blk[e]) * geo.block_bytes;
-          const uint32_t dst = dst_lane + ((2 * k + e) % kS) * kTile;
-#pragma unroll
-          for (int j = 0; j < kChunksPerLane; ++j) {
-            if (kChunks % kWarpSize == 0 || j + 1 < kChunksPerLane ||
-                lane + kWarpSize * j < kChunks) {
-              CpAsync16(dst + 16 * kWarpSize * j, src + 16 * kWarpSize * j, policy);
-            }
-          }
-        }
+      for (int j = 0; j < kChunksPerLane; ++j) {
+        const bool lane_has =
+            kChunks % kWarpSize == 0 || j + 1 < kChunksPerLane || lane + kWarpSize * j < kChunks;
+        CpAsync16If(present && lane_has, dst + 16 * kWarpSize * j, src + 16 * kWarpSize * j,
+                    policy);
       }
     }
-    CpAsyncCommit();
+  };
+  // E[k] into its ring slot (lanes 0 and 1; no commit).
+  auto copy_entries = [&](int k) {
+    const int e = lane & 1;
+    CpAsync4If(lane < 2 && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
+               pair_table + 8 * k + e);
   };
   // Ordinary fill of one tile (tokens [ts, ts + 16), zeros past c1): lane (token, half) copies
   // the K (half 0) or V (half 1) code row and meta word of one token.
@@ -212,13 +243,24 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   // written by earlier, completed stream work), the other kS / 2 - 1 right after the rotated
   // queries' loads: loads queue behind the copies already in flight, and with all kS / 2 pairs
   // ahead of them the queries' first use was 7-11 % of the stall samples (ncu, B = 8 x 32K and
-  // 1 x 128K).
-  int blk_next[2] = {0, 0};
+  // 1 x 128K). Entries E[0 .. kS/2 - 1] are loaded directly; E[kS/2 .. kS - 1] travel with pair
+  // 0 (lanes 0 .. kS - 1).
   int blk[kS / 2][2];
   if (bulk) {
 #pragma unroll
-    for (int k = 0; k < kS / 2; ++k) table_entries(k, blk[k]);
-    issue(0, blk[0]);
+    for (int k = 0; k < kS / 2; ++k) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        blk[k][e] = tile_present(k, e) ? __ldg(pair_table + 8 * k + e) : 0;
+    }
+    copy_pair(0, blk[0][0], blk[0][1]);
+    {
+      const int k = kS / 2 + lane / 2;
+      const int e = lane & 1;
+      CpAsync4If(lane < kS && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
+                 pair_table + 8 * k + e);
+    }
+    CpAsyncCommit();
   }
   GridDependencyWait();
   LaunchDependents();
@@ -247,8 +289,10 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     }
     if (bulk) {  // the rest of the prologue, behind the queries' loads
 #pragma unroll
-      for (int k = 1; k < kS / 2; ++k) issue(k, blk[k]);
-      table_entries(kS / 2, blk_next);
+      for (int k = 1; k < kS / 2; ++k) {
+        copy_pair(k, blk[k][0], blk[k][1]);
+        CpAsyncCommit();
+      }
     }
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
@@ -265,6 +309,18 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     // logit (log2) = gamma * v2 with v2 = s_k * (q'.c) + m_k * beta_g.
     gamma = valid ? 16777216.f * p.softmax_scale_log2 / qs : 1.f;
     beta_g = valid ? q_sum * qs * (1.f / 16777216.f) : 0.f;
+  }
+  // Every warp holds the same fragments: warp 0 publishes them.
+  const uint8_t* q_frag = v2_smem + kV2QOffset<kD> + 16 * lane;
+  if constexpr (kQShared) {
+    if (warp == 0) {
+#pragma unroll
+      for (int j = 0; j < kKSteps; ++j) {
+        *reinterpret_cast<uint4*>(v2_smem + kV2QOffset<kD> + 16 * (32 * j + lane)) =
+            make_uint4(qa[j][0], qa[j][1], qa[j][2], qa[j][3]);
+      }
+    }
+    __syncthreads();
   }
 
   float mo = kNegInf;   // reference of p = exp2(logit - mo) for query g; quad-uniform
@@ -329,13 +385,24 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     for (int j = 0; j < kKSteps; ++j) {
       const int w = j / 4;
       const int i0 = 2 * (j % 4);
+      uint32_t qj[4];
+      if constexpr (kQShared) {
+        const uint4 v = LoadShared<uint4>(q_frag + 512 * j);
+        qj[0] = v.x;
+        qj[1] = v.y;
+        qj[2] = v.z;
+        qj[3] = v.w;
+      } else {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) qj[r] = qa[j][r];
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const uint32_t bk[2] = {ExtractCodesAt(kw[e][nt][w], i0),
                                   ExtractCodesAt(kw[e][nt][w], i0 + 1)};
-          MmaF16(s[e][nt], qa[j], bk);
+          MmaF16(s[e][nt], qj, bk);
         }
       }
     }
@@ -426,34 +493,41 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     }
   };
 
+  auto stage = [&](int k) { return ring + ((2 * k) % kS) * kTile; };
+  if (bulk) {
+    // Full pairs: no masks, no branches but the loop's. Groups of pairs 0 .. k + kS/2 - 1 are
+    // committed: all but the kS/2 - 1 newest are done, so pair k and E[k + kS/2] are in.
+    const int n_full =
+        c1 > w0 ? min(n_pairs, (c1 - w0 + kV2Quantum - kV2PairTokens) / kV2Quantum) : 0;
 #pragma unroll 1
-  for (int k = 0; k < n_pairs; ++k) {
-    const int start = pair_start(k);
-    const int st0 = (2 * k) % kS;
-    const bool has1 = start + 16 < c1;
-    uint8_t* sb0 = ring + st0 * kTile;
-    uint8_t* sb1 = sb0 + kTile;
-    if (bulk) {
-      // Groups of pairs 0 .. k + kS/2 - 1 are committed: all but the kS/2 - 1 newest are done.
+    for (int k = 0; k < n_full; ++k) {
       CpAsyncWait<kS / 2 - 1>();
       __syncwarp();
-    } else {
-      __syncwarp();
-      fill(start, sb0);
-      if (has1) fill(start + 16, sb1);
-      __syncwarp();
-    }
-    if (start + kV2PairTokens <= c1) {
-      compute(sb0, sb1, start, std::false_type{});
-    } else {
-      compute(sb0, sb1, start, std::true_type{});
-    }
-    if (bulk) {
+      compute(stage(k), stage(k) + kTile, pair_start(k), std::false_type{});
       // Every lane's reads of this pair's stages were consumed above; refill them with pair
-      // k + kS/2.
+      // k + kS/2, and fetch the entries of pair k + kS.
       __syncwarp();
-      issue(k + kS / 2, blk_next);
-      table_entries(k + kS / 2 + 1, blk_next);
+      const int kn = k + kS / 2;
+      const int2 e = *reinterpret_cast<const int2*>(entries + 2 * (kn % kER));
+      copy_pair(kn, e.x, e.y);
+      copy_entries(kn + kS / 2);
+      CpAsyncCommit();
+    }
+    if (n_full < n_pairs) {  // the last pair, partial (its group is the oldest pending)
+      CpAsyncWait<kS / 2 - 1>();
+      __syncwarp();
+      compute(stage(n_full), stage(n_full) + kTile, pair_start(n_full), std::true_type{});
+    }
+    CpAsyncWait<0>();  // nothing is still in flight when the ring is reused below
+  } else {
+#pragma unroll 1
+    for (int k = 0; k < n_pairs; ++k) {
+      const int start = pair_start(k);
+      __syncwarp();
+      fill(start, stage(k));
+      if (start + 16 < c1) fill(start + 16, stage(k) + kTile);
+      __syncwarp();
+      compute(stage(k), stage(k) + kTile, start, std::true_type{});
     }
   }
 

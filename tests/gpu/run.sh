@@ -6,9 +6,11 @@
 # tests/gpu/package.sh built on the CPU machine (.gpu-carry/bundle.tar.xz, carried with the
 # call), so nothing needs gRPC, protobuf, Abseil or UCX packages here.
 #
-#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|transport|attention]
+#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|transport|attention|
+#                          ab|profile]
 #
-# (default: all). `transport` needs the two-GPU kind (nvidia-h200-x2): the GPU data plane
+# (default: all). `ab` compares the decode attention of this bundle with a base bundle
+# (.gpu-carry-base, carried too); `profile` runs Nsight Compute on the attention kernels. `transport` needs the two-GPU kind (nvidia-h200-x2): the GPU data plane
 # (NCCL and CUDA IPC ingest beside raw NCCL and a peer copy, the three-transport check, the
 # killed-prefill fault test, and remote attention over NCCL beside gRPC and the kernel, which
 # `attention` runs alone); neither is part of `all`.
@@ -150,6 +152,63 @@ if [ "$MODE" = transport ]; then
   echo
   grep -E "^check|^fault" "$OUT/transport.log"
   sed -n '/^gpu-transport benchmark/,$p' "$OUT/transport.log" | head -n 40
+fi
+if [ "$MODE" = ab ]; then
+  # Same-machine A/B of the decode attention: the benchmark of this bundle and of a base bundle
+  # (.gpu-carry-base/bundle.tar.xz, packed from the commit to compare against), and of this
+  # bundle under each AB_VARIANTS setting (space separated VAR=VALUE), AB_ROUNDS (2) times each,
+  # interleaved; the mean of the rounds is printed per shape.
+  BASE=${TMPDIR:-/tmp}/kvpool-gpu-base
+  rm -rf "$BASE" && mkdir -p "$BASE" && tar -C "$BASE" -xJf .gpu-carry-base/bundle.tar.xz
+  ROUNDS=$(seq 1 "${AB_ROUNDS:-2}")
+  for r in $ROUNDS; do
+    step "benchmark new ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-bench" --skip-codec \
+      --out "$OUT/ab-new-$r.json"
+    step "benchmark base ($r)" "$OUT/ab.log" env LD_LIBRARY_PATH="$BASE/lib:$LD_LIBRARY_PATH" \
+      "$BASE/bin/kvpool-gpu-bench" --skip-codec --out "$OUT/ab-base-$r.json"
+    for v in ${AB_VARIANTS:-}; do
+      step "benchmark $v ($r)" "$OUT/ab.log" env "$v" "$BIN/kvpool-gpu-bench" --skip-codec \
+        --out "$OUT/ab-$v-$r.json"
+    done
+  done
+  python3 - "$OUT" "${AB_ROUNDS:-2}" base new ${AB_VARIANTS:-} <<'PY'
+import json, sys, statistics
+out, rounds, tags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def load(tag):
+    runs = []
+    for r in range(1, rounds + 1):
+        rows = {}
+        for x in json.load(open(f"{out}/ab-{tag}-{r}.json"))["results"]:
+            if x["name"] == "int2_decode_attention":
+                p = x["params"]
+                rows[(p["model"], p["batch"], p["context"])] = x["value"]
+        runs.append(rows)
+    return {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+res = {t: load(t) for t in tags}
+print(f"{'model':10s} {'B':>3s} {'ctx':>7s} " + " ".join(f"{t[-14:]:>14s}" for t in tags) + "  (us; ratio to base)")
+for k in sorted(res["base"]):
+    b = res["base"][k]
+    cells = [f"{b:14.1f}"] + [f"{res[t][k]:7.1f} {res[t][k] / b:6.3f}" for t in tags[1:]]
+    print(f"{k[0]:10s} {k[1]:3d} {k[2]:7d} " + " ".join(cells))
+PY
+fi
+if [ "$MODE" = profile ]; then
+  # Nsight Compute on one decode step's kernels at each shape of PROFILE_SHAPES (model:batch:ctx,
+  # space separated), clocks left alone: per-kernel details (speed of light, warp states,
+  # scheduler, occupancy, memory) and the INT2 history kernel's per-instruction stall samples.
+  KERNELS='regex:RotateQueries|Bf16Tier|Int2History|MergeKernel'
+  for shape in ${PROFILE_SHAPES:-llama70b:32:131072 llama70b:8:32768 llama70b:1:131072 smollm2:8:32768}; do
+    IFS=: read -r model batch ctx <<<"$shape"
+    rep=$OUT/prof-$model-$batch-$ctx
+    step "ncu $shape" "$OUT/profile.log" ncu --clock-control none -k "$KERNELS" -s 40 -c 4 \
+      --set full -f -o "$rep" "$BIN/kvpool-gpu-bench" --skip-codec --model "$model" \
+      --batch "$batch" --context "$ctx" --out /tmp/prof.json
+    ncu -i "$rep.ncu-rep" --page details --csv >"$rep-details.csv" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass -k regex:Int2History \
+      >"$rep-source.csv" 2>&1
+    rm -f "$rep.ncu-rep"
+  done
+  (cd "$OUT" && tar -cJf profile-csv.tar.xz prof-*.csv && rm -f prof-*.csv)
 fi
 if [ "$MODE" = transport ] || [ "$MODE" = attention ]; then
   # Remote attention over a persistent NCCL channel (decode worker on GPU 0, kvpoold on GPU 1)
