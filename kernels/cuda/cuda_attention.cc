@@ -32,8 +32,8 @@ constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
 
 struct Plan {
   int group = 0;
-  bool hist_v2 = false;        // INT2 history kernel version 2
-  bool hist_q_shared = false;  // version 2 with the query fragments in shared memory
+  bool hist_v2 = false;   // INT2 history kernel version 2
+  int merge_version = 2;  // MergeVersion
   int history_chunks = 0;
   int history_chunk_tokens = kChunkQuantum;
   int bf16_chunks = 0;
@@ -100,7 +100,7 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
 // Resident CTAs per SM of one attention kernel (0: INT2 history, 1: BF16 tiers, 2: INT2 history
 // version 2), cached.
 absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, int which) {
-  static std::atomic<int> cache[2][2][4] = {};
+  static std::atomic<int> cache[2][2][3] = {};
   std::atomic<int>& slot = cache[d == 128 ? 1 : 0][two_tiles ? 1 : 0][which];
   int n = slot.load(std::memory_order_relaxed);
   if (n > 0) return n;
@@ -170,10 +170,18 @@ bool UseBulkCopies() {
   return v == nullptr || std::string_view(v) != "0";
 }
 
-// KVPOOL_ATTN_MERGE=v1 selects the first merge kernel (a CTA per KV head; for A/B runs).
-bool MergeV2() {
+// The merge kernel: version 3 (a CTA per KV head group, reading M_V once per group; groups of
+// up to 8) once there are at least as many groups as SMs, else version 2 (a CTA per query head:
+// more CTAs for small batches). H200 A/B: batch 32 x 8K 108.0 -> 98.7 us and 32 x 128K 859 ->
+// 844 with version 3, but batch 1 x 8K 30.0 -> 35.6 and batch 8 x 32K 85.9 -> 87.4.
+// KVPOOL_ATTN_MERGE=v1|v2|v3 forces one (for A/B runs).
+int MergeVersion(int group, int64_t groups, int sms) {
   const char* v = std::getenv("KVPOOL_ATTN_MERGE");
-  return v == nullptr || std::string_view(v) != "v1";
+  if (v != nullptr && std::string_view(v) == "v1") return 1;
+  if (v != nullptr && std::string_view(v) == "v2") return 2;
+  if (group > 8) return 2;
+  if (v != nullptr && std::string_view(v) == "v3") return 3;
+  return groups >= sms ? 3 : 2;
 }
 
 // KVPOOL_ATTN_OVERLAP=0 runs the BF16 tier kernel before the INT2 history kernel, as it was,
@@ -181,13 +189,6 @@ bool MergeV2() {
 bool OverlapTiers() {
   const char* v = std::getenv("KVPOOL_ATTN_OVERLAP");
   return v == nullptr || std::string_view(v) != "0";
-}
-
-// KVPOOL_ATTN_QSMEM=1: the version 2 history kernel keeps the queries' MMA fragments in shared
-// memory (5 CTAs per SM instead of 4; for A/B runs).
-bool QueriesInSharedMemory() {
-  const char* v = std::getenv("KVPOOL_ATTN_QSMEM");
-  return v != nullptr && std::string_view(v) == "1";
 }
 
 bool UsePdl() {
@@ -207,8 +208,8 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   Plan p;
   p.group = s.q_heads / kv_heads;
   p.hist_v2 = p.group <= 8 && !HistoryV1();
-  p.hist_q_shared = p.hist_v2 && QueriesInSharedMemory();
   const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
+  p.merge_version = MergeVersion(p.group, pairs, sms);
   if (LegacySplit()) {
     // The first version: about four CTAs per SM; chunks of at least 128 tokens.
     const int64_t per_seq =
@@ -239,10 +240,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
       p.bf16_chunk_tokens = b.chunk_tokens;
     }
     if (s.max_history_tokens > 0) {
-      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles,
-                                                          p.hist_q_shared ? 3
-                                                          : p.hist_v2     ? 2
-                                                                          : 0));
+      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, p.hist_v2 ? 2 : 0));
       const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
                                   2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
                                   p.hist_v2 ? kV2Quantum : kChunkQuantum);
@@ -342,11 +340,10 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.out = io.out;
   p.lse = io.lse;
   p.use_pdl = UsePdl() ? 1 : 0;
-  p.merge_v2 = MergeV2() ? 1 : 0;
+  p.merge_version = plan.merge_version;
   p.bf16_after_history =
       p.use_pdl != 0 && plan.history_chunks > 0 && plan.bf16_chunks > 0 && OverlapTiers() ? 1 : 0;
   p.hist_v2 = plan.hist_v2 ? 1 : 0;
-  p.hist_q_shared = plan.hist_q_shared ? 1 : 0;
   {
     // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment
     // (K codes, V codes, K meta, V meta) is laid out exactly like a stage, 16-byte aligned.

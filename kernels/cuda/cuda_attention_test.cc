@@ -446,8 +446,8 @@ TEST_F(CudaAttentionTest, MixedBatchHead128Group8) {
 }
 
 // The selectable paths of the INT2 history (cuda_attention.cc): the first kernel
-// (KVPOOL_ATTN_HIST=v1), version 2 filling its ring with ordinary loads (KVPOOL_ATTN_BULK=0) and
-// version 2 with the queries' fragments in shared memory (KVPOOL_ATTN_QSMEM=1); the default
+// (KVPOOL_ATTN_HIST=v1) and version 2 filling its ring with ordinary loads (KVPOOL_ATTN_BULK=0);
+// the default
 // (version 2 with asynchronous copies for 16-aligned histories) runs everywhere else.
 class ScopedEnv {
  public:
@@ -472,8 +472,7 @@ void RunScenarioUnderEach(const Scenario& sc,
 TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
   Scenario sc;
   sc.seqs = std::vector<SeqSpec>{{64, 1000, 256}, {64, 37, 300}, {64, 2100, 263}};
-  RunScenarioUnderEach(
-      sc, {{"KVPOOL_ATTN_HIST", "v1"}, {"KVPOOL_ATTN_BULK", "0"}, {"KVPOOL_ATTN_QSMEM", "1"}});
+  RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_HIST", "v1"}, {"KVPOOL_ATTN_BULK", "0"}});
 }
 
 // The BF16 tier kernel before the INT2 history (KVPOOL_ATTN_OVERLAP=0) instead of beside it,
@@ -484,17 +483,25 @@ TEST_F(CudaAttentionTest, TiersInSequence) {
   RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_OVERLAP", "0"}, {"KVPOOL_ATTN_PDL", "0"}});
 }
 
-// The first merge kernel (KVPOOL_ATTN_MERGE=v1, a CTA per KV head) still merges what the
-// default (a CTA per query head) does, for both head sizes.
-TEST_F(CudaAttentionTest, MergeVersion1) {
-  ScopedEnv env("KVPOOL_ATTN_MERGE", "v1");
-  Scenario sc;
-  sc.seqs = {{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
-  RunScenario(sc);
-  sc.head_dim = 64;
-  sc.q_heads = 9;
-  sc.kv_heads = 3;
-  RunScenario(sc);
+// The other merge kernels (KVPOOL_ATTN_MERGE=v1, a CTA per KV head with version 1's phases; v3,
+// a CTA per KV head group reading M_V once) merge what version 2 (a CTA per query head) does,
+// for both head sizes, groups of 8, 4 and 3, and an identity rotation.
+TEST_F(CudaAttentionTest, MergeVersions1And3) {
+  for (const char* version : {"v1", "v3"}) {
+    ScopedEnv env("KVPOOL_ATTN_MERGE", version);
+    Scenario sc;
+    sc.seqs = {{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
+    RunScenario(sc);
+    sc.q_heads = 8;  // group 4
+    RunScenario(sc);
+    sc.rotate = false;
+    RunScenario(sc);
+    sc.rotate = true;
+    sc.head_dim = 64;
+    sc.q_heads = 9;
+    sc.kv_heads = 3;
+    RunScenario(sc);
+  }
 }
 
 // D = 64 through version 2's asynchronous copies (sequence 0 starts at slot 0), both scale
@@ -758,11 +765,6 @@ TEST_F(CudaAttentionTest, Batch32At128K) { CheckBatch32At128K(); }
 
 TEST_F(CudaAttentionTest, Batch32At128KHistoryVersion1) {
   ScopedEnv env("KVPOOL_ATTN_HIST", "v1");
-  CheckBatch32At128K();
-}
-
-TEST_F(CudaAttentionTest, Batch32At128KQueriesInSharedMemory) {
-  ScopedEnv env("KVPOOL_ATTN_QSMEM", "1");
   CheckBatch32At128K();
 }
 

@@ -5,7 +5,8 @@
 //                            a power-of-two scale of every rotated query.
 //   2. Bf16TierKernel        attention over the BF16 sink + recent tokens, split in chunks.
 //   3. Int2HistoryKernel     attention over the INT2 history, split-K in chunks.
-//   4. MergeKernel           exact log-sum-exp merge of all chunks, o = o' * M_V^T.
+//   4. MergeKernel           exact log-sum-exp merge of all chunks, o = o' * M_V^T (version 2:
+//                            a CTA per query head; version 3, merge_v3.cuh: a CTA per group).
 // Every chunk CTA writes a normalized partial output and its log2-sum-exp (-inf when empty),
 // so no scratch needs clearing.
 //
@@ -1035,6 +1036,12 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
   }
 }
 
+}  // namespace kvpool::cuda::internal
+
+#include "kernels/cuda/merge_v3.cuh"  // IWYU pragma: keep
+
+namespace kvpool::cuda::internal {
+
 // Launches `kernel` on `grid`; with `pdl`, as a programmatic dependent of the previous kernel on
 // the stream (it may start while that one runs; GridDependencyWait orders the data).
 template <typename Kernel>
@@ -1078,11 +1085,8 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
   if (err == cudaSuccess && p.history_chunks > 0) {
     const dim3 grid(p.history_chunks, p.kv_heads, p.num_seqs);
     if (kGroupTiles == 1 && p.hist_v2 != 0) {
-      auto kernel = p.scale_is_bf16 != 0
-                        ? (p.hist_q_shared != 0 ? Int2HistoryKernelV2<kD, true, true>
-                                                : Int2HistoryKernelV2<kD, true, false>)
-                        : (p.hist_q_shared != 0 ? Int2HistoryKernelV2<kD, false, true>
-                                                : Int2HistoryKernelV2<kD, false, false>);
+      auto kernel =
+          p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true> : Int2HistoryKernelV2<kD, false>;
       err = LaunchAttentionKernel(kernel, grid, kAttnThreads, pdl, p, stream, kV2SmemBytes<kD>);
     } else {
       err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>, grid, kAttnThreads, pdl, p,
@@ -1091,10 +1095,14 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
   }
   if (p.bf16_after_history != 0) bf16_tiers();
   if (err == cudaSuccess) {
-    err = p.merge_v2 != 0
-              ? LaunchAttentionKernel(MergeKernelV2<kD>, dim3(p.q_heads, p.num_seqs),
-                                      kMergeV2Threads, pdl, p, stream)
-              : LaunchAttentionKernel(MergeKernel<kD>, groups, kMergeThreads, pdl, p, stream);
+    if (kGroupTiles == 1 && p.merge_version == 3) {
+      err = LaunchAttentionKernel(MergeKernelV3<kD>, groups, kMergeV3Threads, pdl, p, stream);
+    } else if (p.merge_version == 1) {
+      err = LaunchAttentionKernel(MergeKernel<kD>, groups, kMergeThreads, pdl, p, stream);
+    } else {
+      err = LaunchAttentionKernel(MergeKernelV2<kD>, dim3(p.q_heads, p.num_seqs), kMergeV2Threads,
+                                  pdl, p, stream);
+    }
   }
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
@@ -1110,11 +1118,8 @@ int AttentionCtasPerSm(int which) {
   } else if (which == 1) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Bf16TierKernel<kD, kGroupTiles>,
                                                         kAttnThreads, 0);
-  } else if (which == 2) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false, false>,
-                                                        kAttnThreads, kV2SmemBytes<kD>);
   } else {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false, true>,
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false>,
                                                         kAttnThreads, kV2SmemBytes<kD>);
   }
   return err == cudaSuccess ? n : -static_cast<int>(err);

@@ -46,9 +46,7 @@ template <int kD>
 inline constexpr int kV2TileBytes = 2 * 16 * (kD / 4) + 2 * 64;  // K, V codes + K, V meta
 inline constexpr int kV2EntrySlots = 8;  // pairs of block-table entries per warp ring
 template <int kD>
-inline constexpr int kV2QOffset = 4 * kV2Stages* kV2TileBytes<kD> + 4 * kV2EntrySlots * 8;
-template <int kD>
-inline constexpr int kV2SmemBytes = kV2QOffset<kD> + (kD / 16) * 32 * 16;  // + A fragments of Q
+inline constexpr int kV2SmemBytes = 4 * kV2Stages* kV2TileBytes<kD> + 4 * kV2EntrySlots * 8;
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -129,11 +127,8 @@ __device__ __forceinline__ float MetaHi(uint32_t w) {
 
 // 3. INT2 history, version 2. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk sizes
 // are multiples of kV2Quantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
-// kQShared: the A fragments of the queries live in shared memory (one LDS.128 per k-step and
-// pair of tiles) instead of 32 registers, for 5 CTAs (20 warps) per SM instead of 4.
-template <int kD, bool kBf16, bool kQShared>
-__global__ void __launch_bounds__(kAttnThreads, kQShared ? 5 : 4)
-    Int2HistoryKernelV2(const AttentionParams p) {
+template <int kD, bool kBf16>
+__global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const AttentionParams p) {
   constexpr int kRow = kD / 4;  // code bytes per row
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
@@ -310,18 +305,6 @@ __global__ void __launch_bounds__(kAttnThreads, kQShared ? 5 : 4)
     gamma = valid ? 16777216.f * p.softmax_scale_log2 / qs : 1.f;
     beta_g = valid ? q_sum * qs * (1.f / 16777216.f) : 0.f;
   }
-  // Every warp holds the same fragments: warp 0 publishes them.
-  const uint8_t* q_frag = v2_smem + kV2QOffset<kD> + 16 * lane;
-  if constexpr (kQShared) {
-    if (warp == 0) {
-#pragma unroll
-      for (int j = 0; j < kKSteps; ++j) {
-        *reinterpret_cast<uint4*>(v2_smem + kV2QOffset<kD> + 16 * (32 * j + lane)) =
-            make_uint4(qa[j][0], qa[j][1], qa[j][2], qa[j][3]);
-      }
-    }
-    __syncthreads();
-  }
 
   float mo = kNegInf;   // reference of p = exp2(logit - mo) for query g; quad-uniform
   float lim = kNegInf;  // mo + kLazyMargin
@@ -385,24 +368,13 @@ __global__ void __launch_bounds__(kAttnThreads, kQShared ? 5 : 4)
     for (int j = 0; j < kKSteps; ++j) {
       const int w = j / 4;
       const int i0 = 2 * (j % 4);
-      uint32_t qj[4];
-      if constexpr (kQShared) {
-        const uint4 v = LoadShared<uint4>(q_frag + 512 * j);
-        qj[0] = v.x;
-        qj[1] = v.y;
-        qj[2] = v.z;
-        qj[3] = v.w;
-      } else {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) qj[r] = qa[j][r];
-      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const uint32_t bk[2] = {ExtractCodesAt(kw[e][nt][w], i0),
                                   ExtractCodesAt(kw[e][nt][w], i0 + 1)};
-          MmaF16(s[e][nt], qj, bk);
+          MmaF16(s[e][nt], qa[j], bk);
         }
       }
     }

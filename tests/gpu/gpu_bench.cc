@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -335,12 +336,20 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         variants.push_back("tiers_in_sequence");
       }
       for (const std::string& variant : variants) {
-        if (variant == "no_pdl") setenv("KVPOOL_ATTN_PDL", "0", 1);
-        if (variant == "legacy_split") setenv("KVPOOL_ATTN_SPLIT", "legacy", 1);
-        if (variant == "hist_v1") setenv("KVPOOL_ATTN_HIST", "v1", 1);
-        if (variant == "ordinary_loads") setenv("KVPOOL_ATTN_BULK", "0", 1);
-        if (variant == "merge_v1") setenv("KVPOOL_ATTN_MERGE", "v1", 1);
-        if (variant == "tiers_in_sequence") setenv("KVPOOL_ATTN_OVERLAP", "0", 1);
+        // A variant sets one knob for its own row; the caller's environment (an A/B run's
+        // setting) is back for the next row.
+        const std::pair<const char*, const char*> knob =
+            variant == "no_pdl"           ? std::pair{"KVPOOL_ATTN_PDL", "0"}
+            : variant == "legacy_split"   ? std::pair{"KVPOOL_ATTN_SPLIT", "legacy"}
+            : variant == "hist_v1"        ? std::pair{"KVPOOL_ATTN_HIST", "v1"}
+            : variant == "ordinary_loads" ? std::pair{"KVPOOL_ATTN_BULK", "0"}
+            : variant == "merge_v1"       ? std::pair{"KVPOOL_ATTN_MERGE", "v1"}
+            : variant == "tiers_in_sequence"
+                ? std::pair{"KVPOOL_ATTN_OVERLAP", "0"}
+                : std::pair<const char*, const char*>{nullptr, nullptr};
+        const char* saved_value = knob.first != nullptr ? std::getenv(knob.first) : nullptr;
+        const std::string saved = saved_value != nullptr ? saved_value : "";
+        if (knob.first != nullptr) setenv(knob.first, knob.second, 1);
         auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
         Check(ws_bytes.status(), "workspace");
         uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
@@ -383,12 +392,13 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         std::fflush(stdout);
         for (auto g : graphs) cudaGraphExecDestroy(g);
         cudaFree(ws);
-        unsetenv("KVPOOL_ATTN_PDL");
-        unsetenv("KVPOOL_ATTN_SPLIT");
-        unsetenv("KVPOOL_ATTN_HIST");
-        unsetenv("KVPOOL_ATTN_BULK");
-        unsetenv("KVPOOL_ATTN_MERGE");
-        unsetenv("KVPOOL_ATTN_OVERLAP");
+        if (knob.first != nullptr) {
+          if (saved_value != nullptr) {
+            setenv(knob.first, saved.c_str(), 1);
+          } else {
+            unsetenv(knob.first);
+          }
+        }
       }
       for (void* p : std::vector<void*>{d_hist, d_sink, d_recent, d_zero, d_hist_n, d_sink_n,
                                         d_recent_n, q, out, lse}) {

@@ -85,7 +85,7 @@ if [ "$MODE" = all ] || [ "$MODE" = sanitize ]; then
   step "memcheck attention test" "$OUT/sanitize.log" $CS --tool memcheck \
     "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="-$SLOW:*OneHot*"
   step "racecheck attention test" "$OUT/sanitize.log" $CS --tool racecheck \
-    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="*MixedBatch*:*Group16*:*Empty*:*HistoryVersion1*:*MergeVersion1*:*TiersInSequence*"
+    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="*MixedBatch*:*Group16*:*Empty*:*HistoryVersion1*:*MergeVersions*:*TiersInSequence*"
   step "racecheck codec test" "$OUT/sanitize.log" $CS --tool racecheck "$BIN/cuda_codec_test" \
     --gtest_color=no --gtest_filter="*Int2Head128*:*LloydMax*"
 fi
@@ -199,7 +199,7 @@ if [ "$MODE" = profile ]; then
   KERNELS='regex:RotateQueries|Bf16Tier|Int2History|MergeKernel'
   for shape in ${PROFILE_SHAPES:-llama70b:32:131072 llama70b:8:32768 llama70b:1:131072 smollm2:8:32768}; do
     IFS=: read -r model batch ctx <<<"$shape"
-    rep=$OUT/prof-$model-$batch-$ctx
+    rep=$OUT/prof${PROFILE_TAG:+-$PROFILE_TAG}-$model-$batch-$ctx
     step "ncu $shape" "$OUT/profile.log" ncu --clock-control none -k "$KERNELS" -s 40 -c 4 \
       --set full -f -o "$rep" "$BIN/kvpool-gpu-bench" --skip-codec --model "$model" \
       --batch "$batch" --context "$ctx" --out /tmp/prof.json
@@ -208,7 +208,8 @@ if [ "$MODE" = profile ]; then
       >"$rep-source.csv" 2>&1
     rm -f "$rep.ncu-rep"
   done
-  (cd "$OUT" && tar -cJf profile-csv.tar.xz prof-*.csv && rm -f prof-*.csv)
+  (cd "$OUT" && tar -cJf "profile${PROFILE_TAG:+-$PROFILE_TAG}-csv.tar.xz" prof-*.csv &&
+    rm -f prof-*.csv)
 fi
 if [ "$MODE" = transport ] || [ "$MODE" = attention ]; then
   # Remote attention over a persistent NCCL channel (decode worker on GPU 0, kvpoold on GPU 1)

@@ -1,0 +1,189 @@
+// Merge, version 3 (included by decode_attention.cuh after kMaxParts; GQA groups of up to 8).
+//
+// One CTA per (KV head, sequence) merges all of the group's query heads, so each CTA reads the
+// output rotation M_V once for up to 8 heads. Version 2 (a CTA per query head) read its 64 KB
+// M_V per head: at batch 32 that is 134 MB through L2 for a merge that moves ~2 MB of partial
+// results, and the merge took 25 us there (ncu; 11.5 us at batch 8 x 32K). Every phase keeps
+// its loads independent (no chains of L2 round trips):
+//   a. warp n < group: weights w_k = exp2(lse_k - max) / sum of query n's parts (parts spread
+//      over the lanes, warp shuffles), and the merged LSE;
+//   b. thread (slice, query, float4 column) sums w_k * part_k over parts k = slice, slice +
+//      slices, ... ; the slices are added in a fixed order through shared memory;
+//   c. out[n][j] = sum_i o'[n][i] * M_V[j][i]: warp w takes rows j of M_V (a coalesced row per
+//      load, prefetched into L1 before the grid-dependency wait), its lanes run along i, and the
+//      8 queries' partial dots are reduced by a halving butterfly (9 shuffles per row, not 40).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/attention_params.h"
+#include "kernels/cuda/device_common.cuh"
+
+namespace kvpool::cuda::internal {
+
+inline constexpr int kMergeV3Threads = 256;
+inline constexpr int kMergeV3MaxGroup = 8;
+
+// Halving butterfly: lane l holds partial sums d[0..7] of 8 queries; afterwards d[0] of lane l
+// is the warp's total for query (l >> 2) & 7 (each step keeps half of the queries and adds the
+// partner lane's sums of the same half).
+__device__ __forceinline__ float ReduceEightOverWarp(float (&d)[kMergeV3MaxGroup], int lane) {
+#pragma unroll
+  for (int width = kMergeV3MaxGroup / 2, mask = 16; width >= 1; width /= 2, mask /= 2) {
+    const bool upper = (lane & mask) != 0;
+#pragma unroll
+    for (int q = 0; q < width; ++q) {
+      const float keep = upper ? d[q + width] : d[q];
+      const float send = upper ? d[q] : d[q + width];
+      d[q] = keep + __shfl_xor_sync(kFullMask, send, mask);
+    }
+  }
+  d[0] += __shfl_xor_sync(kFullMask, d[0], 2);
+  d[0] += __shfl_xor_sync(kFullMask, d[0], 1);
+  return d[0];
+}
+
+// Grid (kv_heads, num_seqs), kMergeV3Threads threads; p.group <= kMergeV3MaxGroup.
+template <int kD>
+__global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const AttentionParams p) {
+  constexpr int kWarps = kMergeV3Threads / kWarpSize;
+  constexpr int kVec = kD / 4;               // float4 columns of a row (phase b)
+  constexpr int kPerLane = kD / kWarpSize;   // dims i of a lane (phase c)
+  constexpr int kRowsPerWarp = kD / kWarps;  // rows j of M_V per warp (phase c)
+  constexpr int kLsePerLane = kMaxParts / kWarpSize;
+  static_assert(kPerLane == 2 || kPerLane == 4, "head dim 64 or 128");
+  __shared__ float wts[kMergeV3MaxGroup][kMaxParts];
+  __shared__ __align__(16) float o_rot[kMergeV3MaxGroup][kD];
+  __shared__ __align__(16) float4 slice_acc[kMergeV3Threads];
+  __shared__ float out_s[kMergeV3MaxGroup][kD];
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int group = p.group;
+  const int parts = p.num_parts;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * p.q_heads + blockIdx.x * group;
+
+  // M_V rows of this warp into L1 while the attention kernels still run (constant input).
+  const float* mv_rows = p.rotation_v == nullptr
+                             ? nullptr
+                             : p.rotation_v + static_cast<int64_t>(warp) * kRowsPerWarp * kD;
+  if (mv_rows != nullptr) {
+    constexpr int kLines = kRowsPerWarp * kD * 4 / 128;
+    for (int l = lane; l < kLines; l += kWarpSize) {
+      asm volatile("prefetch.global.L1 [%0];\n" ::"l"(mv_rows + 32 * l));
+    }
+  }
+  GridDependencyWait();
+
+  // a. Weights and LSE of query `warp`.
+  if (warp < group) {
+    const int64_t row = row0 + warp;
+    float v[kLsePerLane];
+    float m = kNegInf;
+#pragma unroll
+    for (int r = 0; r < kLsePerLane; ++r) {
+      const int k = lane + kWarpSize * r;
+      v[r] = k < parts ? p.part_lse[row * parts + k] : kNegInf;
+      m = fmaxf(m, v[r]);
+    }
+    for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    float l = 0.f;
+#pragma unroll
+    for (int r = 0; r < kLsePerLane; ++r) {
+      v[r] = m != kNegInf ? exp2f(v[r] - m) : 0.f;
+      l += v[r];
+    }
+    for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int r = 0; r < kLsePerLane; ++r) {
+      const int k = lane + kWarpSize * r;
+      if (k < parts) wts[warp][k] = v[r] * inv;
+    }
+    if (lane == 0) p.lse[row] = m == kNegInf ? kNegInf : (m + log2f(l)) * 0.69314718055994531f;
+  }
+  __syncthreads();
+
+  // b. o'[n] = sum_k w[n][k] part_k[n], thread (slice, n, c).
+  const int items = group * kVec;
+  const int slices = max(1, kMergeV3Threads / items);
+  {
+    const int slice = tid / items;
+    const int item = tid % items;
+    const int n = item / kVec;
+    const int c = item % kVec;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (slice < slices) {
+      const float4* src = reinterpret_cast<const float4*>(p.part_out + (row0 + n) * parts * kD) + c;
+#pragma unroll 8
+      for (int k = slice; k < parts; k += slices) {
+        const float w = wts[n][k];
+        const float4 x = __ldg(src + static_cast<int64_t>(k) * kVec);
+        acc.x = __fmaf_rn(w, x.x, acc.x);
+        acc.y = __fmaf_rn(w, x.y, acc.y);
+        acc.z = __fmaf_rn(w, x.z, acc.z);
+        acc.w = __fmaf_rn(w, x.w, acc.w);
+      }
+    }
+    slice_acc[tid] = acc;
+  }
+  __syncthreads();
+  for (int item = tid; item < items; item += kMergeV3Threads) {
+    float4 o = slice_acc[item];
+    for (int s = 1; s < slices; ++s) {
+      const float4 x = slice_acc[s * items + item];
+      o.x += x.x;
+      o.y += x.y;
+      o.z += x.z;
+      o.w += x.w;
+    }
+    *reinterpret_cast<float4*>(&o_rot[item / kVec][4 * (item % kVec)]) = o;
+  }
+  __syncthreads();
+
+  float* out = p.out + row0 * kD;
+  if (mv_rows == nullptr) {
+    for (int idx = tid; idx < group * kD; idx += kMergeV3Threads)
+      out[idx] = o_rot[idx / kD][idx % kD];
+    return;
+  }
+  // c. Un-rotation: lane dims i = kPerLane * lane + [0, kPerLane).
+  float o[kMergeV3MaxGroup][kPerLane];
+#pragma unroll
+  for (int n = 0; n < kMergeV3MaxGroup; ++n) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) o[n][e] = n < group ? o_rot[n][kPerLane * lane + e] : 0.f;
+  }
+  const int my_query = (lane >> 2) & 7;
+#pragma unroll 4
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    float mv[kPerLane];
+    if constexpr (kPerLane == 4) {
+      const float4 x = __ldg(reinterpret_cast<const float4*>(mv_rows + r * kD) + lane);
+      mv[0] = x.x;
+      mv[1] = x.y;
+      mv[2] = x.z;
+      mv[3] = x.w;
+    } else {
+      const float2 x = __ldg(reinterpret_cast<const float2*>(mv_rows + r * kD) + lane);
+      mv[0] = x.x;
+      mv[1] = x.y;
+    }
+    float d[kMergeV3MaxGroup];
+#pragma unroll
+    for (int n = 0; n < kMergeV3MaxGroup; ++n) {
+      d[n] = o[n][0] * mv[0];
+#pragma unroll
+      for (int e = 1; e < kPerLane; ++e) d[n] = __fmaf_rn(o[n][e], mv[e], d[n]);
+    }
+    const float total = ReduceEightOverWarp(d, lane);
+    if ((lane & 3) == 0 && my_query < group) out_s[my_query][warp * kRowsPerWarp + r] = total;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < group * kD; idx += kMergeV3Threads)
+    out[idx] = out_s[idx / kD][idx % kD];
+}
+
+}  // namespace kvpool::cuda::internal
