@@ -51,6 +51,7 @@ struct AttentionParams {
   int32_t use_pdl;             // 1: kernels 2-4 are programmatic dependent launches
   int32_t hist_v2;             // 1: INT2 history kernel version 2 (groups <= 8), chunks of 128
   int32_t hist_bulk;           // 1: version 2 fills its ring with asynchronous copies
+  int32_t hist_narrow;         // 1: version 2 in the narrow layout (groups of up to 4)
   int32_t merge_version;       // 1, 2 (a CTA per query head) or 3 (a CTA per KV head group)
   int32_t bf16_after_history;  // 1: the BF16 tier kernel runs beside the INT2 history (PDL)
 };
@@ -62,8 +63,8 @@ template <int kD, int kGroupTiles>
 int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream);
 
 // Resident CTAs per SM of the INT2 history kernel (which = 0), the BF16 tier kernel (1) or the
-// INT2 history kernel version 2 (2, kGroupTiles = 1 only), from the occupancy calculator; a
-// negative cudaError_t value on failure.
+// INT2 history kernel version 2 (2; 3 in the narrow layout; kGroupTiles = 1 only), from the
+// occupancy calculator; a negative cudaError_t value on failure.
 template <int kD, int kGroupTiles>
 int AttentionCtasPerSm(int which);
 

@@ -32,8 +32,9 @@ constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
 
 struct Plan {
   int group = 0;
-  bool hist_v2 = false;   // INT2 history kernel version 2
-  int merge_version = 2;  // MergeVersion
+  bool hist_v2 = false;      // INT2 history kernel version 2
+  bool hist_narrow = false;  // version 2 in the narrow layout (groups of up to 4)
+  int merge_version = 2;     // MergeVersion
   int history_chunks = 0;
   int history_chunk_tokens = kChunkQuantum;
   int bf16_chunks = 0;
@@ -98,9 +99,9 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
 }
 
 // Resident CTAs per SM of one attention kernel (0: INT2 history, 1: BF16 tiers, 2: INT2 history
-// version 2), cached.
+// version 2, 3: version 2 in the narrow layout), cached.
 absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, int which) {
-  static std::atomic<int> cache[2][2][3] = {};
+  static std::atomic<int> cache[2][2][4] = {};
   std::atomic<int>& slot = cache[d == 128 ? 1 : 0][two_tiles ? 1 : 0][which];
   int n = slot.load(std::memory_order_relaxed);
   if (n > 0) return n;
@@ -127,8 +128,9 @@ struct Split {
   int chunk_tokens = kChunkQuantum;
 };
 
+// max_chunk (0: none) bounds the chunk length where max_chunks allows it.
 Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int max_chunks,
-                  int quantum = kChunkQuantum) {
+                  int quantum = kChunkQuantum, int max_chunk = 0) {
   constexpr double kCtaOverheadTokens = 256;  // prologue + partial write, in token-equivalents
   constexpr double kPartCostTokens = 2;       // merge work per part
   Split best;
@@ -140,6 +142,7 @@ Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int
     const int chunk = std::max(min_chunk, RoundUp((tokens + c - 1) / c, quantum));
     const int64_t actual = (tokens + chunk - 1) / chunk;
     if (actual > max_chunks) continue;
+    if (max_chunk > 0 && chunk > max_chunk && c < c_max) continue;
     const int64_t waves = (pairs * actual + cap - 1) / cap;
     const double cost = static_cast<double>(waves) * (chunk + kCtaOverheadTokens) +
                         static_cast<double>(actual) * kPartCostTokens;
@@ -150,6 +153,17 @@ Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int
     }
   }
   return best;
+}
+
+// Longest INT2 history chunk (tokens per CTA; KVPOOL_ATTN_MAX_CHUNK overrides, 0 = none). The
+// tensor cores add each MMA's products into the fp32 accumulator with truncation below the
+// accumulator's ulp, so sum (P s) c is biased low by ~2^-24 x (tokens per accumulator) per
+// product, and the output, where sum p min and sum (P s) c nearly cancel, amplifies that: at batch
+// 32 x 128K (65K tokens per CTA, 16K per warp) the worst sampled output error was 0.0096-0.0121
+// against the 1e-2 bound, 0.0010 with chunks of ~7K tokens (H200, cuda_attention_test).
+int MaxHistoryChunkTokens() {
+  const char* v = std::getenv("KVPOOL_ATTN_MAX_CHUNK");
+  return v != nullptr ? std::max(0, std::atoi(v)) : 16384;
 }
 
 bool LegacySplit() {
@@ -191,6 +205,14 @@ bool OverlapTiers() {
   return v == nullptr || std::string_view(v) != "0";
 }
 
+// Groups of up to 4 take the version 2 history kernel's narrow layout (tokens on the MMA M
+// dimension: no empty MMA rows or softmax lanes); KVPOOL_ATTN_NARROW=0 keeps the wide one (for A/B
+// runs).
+bool NarrowLayout() {
+  const char* v = std::getenv("KVPOOL_ATTN_NARROW");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
 bool UsePdl() {
   const char* v = std::getenv("KVPOOL_ATTN_PDL");
   return v == nullptr || std::string_view(v) != "0";
@@ -208,6 +230,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   Plan p;
   p.group = s.q_heads / kv_heads;
   p.hist_v2 = p.group <= 8 && !HistoryV1();
+  p.hist_narrow = p.hist_v2 && p.group <= 4 && NarrowLayout();
   const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
   p.merge_version = MergeVersion(p.group, pairs, sms);
   if (LegacySplit()) {
@@ -240,10 +263,13 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
       p.bf16_chunk_tokens = b.chunk_tokens;
     }
     if (s.max_history_tokens > 0) {
-      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, p.hist_v2 ? 2 : 0));
+      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles,
+                                                          p.hist_narrow ? 3
+                                                          : p.hist_v2   ? 2
+                                                                        : 0));
       const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
                                   2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
-                                  p.hist_v2 ? kV2Quantum : kChunkQuantum);
+                                  p.hist_v2 ? kV2Quantum : kChunkQuantum, MaxHistoryChunkTokens());
       p.history_chunks = h.chunks;
       p.history_chunk_tokens = h.chunk_tokens;
     }
@@ -344,6 +370,7 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.bf16_after_history =
       p.use_pdl != 0 && plan.history_chunks > 0 && plan.bf16_chunks > 0 && OverlapTiers() ? 1 : 0;
   p.hist_v2 = plan.hist_v2 ? 1 : 0;
+  p.hist_narrow = plan.hist_narrow ? 1 : 0;
   {
     // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment
     // (K codes, V codes, K meta, V meta) is laid out exactly like a stage, 16-byte aligned.

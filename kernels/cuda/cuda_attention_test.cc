@@ -446,8 +446,8 @@ TEST_F(CudaAttentionTest, MixedBatchHead128Group8) {
 }
 
 // The selectable paths of the INT2 history (cuda_attention.cc): the first kernel
-// (KVPOOL_ATTN_HIST=v1) and version 2 filling its ring with ordinary loads (KVPOOL_ATTN_BULK=0);
-// the default
+// (KVPOOL_ATTN_HIST=v1), version 2 filling its ring with ordinary loads (KVPOOL_ATTN_BULK=0) and,
+// for groups of up to 4, version 2 in the wide layout (KVPOOL_ATTN_NARROW=0); the default
 // (version 2 with asynchronous copies for 16-aligned histories) runs everywhere else.
 class ScopedEnv {
  public:
@@ -473,6 +473,13 @@ TEST_F(CudaAttentionTest, HistoryVersion1AndOrdinaryLoads) {
   Scenario sc;
   sc.seqs = std::vector<SeqSpec>{{64, 1000, 256}, {64, 37, 300}, {64, 2100, 263}};
   RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_HIST", "v1"}, {"KVPOOL_ATTN_BULK", "0"}});
+  // Groups of 4 and 3: the narrow layout (default) with ordinary loads, and the wide layout.
+  sc.q_heads = 8;
+  RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_BULK", "0"}, {"KVPOOL_ATTN_NARROW", "0"}});
+  sc.head_dim = 64;
+  sc.q_heads = 9;
+  sc.kv_heads = 3;
+  RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_BULK", "0"}, {"KVPOOL_ATTN_NARROW", "0"}});
 }
 
 // The BF16 tier kernel before the INT2 history (KVPOOL_ATTN_OVERLAP=0) instead of beside it,
@@ -575,9 +582,10 @@ TEST_F(CudaAttentionTest, OneHotOnFirstAndLastTokenOfEachTier) {
 // quantized on the GPU; a sample of (sequence, head) pairs is checked against float64. The
 // output bound is 1e-2 relative for every history kernel (run 3: version 2 with fp16 P and the
 // min term on the tensor cores reached 0.019 here while shorter tests stayed near 1e-4).
-void CheckBatch32At128K() {
+// q_heads 64 (groups of 8: the wide layout) or 32 (groups of 4: the narrow layout).
+void CheckBatch32At128K(int q_heads = 64) {
   constexpr int kB = 32, kHistory = 128 * 1024, kSink = 64, kRecent = 256;
-  constexpr int kHq = 64, kHkv = 8, kD = 128, kT = 16;
+  constexpr int kHkv = 8, kD = 128, kT = 16;
   QuantConfig cfg;
   cfg.block_tokens = kT;
   QuantConfig bypass = cfg;
@@ -650,11 +658,11 @@ void CheckBatch32At128K() {
     const absl::Status st = TakeCodecErrors(err.get(), nullptr);
     ASSERT_TRUE(st.ok()) << st;
   }
-  DeviceArray<float> q(static_cast<size_t>(kB) * kHq * kD), out(q.size()), lse(kB * kHq);
+  DeviceArray<float> q(static_cast<size_t>(kB) * q_heads * kD), out(q.size()), lse(kB * q_heads);
   ASSERT_TRUE(cuda::testing::FillGaussianF32(q.get(), q.size(), 7, 1.0f, nullptr).ok());
   DecodeAttentionShape shape;
   shape.cfg = cfg;
-  shape.q_heads = kHq;
+  shape.q_heads = q_heads;
   shape.history_pool = PagedKvView{int2_pool.get(), int2_layout, cfg.scale_dtype,
                                    static_cast<int64_t>(kB) * hist_blocks_per_seq};
   shape.bf16_pool = PagedKvView{bf16_pool.get(), bf16_layout, cfg.scale_dtype,
@@ -688,9 +696,9 @@ void CheckBatch32At128K() {
         blocks.data(),
         int2_pool.get() + static_cast<size_t>(i) * hist_blocks_per_seq * int2_layout.block_bytes(),
         blocks.size(), cudaMemcpyDeviceToHost));
-    for (int hq : {0, 9, 63}) {
-      const int h = hq / (kHq / kHkv);
-      const float* qv = h_q.data() + (static_cast<size_t>(i) * kHq + hq) * kD;
+    for (int hq : {0, 9, q_heads - 1}) {
+      const int h = hq / (q_heads / kHkv);
+      const float* qv = h_q.data() + (static_cast<size_t>(i) * q_heads + hq) * kD;
       std::vector<double> logits;
       std::vector<std::vector<float>> vrows;
       std::vector<float> kr(kD), vr(kD);
@@ -745,7 +753,7 @@ void CheckBatch32At128K() {
         for (int j = 0; j < kD; ++j) o[j] += w * vrows[t][j];
       }
       double num = 0, den = 0;
-      const float* got = h_out.data() + (static_cast<size_t>(i) * kHq + hq) * kD;
+      const float* got = h_out.data() + (static_cast<size_t>(i) * q_heads + hq) * kD;
       for (int j = 0; j < kD; ++j) {
         o[j] /= sum;
         num += (got[j] - o[j]) * (got[j] - o[j]);
@@ -754,9 +762,10 @@ void CheckBatch32At128K() {
       const double ref_lse = mx + std::log(sum);
       const double rel = std::sqrt(num / den);
       std::printf("    seq %d head %d: relative error %.3g, lse %.6f vs %.6f\n", i, hq, rel,
-                  h_lse[i * kHq + hq], ref_lse);
+                  h_lse[i * q_heads + hq], ref_lse);
       EXPECT_LT(rel, 1e-2);
-      EXPECT_LT(std::fabs(h_lse[i * kHq + hq] - ref_lse), 1e-4 * std::max(1.0, std::fabs(ref_lse)));
+      EXPECT_LT(std::fabs(h_lse[i * q_heads + hq] - ref_lse),
+                1e-4 * std::max(1.0, std::fabs(ref_lse)));
     }
   }
 }
@@ -767,6 +776,8 @@ TEST_F(CudaAttentionTest, Batch32At128KHistoryVersion1) {
   ScopedEnv env("KVPOOL_ATTN_HIST", "v1");
   CheckBatch32At128K();
 }
+
+TEST_F(CudaAttentionTest, Batch32At128KGroup4NarrowLayout) { CheckBatch32At128K(32); }
 
 }  // namespace
 }  // namespace kvpool::cuda

@@ -1085,8 +1085,11 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
   if (err == cudaSuccess && p.history_chunks > 0) {
     const dim3 grid(p.history_chunks, p.kv_heads, p.num_seqs);
     if (kGroupTiles == 1 && p.hist_v2 != 0) {
-      auto kernel =
-          p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true> : Int2HistoryKernelV2<kD, false>;
+      auto kernel = p.hist_narrow != 0
+                        ? (p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true, true>
+                                                : Int2HistoryKernelV2<kD, false, true>)
+                        : (p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true, false>
+                                                : Int2HistoryKernelV2<kD, false, false>);
       err = LaunchAttentionKernel(kernel, grid, kAttnThreads, pdl, p, stream, kV2SmemBytes<kD>);
     } else {
       err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>, grid, kAttnThreads, pdl, p,
@@ -1119,8 +1122,10 @@ int AttentionCtasPerSm(int which) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Bf16TierKernel<kD, kGroupTiles>,
                                                         kAttnThreads, 0);
   } else {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernelV2<kD, false>,
-                                                        kAttnThreads, kV2SmemBytes<kD>);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n,
+        which == 3 ? Int2HistoryKernelV2<kD, false, true> : Int2HistoryKernelV2<kD, false, false>,
+        kAttnThreads, kV2SmemBytes<kD>);
   }
   return err == cudaSuccess ? n : -static_cast<int>(err);
 }

@@ -127,7 +127,9 @@ __device__ __forceinline__ float MetaHi(uint32_t w) {
 
 // 3. INT2 history, version 2. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk sizes
 // are multiples of kV2Quantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
-template <int kD, bool kBf16>
+// kNarrow (groups of up to 4): tokens on the MMA M dimension instead of the queries, so that no
+// MMA row and no lane's softmax work is empty for small groups (see "Narrow layout" above).
+template <int kD, bool kBf16, bool kNarrow>
 __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const AttentionParams p) {
   constexpr int kRow = kD / 4;  // code bytes per row
   constexpr int kKSteps = kD / 16;
@@ -260,23 +262,31 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   GridDependencyWait();
   LaunchDependents();
 
-  // A operand of Q * K^T for k-step j: rows g (query g, fp16 high part) and g + 8 (low part);
-  // columns 2t, 2t+1 | 2t+8, 2t+9 are the dims of codes i, i+8 | i+1, i+9 (i = 2 (j % 4)) of
-  // the lane's K word j / 4, each query dim scaled by 2^-CodePos(i) (mma.cuh).
-  uint32_t qa[kKSteps][4];
+  // Wide: A operand of Q * K^T for k-step j: rows g (query g, fp16 high part) and g + 8 (low
+  // part); columns 2t, 2t+1 | 2t+8, 2t+9 are the dims of codes i, i+8 | i+1, i+9 (i = 2 (j % 4))
+  // of the lane's K word j / 4, each query dim scaled by 2^-CodePos(i) (mma.cuh).
+  // Narrow: B operand of S^T = K Q^T for k-step j: column g is the high (g even) or low part of
+  // query g / 2, rows 2t, 2t+1 | 2t+8, 2t+9 the same dims as the wide columns.
+  // The lane's softmax query: g (wide) or t (narrow).
+  constexpr int kQRegs = kNarrow ? 2 : 4;
+  uint32_t qf[kKSteps][kQRegs];
   float gamma, beta_g;
   {
-    const bool valid = g < p.group;
-    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + g;
-    const float qs = valid ? p.q_scale[qrow] : 0.f;
-    const float q_sum = valid ? p.q_sum[qrow] : 0.f;
+    const int64_t qrow0 = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group;
+    const int fq = kNarrow ? g / 2 : g;  // query of the fragment
+    const bool f_valid = fq < p.group;
+    const int sq = kNarrow ? t : g;  // query of the softmax state
+    const bool s_valid = sq < p.group;
+    const float qs_f = f_valid ? p.q_scale[qrow0 + fq] : 0.f;
+    const float qs = s_valid ? p.q_scale[qrow0 + sq] : 0.f;
+    const float q_sum = s_valid ? p.q_sum[qrow0 + sq] : 0.f;
     // The lane's dims are t * kD/4 + [0, kD/4): kD/16 16-byte loads (32 scalar loads per lane
     // were 37 % of this kernel's stall samples at batch 1 x 8K, waiting on L1 misses).
     float q[kD / 4];
-    const float4* q4 = reinterpret_cast<const float4*>(p.q_rot + qrow * kD + t * (kD / 4));
+    const float4* q4 = reinterpret_cast<const float4*>(p.q_rot + (qrow0 + fq) * kD + t * (kD / 4));
 #pragma unroll
     for (int v = 0; v < kD / 16; ++v) {
-      const float4 x = valid ? q4[v] : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4 x = f_valid ? q4[v] : make_float4(0.f, 0.f, 0.f, 0.f);
       q[4 * v] = x.x;
       q[4 * v + 1] = x.y;
       q[4 * v + 2] = x.z;
@@ -295,21 +305,27 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
       for (int s = 0; s < 2; ++s) {
         const int i = 2 * (j % 4) + s;
         const int dim = (j / 4) * 16 + i;
-        const float f = qs / static_cast<float>(1 << CodePos(i));
-        qa[j][2 * s] = 0u;
-        qa[j][2 * s + 1] = 0u;
-        if (valid) SplitHalf2(q[dim] * f, q[dim + 8] * f, qa[j][2 * s], qa[j][2 * s + 1]);
+        const float f = qs_f / static_cast<float>(1 << CodePos(i));
+        uint32_t hi = 0u, lo = 0u;
+        if (f_valid) SplitHalf2(q[dim] * f, q[dim + 8] * f, hi, lo);
+        if constexpr (kNarrow) {
+          qf[j][s] = (g & 1) == 0 ? hi : lo;
+        } else {
+          qf[j][2 * s] = hi;
+          qf[j][2 * s + 1] = lo;
+        }
       }
     }
     // logit (log2) = gamma * v2 with v2 = s_k * (q'.c) + m_k * beta_g.
-    gamma = valid ? 16777216.f * p.softmax_scale_log2 / qs : 1.f;
-    beta_g = valid ? q_sum * qs * (1.f / 16777216.f) : 0.f;
+    gamma = s_valid ? 16777216.f * p.softmax_scale_log2 / qs : 1.f;
+    beta_g = s_valid ? q_sum * qs * (1.f / 16777216.f) : 0.f;
   }
 
-  float mo = kNegInf;   // reference of p = exp2(logit - mo) for query g; quad-uniform
+  // Softmax state of the lane's query (wide: uniform over a quad; narrow: over the lanes of one t).
+  float mo = kNegInf;   // reference of p = exp2(logit - mo)
   float lim = kNegInf;  // mo + kLazyMargin
-  float l_part = 0.f;   // lane-partial sum of p (query g)
-  float pm_part = 0.f;  // lane-partial sum of p * min_v (query g), fp32
+  float l_part = 0.f;   // lane-partial sum of p
+  float pm_part = 0.f;  // lane-partial sum of p * min_v, fp32
   float acc[kMTiles][4];
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
@@ -318,7 +334,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   }
 
   // One pair of tiles from stages sb[0], sb[1]; kMasked: tokens at or past c1 are absent.
-  auto compute = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
+  auto compute_wide = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
     const uint8_t* sb[2] = {sb0, sb1};
     uint32_t kw[2][2][kKWords];  // [tile][n-tile (tokens g | g + 8)][word]
@@ -374,7 +390,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         for (int nt = 0; nt < 2; ++nt) {
           const uint32_t bk[2] = {ExtractCodesAt(kw[e][nt][w], i0),
                                   ExtractCodesAt(kw[e][nt][w], i0 + 1)};
-          MmaF16(s[e][nt], qa[j], bk);
+          if constexpr (!kNarrow) MmaF16(s[e][nt], qf[j], bk);
         }
       }
     }
@@ -465,6 +481,141 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     }
   };
 
+  // Narrow layout: S^T [16 tokens x 8] = K [16 x D] Q^T per tile (rows g, g + 8 = tokens, columns
+  // 2t, 2t+1 = high and low part of query t), O^T [D x 8] += V^T [D x 16] (P s)^T with columns
+  // 2t, 2t+1 = high and low part of query t's P s (two fp16 terms: ~22 bits, no rounding of P s).
+  // (P s)^T comes from the S layout by one movmatrix per 8-token block.
+  auto compute_narrow = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
+    const uint8_t* sb[2] = {sb0, sb1};
+    uint32_t kw[2][2][kKWords];  // [tile][tokens g | g + 8][word]
+    uint32_t km[2][2];           // [tile][tokens g | g + 8]
+    uint32_t vm[2][2];
+    uint32_t vw[2][4];  // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint8_t* src = sb[e] + (g + 8 * r) * kRow + t * (kD / 16);
+        if constexpr (kKWords == 2) {
+          const uint2 w = LoadShared<uint2>(src);
+          kw[e][r][0] = w.x;
+          kw[e][r][1] = w.y;
+        } else {
+          kw[e][r][0] = LoadShared<uint32_t>(src);
+        }
+        km[e][r] = LoadShared<uint32_t>(sb[e] + kKmOff + 4 * (g + 8 * r));
+        vm[e][r] = LoadShared<uint32_t>(sb[e] + kVmOff + 4 * (g + 8 * r));
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* src = sb[e] + kVOff + (2 * t + (c & 1) + 8 * (c >> 1)) * kRow;
+        if constexpr (kD == 128) {
+          vw[e][c] = LoadShared<uint32_t>(src + 4 * g);
+        } else {
+          vw[e][c] = LoadShared<uint16_t>(src + 2 * g);
+        }
+      }
+    }
+    // S^T = K Q^T: two independent chains (tiles).
+    float s[2][4];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[e][k] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kKSteps; ++j) {
+      const int w = j / 4;
+      const int i0 = 2 * (j % 4);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t ak[4] = {ExtractCodesAt(kw[e][0][w], i0), ExtractCodesAt(kw[e][1][w], i0),
+                                ExtractCodesAt(kw[e][0][w], i0 + 1),
+                                ExtractCodesAt(kw[e][1][w], i0 + 1)};
+        if constexpr (kNarrow) MmaF16(s[e], ak, qf[j]);
+      }
+    }
+    // v2 per token [tile][r]: token 16 e + g + 8 r of the pair, query t.
+    float v2[2][2];
+    float mx = kNegInf;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float qc = s[e][2 * r] + s[e][2 * r + 1];
+        float v = __fmaf_rn(MetaLo<kBf16>(km[e][r]), qc, MetaHi<kBf16>(km[e][r]) * beta_g);
+        if constexpr (kMasked) {
+          const bool ok = start + 16 * e + g + 8 * r < c1;
+          v = ok ? v : kNegInf;
+          vm[e][r] = ok ? vm[e][r] : 0u;
+        }
+        v2[e][r] = v;
+        mx = fmaxf(mx, v);
+      }
+    }
+    const float mxl = mx * gamma;
+    if (__any_sync(kFullMask, mxl > lim)) {
+      // The reference of query t moves to the max over its 8 lanes; every accumulator column
+      // of this lane belongs to query t.
+      float qmax = fmaxf(mxl, __shfl_xor_sync(kFullMask, mxl, 4));
+      qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, 8));
+      qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, 16));
+      const bool up = qmax > lim;
+      const float corr = up ? FastExp2(mo - qmax) : 1.f;  // 0 when mo was -inf
+      mo = up ? qmax : mo;
+      lim = mo + kLazyMargin;
+      l_part *= corr;
+      pm_part *= corr;
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[mi][k] *= corr;
+      }
+    }
+    // P in fp32; P s as fp16 high + low part in columns 2t, 2t+1 of block r, transposed into
+    // the B operand (tokens 8 r + 2t, +1 of column g); sum p * min_v in fp32 FMA.
+    uint32_t pb[2][2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float pr = FastExp2(__fmaf_rn(v2[e][r], gamma, -mo));
+        l_part += pr;
+        pm_part = __fmaf_rn(pr, MetaHi<kBf16>(vm[e][r]), pm_part);
+        const float ps = pr * MetaLo<kBf16>(vm[e][r]);
+        pb[e][r] = Transpose8x8(PackHalf2(ps, ps - __half2float(__float2half_rn(ps))));
+      }
+    }
+    // O^T += V^T (P s)^T, as in the wide layout.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      uint32_t il[2][kD / 64];
+#pragma unroll
+      for (int pr = 0; pr < 2; ++pr) {
+        il[pr][0] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x5410u);
+        if constexpr (kD == 128) il[pr][1] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x7632u);
+      }
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        constexpr int kHalf = kD / 16;
+        const int ja = mi;
+        const int jb = mi + kHalf;
+        const uint32_t a[4] = {
+            ExtractCodesAt(il[0][ja / 8], ja % 8), ExtractCodesAt(il[0][jb / 8], jb % 8),
+            ExtractCodesAt(il[1][ja / 8], ja % 8), ExtractCodesAt(il[1][jb / 8], jb % 8)};
+        MmaF16(acc[mi], a, pb[e]);
+      }
+    }
+  };
+  auto compute = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
+    if constexpr (kNarrow) {
+      compute_narrow(sb0, sb1, start, masked_tag);
+    } else {
+      compute_wide(sb0, sb1, start, masked_tag);
+    }
+  };
+
   auto stage = [&](int k) { return ring + ((2 * k) % kS) * kTile; };
   if (bulk) {
     // Full pairs: no masks, no branches but the loop's. Groups of pairs 0 .. k + kS/2 - 1 are
@@ -505,29 +656,38 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
 
   // Partial result: combine the warps through shared memory (the ring is free: every copy
   // issued was waited for).
-  l_part += __shfl_xor_sync(kFullMask, l_part, 1);
-  l_part += __shfl_xor_sync(kFullMask, l_part, 2);
-  pm_part += __shfl_xor_sync(kFullMask, pm_part, 1);
-  pm_part += __shfl_xor_sync(kFullMask, pm_part, 2);
+  // The lanes that share the softmax query: a quad (wide) or the 8 lanes of one t (narrow).
+#pragma unroll
+  for (int o = kNarrow ? 4 : 1; o <= (kNarrow ? 16 : 2); o *= 2) {
+    l_part += __shfl_xor_sync(kFullMask, l_part, o);
+    pm_part += __shfl_xor_sync(kFullMask, pm_part, o);
+  }
   __syncthreads();
   float* sm_o = reinterpret_cast<float*>(v2_smem);  // [warps][8][kD]
   float* sm_m = sm_o + kAttnWarps * 8 * kD;         // [warps][8]
   float* sm_l = sm_m + kAttnWarps * 8;
   float* sm_pm = sm_l + kAttnWarps * 8;
-  if (t == 0) {
-    sm_m[warp * 8 + g] = mo;
-    sm_l[warp * 8 + g] = l_part;
-    sm_pm[warp * 8 + g] = pm_part;
+  const int sq = kNarrow ? t : g;
+  if ((kNarrow ? g : t) == 0) {
+    sm_m[warp * 8 + sq] = mo;
+    sm_l[warp * 8 + sq] = l_part;
+    sm_pm[warp * 8 + sq] = pm_part;
   }
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
     const float f0 = static_cast<float>(1 << (24 - CodePos(mi % 8)));
     const float f1 = static_cast<float>(1 << (24 - CodePos((mi + kD / 16) % 8)));
+    if constexpr (kNarrow) {  // columns 2t, 2t+1: the two parts of query t
+      float* o = sm_o + (warp * 8 + t) * kD + g * (kD / 8) + mi;
+      o[0] = (acc[mi][0] + acc[mi][1]) * f0;
+      o[kD / 16] = (acc[mi][2] + acc[mi][3]) * f1;
+    } else {  // columns 2t, 2t+1: queries 2t, 2t+1
 #pragma unroll
-    for (int cc = 0; cc < 2; ++cc) {
-      float* o = sm_o + (warp * 8 + 2 * t + cc) * kD + g * (kD / 8) + mi;
-      o[0] = acc[mi][cc] * f0;
-      o[kD / 16] = acc[mi][2 + cc] * f1;
+      for (int cc = 0; cc < 2; ++cc) {
+        float* o = sm_o + (warp * 8 + 2 * t + cc) * kD + g * (kD / 8) + mi;
+        o[0] = acc[mi][cc] * f0;
+        o[kD / 16] = acc[mi][2 + cc] * f1;
+      }
     }
   }
   __syncthreads();
