@@ -80,6 +80,32 @@ __device__ __forceinline__ void SplitHalf2(float x0, float x1, uint32_t& hi, uin
   lo = PackHalf2(x0 - back.x, x1 - back.y);
 }
 
+// A operands of O^T += V^T (P s)^T for one 16-token tile: from the lane's V code words of tokens
+// 2t, 2t+1, 2t+8, 2t+9 (dims (kD / 8) g + [0, kD / 8): 32 bits at D = 128, the low 16 bits at D =
+// 64), the token pairs (2t, 2t+1) and (2t+8, 2t+9) interleaved in one register each; Tile(mi)
+// is M-tile mi (rows g, g + 8: the dims of codes mi and mi + kD / 16; columns: the tokens).
+template <int kD>
+struct VCodeOperands {
+  uint32_t il[2][kD / 64];
+
+  __device__ __forceinline__ explicit VCodeOperands(const uint32_t (&vw)[4]) {
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      il[pr][0] = Permute(vw[2 * pr], vw[2 * pr + 1], 0x5410u);
+      if constexpr (kD == 128) il[pr][1] = Permute(vw[2 * pr], vw[2 * pr + 1], 0x7632u);
+    }
+  }
+
+  __device__ __forceinline__ void Tile(int mi, uint32_t (&a)[4]) const {
+    const int ja = mi;
+    const int jb = mi + kD / 16;
+    a[0] = ExtractCodesAt(il[0][ja / 8], ja % 8);
+    a[1] = ExtractCodesAt(il[0][jb / 8], jb % 8);
+    a[2] = ExtractCodesAt(il[1][ja / 8], ja % 8);
+    a[3] = ExtractCodesAt(il[1][jb / 8], jb % 8);
+  }
+};
+
 // Programmatic dependent launch (PDL): kernels 2-4 are launched with programmatic stream
 // serialization, so each can be scheduled while its predecessor still runs. Every CTA of every
 // kernel executes GridDependencyWait() before it touches anything a predecessor writes (and
@@ -572,25 +598,12 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
     uint32_t pb[kNT][2];
     st.Update(logit, v_scale, v_min, pb);
 
-    // O^T += V^T * (P s)^T. Lane pairs tokens (2t, 2t+1) and (2t+8, 2t+9) in one register.
-    uint32_t il[2][kD / 64];
-#pragma unroll
-    for (int pr = 0; pr < 2; ++pr) {
-      if constexpr (kD == 128) {
-        il[pr][0] = Permute(cur.v[2 * pr], cur.v[2 * pr + 1], 0x5410u);
-        il[pr][1] = Permute(cur.v[2 * pr], cur.v[2 * pr + 1], 0x7632u);
-      } else {
-        il[pr][0] = (cur.v[2 * pr] & 0xffffu) | (cur.v[2 * pr + 1] << 16);
-      }
-    }
+    // O^T += V^T * (P s)^T.
+    const VCodeOperands<kD> vo(cur.v);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
-      constexpr int kHalf = kD / 16;
-      const int ja = mi;
-      const int jb = mi + kHalf;
-      const uint32_t a[4] = {
-          ExtractCodesAt(il[0][ja / 8], ja % 8), ExtractCodesAt(il[0][jb / 8], jb % 8),
-          ExtractCodesAt(il[1][ja / 8], ja % 8), ExtractCodesAt(il[1][jb / 8], jb % 8)};
+      uint32_t a[4];
+      vo.Tile(mi, a);
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) MmaF16(st.acc[nt][mi], a, pb[nt]);
     }
@@ -862,10 +875,7 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionPara
     for (int k = slice; k < parts; k += slices) {
       const float w = wts[n][k];
       const float4 v = __ldg(src + static_cast<int64_t>(k) * kVec);
-      acc.x = __fmaf_rn(w, v.x, acc.x);
-      acc.y = __fmaf_rn(w, v.y, acc.y);
-      acc.z = __fmaf_rn(w, v.z, acc.z);
-      acc.w = __fmaf_rn(w, v.w, acc.w);
+      FmaFloat4(acc, w, v);
     }
     part_acc[threadIdx.x] = acc;
   }
@@ -874,10 +884,7 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionPara
     float4 o = part_acc[threadIdx.x];
     for (int s = 1; s < slices; ++s) {
       const float4 v = part_acc[s * items + threadIdx.x];
-      o.x += v.x;
-      o.y += v.y;
-      o.z += v.z;
-      o.w += v.w;
+      AddFloat4(o, v);
     }
     *reinterpret_cast<float4*>(&o_rot[item / kVec][4 * (item % kVec)]) = o;
   }
@@ -995,10 +1002,7 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
   for (int k = slice; k < parts; k += kSlices) {
     const float w = wts[k];
     const float4 v = __ldg(src + static_cast<int64_t>(k) * kVec);
-    acc.x = __fmaf_rn(w, v.x, acc.x);
-    acc.y = __fmaf_rn(w, v.y, acc.y);
-    acc.z = __fmaf_rn(w, v.z, acc.z);
-    acc.w = __fmaf_rn(w, v.w, acc.w);
+    FmaFloat4(acc, w, v);
   }
   part_acc[slice][c] = acc;
   __syncthreads();
@@ -1007,10 +1011,7 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
 #pragma unroll
     for (int s = 1; s < kSlices; ++s) {
       const float4 v = part_acc[s][tid];
-      o.x += v.x;
-      o.y += v.y;
-      o.z += v.z;
-      o.w += v.w;
+      AddFloat4(o, v);
     }
     *reinterpret_cast<float4*>(&o_rot[4 * tid]) = o;
   }

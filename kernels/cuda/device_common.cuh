@@ -36,6 +36,20 @@ __device__ __forceinline__ float ScaleWordToFloat(uint16_t w, bool is_bf16) {
   return is_bf16 ? Bf16BitsToFloat(w) : __half2float(__ushort_as_half(w));
 }
 
+// acc += w * x and acc += x, element by element (fp32, no contraction across elements).
+__device__ __forceinline__ void FmaFloat4(float4& acc, float w, const float4& x) {
+  acc.x = __fmaf_rn(w, x.x, acc.x);
+  acc.y = __fmaf_rn(w, x.y, acc.y);
+  acc.z = __fmaf_rn(w, x.z, acc.z);
+  acc.w = __fmaf_rn(w, x.w, acc.w);
+}
+__device__ __forceinline__ void AddFloat4(float4& acc, const float4& x) {
+  acc.x += x.x;
+  acc.y += x.y;
+  acc.z += x.z;
+  acc.w += x.w;
+}
+
 // Index of the sequence that owns input row `row` (binary search over row_offsets).
 __device__ __forceinline__ int FindSequence(const BatchParams& b, int row) {
   int lo = 0;

@@ -333,6 +333,52 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     for (int k = 0; k < 4; ++k) acc[mi][k] = 0.f;
   }
 
+  // Moves the lane's reference to qmax if that is above its limit, rescales the lane's sums and
+  // returns the factor for its accumulators (0 when mo was -inf, 1 when it did not move).
+  auto move_reference = [&](float qmax) {
+    const bool up = qmax > lim;
+    const float corr = up ? FastExp2(mo - qmax) : 1.f;
+    mo = up ? qmax : mo;
+    lim = mo + kLazyMargin;
+    l_part *= corr;
+    pm_part *= corr;
+    return corr;
+  };
+  // The code words of one tile that both layouts read: K of tokens g and g + 8 (the lane's
+  // kD / 4 dims), V of tokens 2t, 2t+1, 2t+8, 2t+9 (dims (kD / 8) g + [0, kD / 8)).
+  auto load_codes = [&](const uint8_t* sb, uint32_t(&kw)[2][kKWords], uint32_t(&vw)[4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint8_t* src = sb + (g + 8 * r) * kRow + t * (kD / 16);
+      if constexpr (kKWords == 2) {
+        const uint2 w = LoadShared<uint2>(src);
+        kw[r][0] = w.x;
+        kw[r][1] = w.y;
+      } else {
+        kw[r][0] = LoadShared<uint32_t>(src);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* src = sb + kVOff + (2 * t + (c & 1) + 8 * (c >> 1)) * kRow;
+      if constexpr (kD == 128) {
+        vw[c] = LoadShared<uint32_t>(src + 4 * g);
+      } else {
+        vw[c] = LoadShared<uint16_t>(src + 2 * g);
+      }
+    }
+  };
+  // O^T += V^T (P s)^T for one tile; pb is the B operand of the layout.
+  auto accumulate_pv = [&](const uint32_t(&vw)[4], const uint32_t(&pb)[2]) {
+    const VCodeOperands<kD> vo(vw);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      uint32_t a[4];
+      vo.Tile(mi, a);
+      MmaF16(acc[mi], a, pb);
+    }
+  };
+
   // One pair of tiles from stages sb[0], sb[1]; kMasked: tokens at or past c1 are absent.
   auto compute_wide = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
@@ -343,31 +389,15 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     uint32_t vw[2][4];  // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
+      load_codes(sb[e], kw[e], vw[e]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const uint8_t* src = sb[e] + (g + 8 * nt) * kRow + t * (kD / 16);
-        if constexpr (kKWords == 2) {
-          const uint2 w = LoadShared<uint2>(src);
-          kw[e][nt][0] = w.x;
-          kw[e][nt][1] = w.y;
-        } else {
-          kw[e][nt][0] = LoadShared<uint32_t>(src);
-        }
         const uint2 a = LoadShared<uint2>(sb[e] + kKmOff + 32 * nt + 8 * t);
         const uint2 c = LoadShared<uint2>(sb[e] + kVmOff + 32 * nt + 8 * t);
         km[e][nt][0] = a.x;
         km[e][nt][1] = a.y;
         vm[e][nt][0] = c.x;
         vm[e][nt][1] = c.y;
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* src = sb[e] + kVOff + (2 * t + (c & 1) + 8 * (c >> 1)) * kRow;
-        if constexpr (kD == 128) {
-          vw[e][c] = LoadShared<uint32_t>(src + 4 * g);
-        } else {
-          vw[e][c] = LoadShared<uint16_t>(src + 2 * g);
-        }
       }
     }
     // S = Q K^T: four independent chains (tile, n-tile).
@@ -422,12 +452,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
       // max; rescale its sums.
       float qmax = fmaxf(mxl, __shfl_xor_sync(kFullMask, mxl, 1));
       qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, 2));
-      const bool up = qmax > lim;
-      const float corr = up ? FastExp2(mo - qmax) : 1.f;  // 0 when mo was -inf
-      mo = up ? qmax : mo;
-      lim = mo + kLazyMargin;
-      l_part *= corr;
-      pm_part *= corr;
+      const float corr = move_reference(qmax);
       // The O^T columns of this lane are queries 2t and 2t + 1: their factors live in quads
       // 2t and 2t + 1.
       const float c_even = __shfl_sync(kFullMask, corr, 8 * t);
@@ -459,26 +484,9 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         pb[e][nt] = PackHalf2(p0 * MetaLo<kBf16>(vm[e][nt][0]), p1 * MetaLo<kBf16>(vm[e][nt][1]));
       }
     }
-    // O^T += V^T (P s)^T; lane pairs tokens (2t, 2t+1) and (2t+8, 2t+9) in one register.
+    // O^T += V^T (P s)^T.
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      uint32_t il[2][kD / 64];
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        il[pr][0] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x5410u);
-        if constexpr (kD == 128) il[pr][1] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x7632u);
-      }
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) {
-        constexpr int kHalf = kD / 16;
-        const int ja = mi;
-        const int jb = mi + kHalf;
-        const uint32_t a[4] = {
-            ExtractCodesAt(il[0][ja / 8], ja % 8), ExtractCodesAt(il[0][jb / 8], jb % 8),
-            ExtractCodesAt(il[1][ja / 8], ja % 8), ExtractCodesAt(il[1][jb / 8], jb % 8)};
-        MmaF16(acc[mi], a, pb[e]);
-      }
-    }
+    for (int e = 0; e < 2; ++e) accumulate_pv(vw[e], pb[e]);
   };
 
   // Narrow layout: S^T [16 tokens x 8] = K [16 x D] Q^T per tile (rows g, g + 8 = tokens, columns
@@ -494,27 +502,11 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     uint32_t vw[2][4];  // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
+      load_codes(sb[e], kw[e], vw[e]);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint8_t* src = sb[e] + (g + 8 * r) * kRow + t * (kD / 16);
-        if constexpr (kKWords == 2) {
-          const uint2 w = LoadShared<uint2>(src);
-          kw[e][r][0] = w.x;
-          kw[e][r][1] = w.y;
-        } else {
-          kw[e][r][0] = LoadShared<uint32_t>(src);
-        }
         km[e][r] = LoadShared<uint32_t>(sb[e] + kKmOff + 4 * (g + 8 * r));
         vm[e][r] = LoadShared<uint32_t>(sb[e] + kVmOff + 4 * (g + 8 * r));
-      }
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* src = sb[e] + kVOff + (2 * t + (c & 1) + 8 * (c >> 1)) * kRow;
-        if constexpr (kD == 128) {
-          vw[e][c] = LoadShared<uint32_t>(src + 4 * g);
-        } else {
-          vw[e][c] = LoadShared<uint16_t>(src + 2 * g);
-        }
       }
     }
     // S^T = K Q^T: two independent chains (tiles).
@@ -561,12 +553,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
       float qmax = fmaxf(mxl, __shfl_xor_sync(kFullMask, mxl, 4));
       qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, 8));
       qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, 16));
-      const bool up = qmax > lim;
-      const float corr = up ? FastExp2(mo - qmax) : 1.f;  // 0 when mo was -inf
-      mo = up ? qmax : mo;
-      lim = mo + kLazyMargin;
-      l_part *= corr;
-      pm_part *= corr;
+      const float corr = move_reference(qmax);
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
@@ -589,24 +576,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     }
     // O^T += V^T (P s)^T, as in the wide layout.
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      uint32_t il[2][kD / 64];
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {
-        il[pr][0] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x5410u);
-        if constexpr (kD == 128) il[pr][1] = Permute(vw[e][2 * pr], vw[e][2 * pr + 1], 0x7632u);
-      }
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) {
-        constexpr int kHalf = kD / 16;
-        const int ja = mi;
-        const int jb = mi + kHalf;
-        const uint32_t a[4] = {
-            ExtractCodesAt(il[0][ja / 8], ja % 8), ExtractCodesAt(il[0][jb / 8], jb % 8),
-            ExtractCodesAt(il[1][ja / 8], ja % 8), ExtractCodesAt(il[1][jb / 8], jb % 8)};
-        MmaF16(acc[mi], a, pb[e]);
-      }
-    }
+    for (int e = 0; e < 2; ++e) accumulate_pv(vw[e], pb[e]);
   };
   auto compute = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
     if constexpr (kNarrow) {

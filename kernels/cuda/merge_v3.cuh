@@ -121,10 +121,7 @@ __global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const Attention
       for (int k = slice; k < parts; k += slices) {
         const float w = wts[n][k];
         const float4 x = __ldg(src + static_cast<int64_t>(k) * kVec);
-        acc.x = __fmaf_rn(w, x.x, acc.x);
-        acc.y = __fmaf_rn(w, x.y, acc.y);
-        acc.z = __fmaf_rn(w, x.z, acc.z);
-        acc.w = __fmaf_rn(w, x.w, acc.w);
+        FmaFloat4(acc, w, x);
       }
     }
     slice_acc[tid] = acc;
@@ -134,10 +131,7 @@ __global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const Attention
     float4 o = slice_acc[item];
     for (int s = 1; s < slices; ++s) {
       const float4 x = slice_acc[s * items + item];
-      o.x += x.x;
-      o.y += x.y;
-      o.z += x.z;
-      o.w += x.w;
+      AddFloat4(o, x);
     }
     *reinterpret_cast<float4*>(&o_rot[item / kVec][4 * (item % kVec)]) = o;
   }
