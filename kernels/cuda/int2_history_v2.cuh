@@ -206,10 +206,12 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
       }
     }
   };
-  // E[k] into its ring slot (lanes 0 and 1; no commit).
-  auto copy_entries = [&](int k) {
+  // E[k0 .. k0 + pairs - 1] into their ring slots (lane l: entry l % 2 of pair k0 + l / 2; no
+  // commit).
+  auto copy_entries = [&](int k0, int pairs) {
+    const int k = pairs > 1 ? k0 + lane / 2 : k0;  // one pair (the loop's case): warp-uniform
     const int e = lane & 1;
-    CpAsync4If(lane < 2 && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
+    CpAsync4If(lane < 2 * pairs && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
                pair_table + 8 * k + e);
   };
   // Ordinary fill of one tile (tokens [ts, ts + 16), zeros past c1): lane (token, half) copies
@@ -251,12 +253,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         blk[k][e] = tile_present(k, e) ? __ldg(pair_table + 8 * k + e) : 0;
     }
     copy_pair(0, blk[0][0], blk[0][1]);
-    {
-      const int k = kS / 2 + lane / 2;
-      const int e = lane & 1;
-      CpAsync4If(lane < kS && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
-                 pair_table + 8 * k + e);
-    }
+    copy_entries(kS / 2, kS / 2);
     CpAsyncCommit();
   }
   GridDependencyWait();
@@ -278,7 +275,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     const int sq = kNarrow ? t : g;  // query of the softmax state
     const bool s_valid = sq < p.group;
     const float qs_f = f_valid ? p.q_scale[qrow0 + fq] : 0.f;
-    const float qs = s_valid ? p.q_scale[qrow0 + sq] : 0.f;
+    const float qs = kNarrow ? (s_valid ? p.q_scale[qrow0 + sq] : 0.f) : qs_f;
     const float q_sum = s_valid ? p.q_sum[qrow0 + sq] : 0.f;
     // The lane's dims are t * kD/4 + [0, kD/4): kD/16 16-byte loads (32 scalar loads per lane
     // were 37 % of this kernel's stall samples at batch 1 x 8K, waiting on L1 misses).
@@ -603,7 +600,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
       const int kn = k + kS / 2;
       const int2 e = *reinterpret_cast<const int2*>(entries + 2 * (kn % kER));
       copy_pair(kn, e.x, e.y);
-      copy_entries(kn + kS / 2);
+      copy_entries(kn + kS / 2, 1);
       CpAsyncCommit();
     }
     if (n_full < n_pairs) {  // the last pair, partial (its group is the oldest pending)

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -347,9 +348,11 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
             : variant == "tiers_in_sequence"
                 ? std::pair{"KVPOOL_ATTN_OVERLAP", "0"}
                 : std::pair<const char*, const char*>{nullptr, nullptr};
-        const char* saved_value = knob.first != nullptr ? std::getenv(knob.first) : nullptr;
-        const std::string saved = saved_value != nullptr ? saved_value : "";
-        if (knob.first != nullptr) setenv(knob.first, knob.second, 1);
+        std::optional<std::string> saved;
+        if (knob.first != nullptr) {
+          if (const char* v = std::getenv(knob.first)) saved = v;
+          setenv(knob.first, knob.second, 1);
+        }
         auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
         Check(ws_bytes.status(), "workspace");
         uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
@@ -393,8 +396,8 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         for (auto g : graphs) cudaGraphExecDestroy(g);
         cudaFree(ws);
         if (knob.first != nullptr) {
-          if (saved_value != nullptr) {
-            setenv(knob.first, saved.c_str(), 1);
+          if (saved) {
+            setenv(knob.first, saved->c_str(), 1);
           } else {
             unsetenv(knob.first);
           }
