@@ -217,16 +217,17 @@ class CudaBackend final : public ComputeBackend {
       dst.Add(mv.count, mv.dst_slot, d);
     }
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
-    const size_t bytes = static_cast<size_t>(src.rows()) * m.row_values() * sizeof(Bf16);
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(bytes, lane->stream));
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
                             UploadRuns(*lane, {&src, &dst}));
+    // Every layer's moves, K and V, straight from the BF16 pages: one launch.
+    cuda::PagedRows from;
+    from.kv = View(m, /*history=*/false);
+    from.first_token = batch[0].first_token;
+    from.block_tables = batch[0].block_tables;
+    from.block_table_stride = batch[0].block_table_stride;
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
-    for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
-      KVPOOL_RETURN_IF_ERROR(Dequantize(*lane, m, /*history=*/false, batch[0], t, rows));
-      // The rows are already rotated: no rotation on the way into the history blocks.
-      KVPOOL_RETURN_IF_ERROR(Quantize(*lane, m, /*history=*/true, batch[1], rows, nullptr, t));
-    }
+    KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(m.codec.quant, View(m, /*history=*/true), batch[1],
+                                                 from, lane->error_word, lane->stream));
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "demotion"));
     AddTime(*lane, &BackendTimes::arrival_seconds);
@@ -521,13 +522,6 @@ class CudaBackend final : public ComputeBackend {
     job.in.rows = reinterpret_cast<const uint16_t*>(rows);
     job.in.rotation = rotation;
     return job;
-  }
-
-  absl::Status Quantize(Lane& lane, const Model& m, bool history, const cuda::SequenceBatch& batch,
-                        const uint8_t* rows, const float* rotation, KvTensor tensor) {
-    const cuda::ArrivalJob job = ArrivalJobOf(m, history, batch, rows, rotation, tensor);
-    return cuda::QuantizeOnArrival(job.cfg, job.kv, job.batch, job.tensor, job.in, lane.error_word,
-                                   lane.stream);
   }
 
   absl::Status Dequantize(Lane& lane, const Model& m, bool history,

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
        tile += static_cast<int64_t>(gridDim.x) * kArrivalWarps) {
     // The warp's next tile into L2 (its 16 rows are contiguous: 128 bytes per lane at D = 128),
     // so that its loads wait on L2 rather than on DRAM.
-    {
+    if (p.paged.pool == nullptr) {
       const int64_t next = tile + static_cast<int64_t>(gridDim.x) * kArrivalWarps;
       if (next < num_tiles) {
         const uint16_t* ahead = p.rows + next * 16 * kD + lane * (16 * kD / kWarpSize);
@@ -221,6 +221,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
     int64_t rh[2];
     bool in[2];
     RowSlot slot[2];
+    const uint16_t* src_row[2];  // the input row (null past the end or for a bad source block)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       rh[r] = tile * 16 + g + 8 * r;
@@ -228,17 +229,25 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       slot[r].valid = false;
       slot[r].codes = 0;
       slot[r].meta = 0;
+      src_row[r] = nullptr;
     }
     if (in[0]) {
       int row = static_cast<int>(rh[0] / kv_heads);
       int head = static_cast<int>(rh[0] - static_cast<int64_t>(row) * kv_heads);
       int seq = FindSequence(p.batch, row);
       slot[0] = LocateRow(p.geo, p.batch, seq, row, head, p.tensor);
+      src_row[0] = ArrivalRowPtr(p, kD, rh[0], seq, row, head);
       if (in[1]) {
         for (head += 8; head >= kv_heads; head -= kv_heads) ++row;
         while (seq + 1 < p.batch.num_seqs && __ldg(p.batch.row_offsets + seq + 1) <= row) ++seq;
         slot[1] = LocateRow(p.geo, p.batch, seq, row, head, p.tensor);
+        src_row[1] = ArrivalRowPtr(p, kD, rh[1], seq, row, head);
       }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // A row with a bad source block is reported as a bad block, like a bad destination.
+      if (src_row[r] == nullptr) slot[r].valid = false;
     }
 
     // ob[r][L] = the rotated row r's BF16 pair at dims ArrivalLaneDim(t, L, 0), (t, L, 1).
@@ -247,10 +256,10 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       uint4 xc[2][kChunks];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint4* src = reinterpret_cast<const uint4*>(p.rows + (in[r] ? rh[r] : 0) * kD);
+        const uint4* src = reinterpret_cast<const uint4*>(src_row[r]);
 #pragma unroll
         for (int u = 0; u < kChunks; ++u) {
-          xc[r][u] = in[r] ? __ldg(src + 4 * u + t) : make_uint4(0u, 0u, 0u, 0u);
+          xc[r][u] = src != nullptr ? __ldg(src + 4 * u + t) : make_uint4(0u, 0u, 0u, 0u);
         }
       }
       // acc[r]: M^T rows g (and g + 8) of m-tile mt for tokens 2t, 2t+1 of n-tile r (the tile's
@@ -283,12 +292,12 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       // contiguous: 16-byte loads, then pairs (d, d + 8) (same half of words w and w + 4).
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const uint4* src =
-            reinterpret_cast<const uint4*>(p.rows + (in[r] ? rh[r] : 0) * kD) + kLaneWords * 2 * t;
+        const uint4* src = reinterpret_cast<const uint4*>(src_row[r]);
         uint32_t v[kLaneWords * 8];
 #pragma unroll
         for (int u = 0; u < kLaneWords * 2; ++u) {
-          const uint4 x = in[r] ? __ldg(src + u) : make_uint4(0u, 0u, 0u, 0u);
+          const uint4 x =
+              src != nullptr ? __ldg(src + kLaneWords * 2 * t + u) : make_uint4(0u, 0u, 0u, 0u);
           v[4 * u] = x.x;
           v[4 * u + 1] = x.y;
           v[4 * u + 2] = x.z;

@@ -92,8 +92,13 @@ __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
     return;
   }
 
+  const uint16_t* row_src = ArrivalRowPtr(p, head_dim, row_head, seq, row, head);
+  if (row_src == nullptr) {
+    if (lane == 0) atomicOr(p.error_word, kErrorBadBlock);
+    return;
+  }
   // The lane's slice of the input row.
-  const uint16_t* src = p.rows + row_head * head_dim + lane * e_count;
+  const uint16_t* src = row_src + lane * e_count;
   uint16_t bits[kMaxE];
 #pragma unroll
   for (int e = 0; e < kMaxE; ++e) bits[e] = e < e_count ? __ldg(src + e) : 0;
@@ -220,7 +225,15 @@ bool ArrivalV2Fits(const ArrivalParams& p) {
     const bool bypass = p.geo.bits == 16 && p.geo.code_bytes_per_row == 2 * kD &&
                         p.geo.block_bytes % 8 == 0 && p.geo.head_segment_bytes % 8 == 0 &&
                         p.geo.codes_offset[p.tensor] % 8 == 0;
-    return p.arrival_v2 != 0 && (int2 || bypass) && reinterpret_cast<uintptr_t>(p.rows) % 16 == 0 &&
+    // Paged input rows take 16-byte loads.
+    const PagedRowSource& src = p.paged;
+    const bool rows_aligned =
+        src.pool == nullptr
+            ? reinterpret_cast<uintptr_t>(p.rows) % 16 == 0
+            : reinterpret_cast<uintptr_t>(src.pool) % 16 == 0 && src.geo.bits == 16 &&
+                  src.geo.code_bytes_per_row == 2 * kD && src.geo.block_bytes % 16 == 0 &&
+                  src.geo.head_segment_bytes % 16 == 0 && src.geo.codes_offset[p.tensor] % 16 == 0;
+    return p.arrival_v2 != 0 && (int2 || bypass) && rows_aligned &&
            reinterpret_cast<uintptr_t>(p.pool) % 8 == 0 &&
            reinterpret_cast<uintptr_t>(p.rotated_rows) % 16 == 0;
   } else {

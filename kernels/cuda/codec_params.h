@@ -41,10 +41,21 @@ struct BatchParams {
   int32_t total_rows;
 };
 
+// Arrival rows that already sit in BF16 bypass pages of a pool (demotion): row r of sequence i
+// is token first_token[i] + r, through block_tables (the batch's row_offsets are shared).
+struct PagedRowSource {
+  const uint8_t* pool;  // nullptr: the rows are ArrivalParams::rows
+  BlockGeometry geo;    // bits 16
+  const int32_t* first_token;
+  const int32_t* block_tables;
+  int32_t block_table_stride;
+};
+
 struct ArrivalParams {
   BlockGeometry geo;
   BatchParams batch;
   const uint16_t* rows;    // BF16 [total_rows][kv_heads][head_dim], original basis
+  PagedRowSource paged;    // instead of rows when paged.pool != nullptr
   const float* rotation;   // D x D row-major fp32, nullptr for the identity
   uint16_t* rotated_rows;  // optional BF16 out, same shape as rows
   uint8_t* pool;

@@ -110,6 +110,29 @@ bool ArrivalV1() {
   return v != nullptr && std::string_view(v) == "v1";
 }
 
+// Paged input rows: BF16 pages of the destination's shape, and tables for a non-empty batch.
+absl::Status CheckPagedRows(const PagedRows& src, const BlockLayout& dst, const SequenceBatch& b) {
+  const BlockLayout& l = src.kv.layout;
+  if (l.bits != 16 || l.kv_heads != dst.kv_heads || l.head_dim != dst.head_dim || l.tokens < 1) {
+    return absl::InvalidArgumentError(
+        "paged input rows must be BF16 pages with the destination's kv_heads and head_dim");
+  }
+  if (src.kv.pool == nullptr || reinterpret_cast<uintptr_t>(src.kv.pool) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        "paged input pool must be a non-null, 16-byte aligned device pointer");
+  }
+  if (src.kv.num_blocks < 1) return absl::InvalidArgumentError("paged input has no blocks");
+  if (src.kv.block_stride < 0 || src.kv.block_stride % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("paged input block_stride ", src.kv.block_stride,
+                                                   " must be 0 or a multiple of 16"));
+  }
+  if (b.total_rows > 0 &&
+      (src.first_token == nullptr || src.block_tables == nullptr || src.block_table_stride < 1)) {
+    return absl::InvalidArgumentError("paged input rows need first tokens and block tables");
+  }
+  return absl::OkStatus();
+}
+
 // The kernel parameters of one arrival call, after checking its arguments.
 absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const PagedKvView& kv,
                                               const SequenceBatch& batch, KvTensor tensor,
@@ -117,7 +140,12 @@ absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const Page
   KVPOOL_RETURN_IF_ERROR(CheckModel(cfg, kv));
   KVPOOL_RETURN_IF_ERROR(CheckBatch(batch));
   if (error_word == nullptr) return absl::InvalidArgumentError("error_word is null");
-  if (batch.total_rows > 0 && in.rows == nullptr) {
+  if (in.paged != nullptr) {
+    KVPOOL_RETURN_IF_ERROR(CheckPagedRows(*in.paged, kv.layout, batch));
+    if (in.rows != nullptr) {
+      return absl::InvalidArgumentError("arrival rows are both flat and paged");
+    }
+  } else if (batch.total_rows > 0 && in.rows == nullptr) {
     return absl::InvalidArgumentError("input rows are null");
   }
   if (in.rotation != nullptr && reinterpret_cast<uintptr_t>(in.rotation) % 16 != 0) {
@@ -127,6 +155,14 @@ absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const Page
   p.geo = MakeGeometry(kv);
   p.batch = Batch(batch);
   p.rows = in.rows;
+  p.paged = {};
+  if (in.paged != nullptr) {
+    p.paged.pool = in.paged->kv.pool;
+    p.paged.geo = MakeGeometry(in.paged->kv);
+    p.paged.first_token = in.paged->first_token;
+    p.paged.block_tables = in.paged->block_tables;
+    p.paged.block_table_stride = in.paged->block_table_stride;
+  }
   p.rotation = in.rotation;
   p.rotated_rows = in.rotated_rows;
   p.pool = kv.pool;
@@ -194,6 +230,20 @@ absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* 
     KVPOOL_RETURN_IF_ERROR(CudaStatus(LaunchOne(p, dim, stream), "QuantizeOnArrival launch"));
   }
   return absl::OkStatus();
+}
+
+absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
+                             const SequenceBatch& to, const PagedRows& from, uint32_t* error_word,
+                             Stream stream) {
+  ArrivalJob jobs[2];
+  for (int t = 0; t < 2; ++t) {
+    jobs[t].cfg = cfg;
+    jobs[t].kv = history;
+    jobs[t].batch = to;
+    jobs[t].tensor = static_cast<KvTensor>(t);
+    jobs[t].in.paged = &from;  // rotated already: identity rotation
+  }
+  return QuantizeOnArrivalJobs(jobs, error_word, stream);
 }
 
 namespace {

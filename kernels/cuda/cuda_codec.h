@@ -57,11 +57,23 @@ struct SequenceBatch {
   int total_rows = 0;  // row_offsets[num_seqs], known on the host
 };
 
-// Input of QuantizeOnArrival.
+// Input rows that already sit in BF16 pages of a pool (the recent window, on demotion): input
+// row r of sequence i of the batch is the token first_token[i] + r of `kv`, found through
+// block_tables. `kv` has a BF16 layout (bits 16) with the destination's kv_heads and head_dim.
+// The batch's row_offsets count the rows of both sides.
+struct PagedRows {
+  PagedKvView kv;
+  const int32_t* first_token = nullptr;   // [num_seqs], device
+  const int32_t* block_tables = nullptr;  // [num_seqs][block_table_stride], device
+  int block_table_stride = 0;
+};
+
+// Input of QuantizeOnArrival: `rows`, or `paged` (then `rows` must be null).
 struct ArrivalRows {
   const uint16_t* rows = nullptr;    // BF16 [total_rows][Hkv][D], original (unrotated) basis
   const float* rotation = nullptr;   // D x D fp32 row-major, x_rot = x * M; nullptr = identity
   uint16_t* rotated_rows = nullptr;  // optional out: the rotated rows rounded to BF16
+  const PagedRows* paged = nullptr;  // the rows read from BF16 pages instead of `rows`
 };
 
 // Rotates each row by `rotation`, rounds it to BF16, clips it (exact order statistic),
@@ -90,6 +102,16 @@ struct ArrivalJob {
 // chunk's time before). The jobs must write disjoint rows; the results equal per-job calls.
 [[nodiscard]] absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs,
                                                  uint32_t* error_word, Stream stream);
+
+// Demotion of recent-window tokens: re-quantizes the BF16 rows `from` (already rotated, so no
+// rotation) into their history slots named by `to`, K and V, in one launch for any number of
+// sequences and layers (a layer's blocks are just other block ids; two launches for the
+// configurations that the version 2 arrival kernel does not take). Codes equal QuantizeOnArrival
+// of the same rows with the identity rotation. Errors as for QuantizeOnArrival; a block id of
+// `from` outside its pool is reported like one of `to`.
+[[nodiscard]] absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
+                                           const SequenceBatch& to, const PagedRows& from,
+                                           uint32_t* error_word, Stream stream);
 
 // Dequantizes the stored rows named by `batch` (tokens first_token[i] + r, r in
 // [0, row_offsets[i+1] - row_offsets[i])) to BF16 [total_rows][Hkv][D] in the rotated basis:

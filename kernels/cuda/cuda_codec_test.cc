@@ -100,10 +100,10 @@ struct BatchPlan {
   int num_blocks = 0;
 };
 
-BatchPlan MakePlan(int tokens_per_block, uint64_t seed, bool long_batch) {
+BatchPlan MakePlan(int tokens_per_block, uint64_t seed, bool long_batch, int first_shift = 0) {
   BatchPlan p;
   std::vector<int> lengths = {37, 1, 70};
-  std::vector<int> firsts = {5, 0, 19};
+  std::vector<int> firsts = {5 + first_shift, 0 + first_shift, 19 + first_shift};
   if (long_batch) {
     lengths.push_back(6000);
     firsts.push_back(3);
@@ -452,6 +452,134 @@ TEST_F(CudaCodecTest, ArrivalJobsInOneLaunchEqualOneLaunchPerJob) {
             absl::StatusCode::kInvalidArgument);
   CUDA_ASSERT(cudaDeviceSynchronize());
   for (uint8_t b : pools[0]->Download()) ASSERT_EQ(b, 0xa5) << "nothing written";
+}
+
+// Device copies of a BatchPlan, and the batch they describe.
+struct DevicePlan {
+  explicit DevicePlan(const BatchPlan& p)
+      : offsets(p.row_offsets.size()), first(p.first_token.size()), tables(p.block_tables.size()) {
+    ok = offsets.Upload(p.row_offsets) == cudaSuccess &&
+         first.Upload(p.first_token) == cudaSuccess && tables.Upload(p.block_tables) == cudaSuccess;
+    batch = SequenceBatch{static_cast<int>(p.first_token.size()),
+                          offsets.get(),
+                          first.get(),
+                          tables.get(),
+                          p.stride,
+                          p.row_offsets.back()};
+  }
+  DeviceArray<int32_t> offsets, first, tables;
+  SequenceBatch batch;
+  bool ok = false;
+};
+
+// DemoteToHistory (K and V of every sequence in one call, read straight from BF16 pages) writes
+// exactly what QuantizeOnArrival writes from the same rows as flat input with the identity
+// rotation (checked against the CPU codec above), for the version 2 kernel (INT2, G = D) and the
+// version 1 paths; source and destination slots differ (other first tokens, other blocks).
+TEST_F(CudaCodecTest, DemotionFromBf16PagesEqualsArrivalOfTheSameRows) {
+  struct DemotionCase {
+    int d, kv_heads, bits, group;
+    ScaleDtype scale;
+  };
+  for (const DemotionCase& c :
+       {DemotionCase{128, 2, 2, 0, ScaleDtype::kFp16}, DemotionCase{64, 3, 2, 0, ScaleDtype::kBf16},
+        DemotionCase{64, 2, 2, 16, ScaleDtype::kFp16},
+        DemotionCase{128, 1, 4, 32, ScaleDtype::kFp16}}) {
+    SCOPED_TRACE(absl::StrCat("D", c.d, " H", c.kv_heads, " b", c.bits, " G", c.group));
+    QuantConfig cfg;
+    cfg.bits = c.bits;
+    cfg.group_size = c.group;
+    cfg.scale_dtype = c.scale;
+    cfg.block_tokens = 16;
+    cfg.demotion_batch = 16;
+    QuantConfig bypass = cfg;
+    bypass.method = QuantMethod::kBypass;
+    ASSERT_TRUE(cfg.Validate(c.d).ok());
+    ASSERT_TRUE(bypass.Validate(c.d).ok());
+    const BlockLayout hist_layout = BlockLayout::ForModel(cfg, c.kv_heads, c.d);
+    const BlockLayout bf16_layout = BlockLayout::ForModel(bypass, c.kv_heads, c.d);
+    const BatchPlan src_plan = MakePlan(16, 41, /*long_batch=*/true);
+    const BatchPlan dst_plan = MakePlan(16, 42, /*long_batch=*/true, /*first_shift=*/3);
+    DevicePlan src(src_plan), dst(dst_plan);
+    ASSERT_TRUE(src.ok && dst.ok);
+    const int rows = src_plan.row_offsets.back();
+    const size_t values = static_cast<size_t>(rows) * c.kv_heads * c.d;
+    DeviceArray<uint16_t> d_k(values), d_v(values);
+    DeviceArray<uint8_t> pages(src_plan.num_blocks * bf16_layout.block_bytes());
+    DeviceArray<uint8_t> demoted(dst_plan.num_blocks * hist_layout.block_bytes());
+    DeviceArray<uint8_t> direct(dst_plan.num_blocks * hist_layout.block_bytes());
+    DeviceArray<uint32_t> d_err(1);
+    CUDA_ASSERT(cudaMemset(d_err.get(), 0, sizeof(uint32_t)));
+    CUDA_ASSERT(cudaMemset(demoted.get(), 0xa5, demoted.size()));
+    CUDA_ASSERT(cudaMemset(direct.get(), 0xa5, direct.size()));
+    const PagedKvView page_view{pages.get(), bf16_layout, c.scale, src_plan.num_blocks};
+    const PagedKvView demoted_view{demoted.get(), hist_layout, c.scale, dst_plan.num_blocks};
+    const PagedKvView direct_view{direct.get(), hist_layout, c.scale, dst_plan.num_blocks};
+    for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+      const std::vector<Bf16> input =
+          testing::ToBf16(testing::RealLikeRows(rows * c.kv_heads, c.d, 50 + static_cast<int>(t)));
+      std::vector<uint16_t> bits(input.size());
+      for (size_t i = 0; i < input.size(); ++i) bits[i] = input[i].bits;
+      DeviceArray<uint16_t>& flat = t == KvTensor::kKey ? d_k : d_v;
+      CUDA_ASSERT(flat.Upload(bits));
+      // The recent window's pages hold the (rotated) rows as they are.
+      ASSERT_TRUE(QuantizeOnArrival(bypass, page_view, src.batch, t, ArrivalRows{flat.get()},
+                                    d_err.get(), nullptr)
+                      .ok());
+      ASSERT_TRUE(QuantizeOnArrival(cfg, direct_view, dst.batch, t, ArrivalRows{flat.get()},
+                                    d_err.get(), nullptr)
+                      .ok());
+    }
+    ASSERT_TRUE(TakeCodecErrors(d_err.get(), nullptr).ok());
+    PagedRows from{page_view, src.first.get(), src.tables.get(), src_plan.stride};
+    ASSERT_TRUE(DemoteToHistory(cfg, demoted_view, dst.batch, from, d_err.get(), nullptr).ok());
+    const absl::Status demotion = TakeCodecErrors(d_err.get(), nullptr);
+    ASSERT_TRUE(demotion.ok()) << demotion;
+    const std::vector<uint8_t> got = demoted.Download();
+    const std::vector<uint8_t> want = direct.Download();
+    ASSERT_EQ(got.size(), want.size());
+    size_t written = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "history byte " << i;
+      written += want[i] != 0xa5;
+    }
+    EXPECT_GT(written, got.size() / 4) << "the demotion wrote the history blocks";
+
+    // Bad input: rejected before anything launches, nothing written.
+    CUDA_ASSERT(cudaMemset(demoted.get(), 0xa5, demoted.size()));
+    PagedRows wrong_layout = from;
+    wrong_layout.kv = PagedKvView{pages.get(), hist_layout, c.scale, src_plan.num_blocks};
+    EXPECT_EQ(
+        DemoteToHistory(cfg, demoted_view, dst.batch, wrong_layout, d_err.get(), nullptr).code(),
+        absl::StatusCode::kInvalidArgument);
+    PagedRows no_tables = from;
+    no_tables.block_tables = nullptr;
+    EXPECT_EQ(DemoteToHistory(cfg, demoted_view, dst.batch, no_tables, d_err.get(), nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+    ArrivalRows both{d_k.get()};
+    both.paged = &from;
+    EXPECT_EQ(
+        QuantizeOnArrival(cfg, demoted_view, dst.batch, KvTensor::kKey, both, d_err.get(), nullptr)
+            .code(),
+        absl::StatusCode::kInvalidArgument);
+    CUDA_ASSERT(cudaDeviceSynchronize());
+    for (uint8_t b : demoted.Download()) ASSERT_EQ(b, 0xa5) << "nothing written";
+
+    // A source block id outside its pool: OutOfRange, and the other rows are still demoted.
+    std::vector<int32_t> bad_tables = src_plan.block_tables;
+    bad_tables[0] = static_cast<int32_t>(src_plan.num_blocks);
+    DeviceArray<int32_t> d_bad(bad_tables.size());
+    CUDA_ASSERT(d_bad.Upload(bad_tables));
+    PagedRows bad_block = from;
+    bad_block.block_tables = d_bad.get();
+    ASSERT_TRUE(
+        DemoteToHistory(cfg, demoted_view, dst.batch, bad_block, d_err.get(), nullptr).ok());
+    EXPECT_EQ(TakeCodecErrors(d_err.get(), nullptr).code(), absl::StatusCode::kOutOfRange);
+    const std::vector<uint8_t> partial = demoted.Download();
+    size_t same = 0;
+    for (size_t i = 0; i < partial.size(); ++i) same += partial[i] == want[i];
+    EXPECT_GT(same, partial.size() * 9 / 10) << "rows of valid blocks were demoted";
+  }
 }
 
 TEST_F(CudaCodecTest, SignedZeroTiesMatchCpu) {

@@ -90,4 +90,18 @@ __device__ __forceinline__ RowSlot LocateRow(const BlockGeometry& g, const Batch
   return r;
 }
 
+// Input row `row_head` (= row * kv_heads + head, of sequence `seq`) of an arrival: a flat row, or
+// a BF16 row in the pages of p.paged (nullptr when its block id is outside the source pool).
+__device__ __forceinline__ const uint16_t* ArrivalRowPtr(const ArrivalParams& p, int head_dim,
+                                                         int64_t row_head, int seq, int row,
+                                                         int head) {
+  if (p.paged.pool == nullptr) return p.rows + row_head * head_dim;
+  BatchParams src = p.batch;
+  src.first_token = p.paged.first_token;
+  src.block_tables = p.paged.block_tables;
+  src.block_table_stride = p.paged.block_table_stride;
+  const RowSlot s = LocateRow(p.paged.geo, src, seq, row, head, p.tensor);
+  return s.valid ? reinterpret_cast<const uint16_t*>(p.paged.pool + s.codes) : nullptr;
+}
+
 }  // namespace kvpool::cuda::internal

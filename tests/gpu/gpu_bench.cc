@@ -15,7 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -198,6 +200,73 @@ void BenchCodec(cudaStream_t stream, double copy_gbs) {
   Check(TakeCodecErrors(err, stream), "codec errors");
   for (void* p : std::vector<void*>{rows, pool, d_table, d_offsets, d_first, rotation, unrotation,
                                     err, out}) {
+    cudaFree(p);
+  }
+}
+
+// Demotion of one decode step: every (sequence, layer) moves its 16 oldest recent tokens from a
+// BF16 page into an INT2 history block (32 sequences x 80 layers, Hkv = 8, D = 128, shuffled
+// blocks), K and V. One DemoteToHistory launch against the path it replaced in the same run:
+// dequantize the pages to a staging buffer, then quantize it, per tensor (four launches).
+void BenchDemotion(cudaStream_t stream, double copy_gbs) {
+  constexpr int kHkv = 8, kD = 128, kRuns = 32 * 80, kTokens = 16;
+  QuantConfig cfg;
+  QuantConfig bypass = cfg;
+  bypass.method = QuantMethod::kBypass;
+  const BlockLayout hist = BlockLayout::ForModel(cfg, kHkv, kD);
+  const BlockLayout bf16 = BlockLayout::ForModel(bypass, kHkv, kD);
+  const int rows = kRuns * kTokens;
+  uint8_t* pages = DeviceAlloc<uint8_t>(static_cast<size_t>(kRuns) * bf16.block_bytes());
+  uint8_t* history = DeviceAlloc<uint8_t>(static_cast<size_t>(kRuns) * hist.block_bytes());
+  const size_t values = static_cast<size_t>(rows) * kHkv * kD;
+  uint16_t* staging = DeviceAlloc<uint16_t>(values);
+  Check(testing::FillRealLikeBf16(staging, values, kD, 5, 1.0f, stream), "fill");
+  std::vector<int32_t> offsets(kRuns + 1), first(kRuns, 0), src_table(kRuns), dst_table(kRuns);
+  for (int i = 0; i <= kRuns; ++i) offsets[i] = i * kTokens;
+  std::iota(src_table.begin(), src_table.end(), 0);
+  std::iota(dst_table.begin(), dst_table.end(), 0);
+  std::mt19937 rng(3);
+  std::shuffle(src_table.begin(), src_table.end(), rng);
+  std::shuffle(dst_table.begin(), dst_table.end(), rng);
+  int32_t* d_offsets = Upload(offsets);
+  int32_t* d_first = Upload(first);
+  int32_t* d_src = Upload(src_table);
+  int32_t* d_dst = Upload(dst_table);
+  uint32_t* err = DeviceAlloc<uint32_t>(1);
+  Check(cudaMemset(err, 0, 4), "memset");
+  const PagedKvView page_view{pages, bf16, cfg.scale_dtype, kRuns};
+  const PagedKvView hist_view{history, hist, cfg.scale_dtype, kRuns};
+  const SequenceBatch from_batch{kRuns, d_offsets, d_first, d_src, 1, rows};
+  const SequenceBatch to_batch{kRuns, d_offsets, d_first, d_dst, 1, rows};
+  for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {  // the recent pages
+    Check(QuantizeOnArrival(bypass, page_view, from_batch, t, ArrivalRows{staging}, err, stream),
+          "fill pages");
+  }
+  const PagedRows from{page_view, d_first, d_src, 1};
+  const double fused_us = TimeUs(stream, 5, 40, [&](int) {
+    Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream), "demote");
+  });
+  const double staged_us = TimeUs(stream, 5, 40, [&](int) {
+    for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+      Check(DequantizeToBf16(bypass, page_view, from_batch, t, staging, err, stream), "dequant");
+      Check(QuantizeOnArrival(cfg, hist_view, to_batch, t, ArrivalRows{staging}, err, stream),
+            "quantize");
+    }
+  });
+  Check(TakeCodecErrors(err, stream), "codec errors");
+  const double in_bytes = 2.0 * values * 2;  // K and V, BF16
+  const double out_bytes =
+      2.0 * rows * kHkv * (hist.code_bytes_per_row() + hist.meta_bytes_per_row());
+  const double floor_us = (in_bytes + out_bytes) / (copy_gbs * 1e9) * 1e6;
+  g_results.push_back(
+      {"demote_to_history_one_launch",
+       "{\"sequences\": 32, \"layers\": 80, \"tokens\": 16, \"Hkv\": 8, \"D\": 128}", fused_us,
+       "us", "dequantize_then_quantize_us", staged_us, fused_us / staged_us});
+  std::printf("%-34s %10.1f us  %8.1f GB/s in   (staged path %.1f us, floor %.1f us)\n",
+              "demote_to_history_one_launch", fused_us, in_bytes / (fused_us * 1e-6) / 1e9,
+              staged_us, floor_us);
+  for (void* p :
+       std::vector<void*>{pages, history, staging, d_offsets, d_first, d_src, d_dst, err}) {
     cudaFree(p);
   }
 }
@@ -443,7 +512,10 @@ int Main(int argc, char** argv) {
   const double copy_gbs = CopyBandwidthGBs(stream);
   std::printf("device %s, %d SMs, L2 %.0f MB, copy bandwidth %.0f GB/s (read + write)\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_gbs);
-  if (codec) BenchCodec(stream, copy_gbs);
+  if (codec) {
+    BenchCodec(stream, copy_gbs);
+    BenchDemotion(stream, copy_gbs);
+  }
   std::vector<int> batches = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
   std::vector<int> contexts =
       quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
