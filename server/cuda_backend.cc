@@ -675,15 +675,29 @@ class CudaBackend final : public ComputeBackend {
         offset[i] += src.count[i];
       }
       if (read.rows() == 0) continue;
-      KVPOOL_ASSIGN_OR_RETURN(
-          uint8_t * rows,
-          lane.rows.Reserve(static_cast<size_t>(read.rows()) * m.row_values() * 2, lane.stream));
       KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
                               UploadRuns(lane, {&read, &write}));
+      // Sink and recent rows are BF16 pages already: copied page to page. History rows are
+      // dequantized to a staging buffer first.
+      cuda::PagedRows pages;
+      pages.kv = View(m, /*history=*/false);
+      pages.first_token = batch[0].first_token;
+      pages.block_tables = batch[0].block_tables;
+      pages.block_table_stride = batch[0].block_table_stride;
+      uint8_t* rows = nullptr;
+      if (history) {
+        KVPOOL_ASSIGN_OR_RETURN(
+            rows,
+            lane.rows.Reserve(static_cast<size_t>(read.rows()) * m.row_values() * 2, lane.stream));
+      }
       for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
-        KVPOOL_RETURN_IF_ERROR(Dequantize(lane, m, history, batch[0], t, rows));
         cuda::ArrivalRows in;
-        in.rows = reinterpret_cast<const uint16_t*>(rows);
+        if (history) {
+          KVPOOL_RETURN_IF_ERROR(Dequantize(lane, m, history, batch[0], t, rows));
+          in.rows = reinterpret_cast<const uint16_t*>(rows);
+        } else {
+          in.paged = &pages;
+        }
         KVPOOL_RETURN_IF_ERROR(cuda::QuantizeOnArrival(m.bf16_codec.config(), *view, batch[1], t,
                                                        in, lane.error_word, lane.stream));
       }

@@ -543,7 +543,7 @@ TEST_F(CudaCodecTest, DemotionFromBf16PagesEqualsArrivalOfTheSameRows) {
       ASSERT_EQ(got[i], want[i]) << "history byte " << i;
       written += want[i] != 0xa5;
     }
-    EXPECT_GT(written, got.size() / 4) << "the demotion wrote the history blocks";
+    EXPECT_GT(written, got.size() / 8) << "the demotion wrote the history blocks";
 
     // Bad input: rejected before anything launches, nothing written.
     CUDA_ASSERT(cudaMemset(demoted.get(), 0xa5, demoted.size()));
