@@ -54,6 +54,10 @@ struct AttentionParams {
   int32_t hist_narrow;         // 1: version 2 in the narrow layout (groups of up to 4)
   int32_t merge_version;       // 1, 2 (a CTA per query head) or 3 (a CTA per KV head group)
   int32_t bf16_after_history;  // 1: the BF16 tier kernel runs beside the INT2 history (PDL)
+  // Workspace [num_seqs][kv_heads]: parts written per (sequence, KV head), for the tail merge
+  // (the attention CTA that writes a pair's last part merges it; no merge kernel). nullptr: the
+  // merge kernel of merge_version.
+  int32_t* merge_counters;
 };
 
 // Enqueues the whole decode step (query rotation, BF16 tiers, INT2 history, merge and output

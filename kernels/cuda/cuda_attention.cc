@@ -35,13 +35,14 @@ struct Plan {
   bool hist_v2 = false;      // INT2 history kernel version 2
   bool hist_narrow = false;  // version 2 in the narrow layout (groups of up to 4)
   int merge_version = 2;     // MergeVersion
+  bool tail_merge = false;   // the attention CTAs merge (TailMerge), no merge kernel
   int history_chunks = 0;
   int history_chunk_tokens = kChunkQuantum;
   int bf16_chunks = 0;
   int bf16_chunk_tokens = kChunkQuantum;
   int num_parts = 0;
   // Workspace layout (byte offsets).
-  size_t q_rot = 0, q_sum = 0, q_scale = 0, part_out = 0, part_lse = 0, total = 0;
+  size_t q_rot = 0, q_sum = 0, q_scale = 0, part_out = 0, part_lse = 0, counters = 0, total = 0;
 };
 
 int RoundUp(int64_t v, int64_t q) { return static_cast<int>((v + q - 1) / q * q); }
@@ -213,6 +214,22 @@ bool NarrowLayout() {
   return v == nullptr || std::string_view(v) != "0";
 }
 
+// The tail merge (version 2 history kernel, groups of up to 8, at least as many groups as SMs):
+// the CTA that writes the last part of a (sequence, KV head) merges its parts and un-rotates the
+// output, so the decode step is three kernels instead of four and each group's merge starts as
+// soon as its own parts are done. H200 A/B against the merge kernel (two runs each): batch 32 x
+// 8K 79.3-80.4 vs 81.9-84.0 us (hq32), 96.4 vs 98.2-98.8 (llama70b), 32 x 32K 245.0-245.2 vs
+// 246.5-249.2. With fewer groups it is slower: one 128-thread CTA merges a whole group where
+// the merge kernel spreads a group over CTAs that are resident and waiting (batch 1 x 8K 39.3
+// vs 29.9 us, 8 x 32K 91.9 vs 86.3). KVPOOL_ATTN_TAIL_MERGE=0 keeps the merge kernel, =1 takes
+// the tail merge for any number of groups (tests, A/B runs).
+bool TailMerge(int64_t groups, int sms) {
+  const char* v = std::getenv("KVPOOL_ATTN_TAIL_MERGE");
+  if (v != nullptr && std::string_view(v) == "0") return false;
+  if (v != nullptr && std::string_view(v) == "1") return true;
+  return groups >= sms;
+}
+
 bool UsePdl() {
   const char* v = std::getenv("KVPOOL_ATTN_PDL");
   return v == nullptr || std::string_view(v) != "0";
@@ -275,6 +292,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
     }
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
+  p.tail_merge = p.hist_v2 && p.group <= 8 && p.num_parts > 0 && TailMerge(pairs, sms);
   const size_t rows = static_cast<size_t>(s.num_seqs) * s.q_heads;
   const size_t d = s.history_pool.layout.head_dim;
   auto take = [&](size_t bytes) {
@@ -287,6 +305,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   p.q_scale = take(rows * sizeof(float));
   p.part_out = take(rows * std::max(p.num_parts, 1) * d * sizeof(float));
   p.part_lse = take(rows * std::max(p.num_parts, 1) * sizeof(float));
+  if (p.tail_merge) p.counters = take(pairs * sizeof(int32_t));
   return p;
 }
 
@@ -358,6 +377,7 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.q_scale = reinterpret_cast<float*>(base + plan.q_scale);
   p.part_out = reinterpret_cast<float*>(base + plan.part_out);
   p.part_lse = reinterpret_cast<float*>(base + plan.part_lse);
+  p.merge_counters = plan.tail_merge ? reinterpret_cast<int32_t*>(base + plan.counters) : nullptr;
   p.num_parts = plan.num_parts;
   p.history_chunks = plan.history_chunks;
   p.history_chunk_tokens = plan.history_chunk_tokens;

@@ -15,6 +15,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -490,14 +491,19 @@ TEST_F(CudaAttentionTest, TiersInSequence) {
   RunScenarioUnderEach(sc, {{"KVPOOL_ATTN_OVERLAP", "0"}, {"KVPOOL_ATTN_PDL", "0"}});
 }
 
-// The other merge kernels (KVPOOL_ATTN_MERGE=v1, a CTA per KV head with version 1's phases; v3,
-// a CTA per KV head group reading M_V once) merge what version 2 (a CTA per query head) does,
-// for both head sizes, groups of 8, 4 and 3, and an identity rotation.
-TEST_F(CudaAttentionTest, MergeVersions1And3) {
-  for (const char* version : {"v1", "v3"}) {
-    ScopedEnv env("KVPOOL_ATTN_MERGE", version);
+// Every way to merge the parts: the tail merge (the attention CTA that writes a KV head group's
+// last part merges it; by default only with at least as many groups as SMs, forced here by
+// KVPOOL_ATTN_TAIL_MERGE=1) and the merge kernels (KVPOOL_ATTN_MERGE=v1: a CTA per KV head with
+// version 1's phases; v2: a CTA per query head, the default for these small batches; v3: a CTA
+// per KV head group reading M_V once), for both head sizes, groups of 8, 4 and 3, and an
+// identity rotation.
+TEST_F(CudaAttentionTest, TailMergeAndMergeKernels) {
+  for (const char* version : {"tail", "v1", "v2", "v3"}) {
+    const bool tail = std::string_view(version) == "tail";
+    ScopedEnv tail_env("KVPOOL_ATTN_TAIL_MERGE", tail ? "1" : "0");
+    ScopedEnv env("KVPOOL_ATTN_MERGE", tail ? "v2" : version);
     Scenario sc;
-    sc.seqs = {{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
+    sc.seqs = std::vector<SeqSpec>{{64, 1000, 256}, {5, 0, 17}, {64, 2100, 263}};
     RunScenario(sc);
     sc.q_heads = 8;  // group 4
     RunScenario(sc);
@@ -556,7 +562,9 @@ TEST_F(CudaAttentionTest, LloydMaxHistoryAndIdentityRotation) {
 
 TEST_F(CudaAttentionTest, EmptyTiersAndEmptySequences) {
   Scenario sc;
-  sc.seqs = {{0, 0, 0}, {0, 700, 0}, {64, 0, 256}, {0, 0, 3}, {0, 1, 0}};
+  sc.seqs = std::vector<SeqSpec>{{0, 0, 0}, {0, 700, 0}, {64, 0, 256}, {0, 0, 3}, {0, 1, 0}};
+  RunScenario(sc);
+  ScopedEnv tail("KVPOOL_ATTN_TAIL_MERGE", "1");  // empty parts through the tail merge
   RunScenario(sc);
 }
 

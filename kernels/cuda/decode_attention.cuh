@@ -37,6 +37,7 @@ inline constexpr int kTileTokens = 16;
 inline constexpr int kChunkQuantum = kAttnWarps * kTileTokens;  // chunk sizes are multiples
 inline constexpr int kPrefetchTiles = 6;  // L2 prefetch distance of the INT2 history, in tiles
 inline constexpr float kNegInf = -__builtin_huge_valf();
+inline constexpr int kMaxParts = 256;  // cuda_attention.cc keeps num_parts at or below this
 
 // Byte offset, from the pool base, of a token's segment start for (block table, head): the
 // caller adds codes/meta offsets and slot * row bytes.
@@ -181,6 +182,11 @@ __global__ void __launch_bounds__(kRotSlices* kD) RotateQueriesKernel(const Atte
   GridDependencyWait();
   for (int idx = threadIdx.x; idx < p.group * kD; idx += kRotSlices * kD) {
     p.q_rot[row0 * kD + idx] = red[0][idx / kD][idx % kD];
+  }
+  // The tail merge's part count of this (sequence, KV head) starts at 0 (the attention CTAs
+  // count only after this kernel completed).
+  if (p.merge_counters != nullptr && threadIdx.x == 0) {
+    p.merge_counters[static_cast<int64_t>(b) * p.kv_heads + blockIdx.x] = 0;
   }
   // Sum and scale of each query: warp w reduces queries w, w + warps, ...
   constexpr int kWarps = kRotSlices * kD / kWarpSize;
@@ -633,6 +639,12 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
   WritePartial<kD, kNT>(st, p, b, kv_head, chunk, row_factor);
 }
 
+}  // namespace kvpool::cuda::internal
+
+#include "kernels/cuda/merge_v3.cuh"  // IWYU pragma: keep
+
+namespace kvpool::cuda::internal {
+
 // ---------------------------------------------------------------------------------------------
 // 2. BF16 tiers (sink then recent, as one list). Grid (bf16_chunks, kv_heads, num_seqs).
 template <int kD, int kNT>
@@ -809,6 +821,12 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
     row_factor[mi][1] = 1.f;
   }
   WritePartial<kD, kNT>(st, p, b, kv_head, p.history_chunks + chunk, row_factor);
+  if constexpr (kNT == 1) {  // groups of up to 8
+    if (p.merge_counters != nullptr) {
+      __shared__ MergeGroupSmem<kD, kAttnThreads> merge_smem;
+      MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, &merge_smem);
+    }
+  }
   if (p.bf16_after_history != 0) GridDependencyWait();
 }
 
@@ -825,7 +843,6 @@ namespace kvpool::cuda::internal {
 //      k = slice, slice + slices, ... (independent 16-byte loads), slices added in order;
 //   c. thread (sub, j): out[n][j] = sum_i o'[n][i] * M_V[j][i] for queries n = sub + k * subs.
 inline constexpr int kMergeThreads = 512;
-inline constexpr int kMaxParts = 256;  // cuda_attention.cc keeps num_parts at or below this
 
 template <int kD>
 __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionParams p) {
@@ -1037,12 +1054,6 @@ __global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const Attention
   }
 }
 
-}  // namespace kvpool::cuda::internal
-
-#include "kernels/cuda/merge_v3.cuh"  // IWYU pragma: keep
-
-namespace kvpool::cuda::internal {
-
 // Launches `kernel` on `grid`; with `pdl`, as a programmatic dependent of the previous kernel on
 // the stream (it may start while that one runs; GridDependencyWait orders the data).
 template <typename Kernel>
@@ -1099,7 +1110,9 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
   }
   if (p.bf16_after_history != 0) bf16_tiers();
   if (err == cudaSuccess) {
-    if (kGroupTiles == 1 && p.merge_version == 3) {
+    if (p.merge_counters != nullptr) {
+      // Tail merge: the attention kernels merged every pair.
+    } else if (kGroupTiles == 1 && p.merge_version == 3) {
       err = LaunchAttentionKernel(MergeKernelV3<kD>, groups, kMergeV3Threads, pdl, p, stream);
     } else if (p.merge_version == 1) {
       err = LaunchAttentionKernel(MergeKernel<kD>, groups, kMergeThreads, pdl, p, stream);

@@ -683,6 +683,10 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     p.part_out[(row * p.num_parts + part) * kD + dim] = o;
     if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
   }
+  if (p.merge_counters != nullptr) {
+    static_assert(sizeof(MergeGroupSmem<kD, kAttnThreads>) <= kV2SmemBytes<kD>);
+    MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, v2_smem);  // the ring is free
+  }
 }
 
 }  // namespace kvpool::cuda::internal

@@ -1,4 +1,5 @@
-// Merge, version 3 (included by decode_attention.cuh after kMaxParts; GQA groups of up to 8).
+// Merge, version 3 (included by decode_attention.cuh before the attention kernels, which also
+// call it as their tail merge; GQA groups of up to 8).
 //
 // One CTA per (KV head, sequence) merges all of the group's query heads, so each CTA reads the
 // output rotation M_V once for up to 8 heads. Version 2 (a CTA per query head) read its 64 KB
@@ -45,47 +46,59 @@ __device__ __forceinline__ float ReduceEightOverWarp(float (&d)[kMergeV3MaxGroup
   return d[0];
 }
 
-// Grid (kv_heads, num_seqs), kMergeV3Threads threads; p.group <= kMergeV3MaxGroup.
-template <int kD>
-__global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const AttentionParams p) {
-  constexpr int kWarps = kMergeV3Threads / kWarpSize;
+// Shared memory of MergeGroup for a CTA of kThreads threads.
+template <int kD, int kThreads>
+struct MergeGroupSmem {
+  static constexpr int kItems = kMergeV3MaxGroup * kD / 4;  // (query, float4 column) items
+  float wts[kMergeV3MaxGroup][kMaxParts];
+  __align__(16) float o_rot[kMergeV3MaxGroup][kD];
+  __align__(16) float4 slice_acc[kThreads > kItems ? kThreads : kItems];
+  float out_s[kMergeV3MaxGroup][kD];
+};
+
+// The rows of M_V that warp `warp` of a kThreads CTA reads in MergeGroup's phase c, into L1
+// (constant input: this may run before the attention kernels finish).
+template <int kD, int kThreads>
+__device__ __forceinline__ void PrefetchMergeRows(const AttentionParams& p) {
+  constexpr int kRowsPerWarp = kD / (kThreads / kWarpSize);
+  if (p.rotation_v == nullptr) return;
+  const int warp = threadIdx.x / kWarpSize;
+  const float* rows = p.rotation_v + static_cast<int64_t>(warp) * kRowsPerWarp * kD;
+  constexpr int kLines = kRowsPerWarp * kD * 4 / 128;
+  for (int l = threadIdx.x % kWarpSize; l < kLines; l += kWarpSize) {
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(rows + 32 * l));
+  }
+}
+
+// Merges every part of the query heads of (KV head `kv_head`, sequence `b`) and un-rotates the
+// output, with all kThreads threads of the CTA (p.group <= kMergeV3MaxGroup). The parts may have
+// been written by other CTAs of a kernel still running (the tail merge), so they are read
+// through L2 (ld.global.cg), never through the non-coherent path.
+template <int kD, int kThreads>
+__device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head, int b,
+                                           MergeGroupSmem<kD, kThreads>& sm) {
+  constexpr int kWarps = kThreads / kWarpSize;
   constexpr int kVec = kD / 4;               // float4 columns of a row (phase b)
   constexpr int kPerLane = kD / kWarpSize;   // dims i of a lane (phase c)
   constexpr int kRowsPerWarp = kD / kWarps;  // rows j of M_V per warp (phase c)
   constexpr int kLsePerLane = kMaxParts / kWarpSize;
   static_assert(kPerLane == 2 || kPerLane == 4, "head dim 64 or 128");
-  __shared__ float wts[kMergeV3MaxGroup][kMaxParts];
-  __shared__ __align__(16) float o_rot[kMergeV3MaxGroup][kD];
-  __shared__ __align__(16) float4 slice_acc[kMergeV3Threads];
-  __shared__ float out_s[kMergeV3MaxGroup][kD];
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   const int group = p.group;
   const int parts = p.num_parts;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * p.q_heads + blockIdx.x * group;
+  const int64_t row0 = static_cast<int64_t>(b) * p.q_heads + kv_head * group;
 
-  // M_V rows of this warp into L1 while the attention kernels still run (constant input).
-  const float* mv_rows = p.rotation_v == nullptr
-                             ? nullptr
-                             : p.rotation_v + static_cast<int64_t>(warp) * kRowsPerWarp * kD;
-  if (mv_rows != nullptr) {
-    constexpr int kLines = kRowsPerWarp * kD * 4 / 128;
-    for (int l = lane; l < kLines; l += kWarpSize) {
-      asm volatile("prefetch.global.L1 [%0];\n" ::"l"(mv_rows + 32 * l));
-    }
-  }
-  GridDependencyWait();
-
-  // a. Weights and LSE of query `warp`.
-  if (warp < group) {
-    const int64_t row = row0 + warp;
+  // a. Weights and LSE of queries warp, warp + kWarps, ...
+  for (int n = warp; n < group; n += kWarps) {
+    const int64_t row = row0 + n;
     float v[kLsePerLane];
     float m = kNegInf;
 #pragma unroll
     for (int r = 0; r < kLsePerLane; ++r) {
       const int k = lane + kWarpSize * r;
-      v[r] = k < parts ? p.part_lse[row * parts + k] : kNegInf;
+      v[r] = k < parts ? __ldcg(p.part_lse + row * parts + k) : kNegInf;
       m = fmaxf(m, v[r]);
     }
     for (int o = 16; o >= 1; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
@@ -100,55 +113,58 @@ __global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const Attention
 #pragma unroll
     for (int r = 0; r < kLsePerLane; ++r) {
       const int k = lane + kWarpSize * r;
-      if (k < parts) wts[warp][k] = v[r] * inv;
+      if (k < parts) sm.wts[n][k] = v[r] * inv;
     }
     if (lane == 0) p.lse[row] = m == kNegInf ? kNegInf : (m + log2f(l)) * 0.69314718055994531f;
   }
   __syncthreads();
 
-  // b. o'[n] = sum_k w[n][k] part_k[n], thread (slice, n, c).
+  // b. o'[n] = sum_k w[n][k] part_k[n]: work item (slice, n, c) sums parts k = slice,
+  // slice + slices, ...; the slices are added in a fixed order.
   const int items = group * kVec;
-  const int slices = max(1, kMergeV3Threads / items);
-  {
-    const int slice = tid / items;
-    const int item = tid % items;
+  const int slices = max(1, kThreads / items);
+  for (int it = tid; it < slices * items; it += kThreads) {
+    const int slice = it / items;
+    const int item = it % items;
     const int n = item / kVec;
     const int c = item % kVec;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (slice < slices) {
-      const float4* src = reinterpret_cast<const float4*>(p.part_out + (row0 + n) * parts * kD) + c;
+    const float4* src = reinterpret_cast<const float4*>(p.part_out + (row0 + n) * parts * kD) + c;
 #pragma unroll 8
-      for (int k = slice; k < parts; k += slices) {
-        const float w = wts[n][k];
-        const float4 x = __ldg(src + static_cast<int64_t>(k) * kVec);
-        FmaFloat4(acc, w, x);
-      }
+    for (int k = slice; k < parts; k += slices) {
+      const float w = sm.wts[n][k];
+      const float4 x = __ldcg(src + static_cast<int64_t>(k) * kVec);
+      FmaFloat4(acc, w, x);
     }
-    slice_acc[tid] = acc;
+    sm.slice_acc[it] = acc;
   }
   __syncthreads();
-  for (int item = tid; item < items; item += kMergeV3Threads) {
-    float4 o = slice_acc[item];
+  for (int item = tid; item < items; item += kThreads) {
+    float4 o = sm.slice_acc[item];
     for (int s = 1; s < slices; ++s) {
-      const float4 x = slice_acc[s * items + item];
+      const float4 x = sm.slice_acc[s * items + item];
       AddFloat4(o, x);
     }
-    *reinterpret_cast<float4*>(&o_rot[item / kVec][4 * (item % kVec)]) = o;
+    *reinterpret_cast<float4*>(&sm.o_rot[item / kVec][4 * (item % kVec)]) = o;
   }
   __syncthreads();
 
   float* out = p.out + row0 * kD;
-  if (mv_rows == nullptr) {
-    for (int idx = tid; idx < group * kD; idx += kMergeV3Threads)
-      out[idx] = o_rot[idx / kD][idx % kD];
+  if (p.rotation_v == nullptr) {
+    for (int idx = tid; idx < group * kD; idx += kThreads) out[idx] = sm.o_rot[idx / kD][idx % kD];
     return;
   }
-  // c. Un-rotation: lane dims i = kPerLane * lane + [0, kPerLane).
+  // c. Un-rotation, out[n][j] = sum_i o'[n][i] M_V[j][i]: warp w takes rows j of M_V (a
+  // coalesced row per load), its lanes dims i = kPerLane * lane + [0, kPerLane), and the 8
+  // queries' partial dots are reduced by a halving butterfly.
+  const float* mv_rows = p.rotation_v + static_cast<int64_t>(warp) * kRowsPerWarp * kD;
   float o[kMergeV3MaxGroup][kPerLane];
 #pragma unroll
   for (int n = 0; n < kMergeV3MaxGroup; ++n) {
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) o[n][e] = n < group ? o_rot[n][kPerLane * lane + e] : 0.f;
+    for (int e = 0; e < kPerLane; ++e) {
+      o[n][e] = n < group ? sm.o_rot[n][kPerLane * lane + e] : 0.f;
+    }
   }
   const int my_query = (lane >> 2) & 7;
 #pragma unroll 4
@@ -173,11 +189,43 @@ __global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const Attention
       for (int e = 1; e < kPerLane; ++e) d[n] = __fmaf_rn(o[n][e], mv[e], d[n]);
     }
     const float total = ReduceEightOverWarp(d, lane);
-    if ((lane & 3) == 0 && my_query < group) out_s[my_query][warp * kRowsPerWarp + r] = total;
+    if ((lane & 3) == 0 && my_query < group) sm.out_s[my_query][warp * kRowsPerWarp + r] = total;
   }
   __syncthreads();
-  for (int idx = tid; idx < group * kD; idx += kMergeV3Threads)
-    out[idx] = out_s[idx / kD][idx % kD];
+  for (int idx = tid; idx < group * kD; idx += kThreads) out[idx] = sm.out_s[idx / kD][idx % kD];
+}
+
+// Grid (kv_heads, num_seqs), kMergeV3Threads threads; p.group <= kMergeV3MaxGroup.
+template <int kD>
+__global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const AttentionParams p) {
+  __shared__ MergeGroupSmem<kD, kMergeV3Threads> sm;
+  PrefetchMergeRows<kD, kMergeV3Threads>(p);
+  GridDependencyWait();
+  MergeGroup<kD, kMergeV3Threads>(p, blockIdx.x, blockIdx.y, sm);
+}
+
+// Tail merge (p.merge_counters set): called by every CTA of the attention kernels after it wrote
+// its part of (sequence b, KV head kv_head); the CTA that completes the pair's last part merges
+// them. Each thread's part writes are made visible device-wide before one thread counts the
+// part (the fence-then-count order of a split-K reduction), and the merging CTA fences again
+// before it reads the others' parts. `smem` is free shared memory of at least
+// sizeof(MergeGroupSmem<kD, kThreads>) bytes, 16-byte aligned.
+template <int kD, int kThreads>
+__device__ __forceinline__ void MergeIfLastPart(const AttentionParams& p, int kv_head, int b,
+                                                void* smem) {
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int done =
+        atomicAdd(p.merge_counters + static_cast<int64_t>(b) * p.kv_heads + kv_head, 1);
+    is_last = done == p.num_parts - 1;
+  }
+  __syncthreads();
+  if (is_last == 0) return;
+  __threadfence();
+  PrefetchMergeRows<kD, kThreads>(p);
+  MergeGroup<kD, kThreads>(p, kv_head, b, *static_cast<MergeGroupSmem<kD, kThreads>*>(smem));
 }
 
 }  // namespace kvpool::cuda::internal

@@ -282,8 +282,10 @@ struct Model {
 // cuda_attention.cc): "no_pdl" (no programmatic dependent launch), "legacy_split" (the first
 // version's split of the work) and "ordinary_loads" (the version 2 history kernel without
 // asynchronous copies); every model runs "hist_v1" (the first INT2 history kernel) at batch 32 x
-// 128K and batch 8 x 32K, and "merge_v1" (the first merge kernel) and "tiers_in_sequence" (the
-// BF16 tier kernel before the INT2 history instead of beside it) at batch 1 and at batch 8 x 32K.
+// 128K and batch 8 x 32K, "merge_kernel" (a merge kernel after the attention kernels instead of
+// the tail merge, the default from as many KV head groups as SMs) at batch 32, and
+// "tiers_in_sequence" (the BF16
+// tier kernel before the INT2 history instead of beside it) at batch 1 and at batch 8 x 32K.
 // Those results are named int2_decode_attention_variant.
 void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
                     const std::vector<int>& batches, const std::vector<int>& contexts,
@@ -401,10 +403,8 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       if ((b == 32 && ctx == 131072) || (b == 8 && ctx == 32768) || (ab && b == 1 && ctx == 8192)) {
         variants.push_back("hist_v1");
       }
-      if (b == 1 || (b == 8 && ctx == 32768)) {
-        variants.push_back("merge_v1");
-        variants.push_back("tiers_in_sequence");
-      }
+      if (b == 32) variants.push_back("merge_kernel");
+      if (b == 1 || (b == 8 && ctx == 32768)) variants.push_back("tiers_in_sequence");
       for (const std::string& variant : variants) {
         // A variant sets one knob for its own row; the caller's environment (an A/B run's
         // setting) is back for the next row.
@@ -413,7 +413,7 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
             : variant == "legacy_split"   ? std::pair{"KVPOOL_ATTN_SPLIT", "legacy"}
             : variant == "hist_v1"        ? std::pair{"KVPOOL_ATTN_HIST", "v1"}
             : variant == "ordinary_loads" ? std::pair{"KVPOOL_ATTN_BULK", "0"}
-            : variant == "merge_v1"       ? std::pair{"KVPOOL_ATTN_MERGE", "v1"}
+            : variant == "merge_kernel"   ? std::pair{"KVPOOL_ATTN_TAIL_MERGE", "0"}
             : variant == "tiers_in_sequence"
                 ? std::pair{"KVPOOL_ATTN_OVERLAP", "0"}
                 : std::pair<const char*, const char*>{nullptr, nullptr};

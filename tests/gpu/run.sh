@@ -85,7 +85,7 @@ if [ "$MODE" = all ] || [ "$MODE" = sanitize ]; then
   step "memcheck attention test" "$OUT/sanitize.log" $CS --tool memcheck \
     "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="-$SLOW:*OneHot*"
   step "racecheck attention test" "$OUT/sanitize.log" $CS --tool racecheck \
-    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="*MixedBatch*:*Group16*:*Empty*:*HistoryVersion1*:*MergeVersions*:*TiersInSequence*"
+    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="*MixedBatch*:*Group16*:*Empty*:*HistoryVersion1*:*TailMerge*:*TiersInSequence*"
   step "racecheck codec test" "$OUT/sanitize.log" $CS --tool racecheck "$BIN/cuda_codec_test" \
     --gtest_color=no --gtest_filter="*Int2Head128*:*LloydMax*"
 fi
