@@ -1,6 +1,6 @@
 // DemotionBatcher: demotions (recent BF16 rows quantized into INT2 history blocks) that threads
 // ask for at the same moment share one backend call, so a decode step of many sequences costs
-// one DemoteRows (one launch per tensor on the GPU) instead of one per sequence.
+// one DemoteRows (one kernel launch on the GPU) instead of one per sequence.
 //
 // The first caller to find no call running leads: it takes every waiting request, groups them by
 // model, makes one DemoteRows per group, and repeats while new requests arrived meanwhile; the

@@ -222,7 +222,7 @@ class AppendTxn {
   absl::Status Stage(int layer, int offset, int n,
                      const std::function<absl::Status(absl::Span<const RowWrite>)>& write);
   // Queues the layer's demotion moves; the layer that completes last hands every layer's moves
-  // to the backend in one DemoteRows (one launch per tensor on the GPU, not one per layer: a
+  // to the backend in one DemoteRows (one kernel launch on the GPU for K and V of every layer: a
   // decode step appends one token to every layer), shared with the demotions of other appends
   // running at the same moment (DemotionBatcher).
   absl::Status Demote(LayerState& l);

@@ -129,7 +129,7 @@ class DemotionCountingBackend final : public testing::ForwardingBackend {
 };
 
 // A decode step appends a token to every layer; when it demotes, every layer's moves go to the
-// backend in one DemoteRows call (one launch per tensor on the GPU), and the data stays exact.
+// backend in one DemoteRows call (one kernel launch on the GPU), and the data stays exact.
 TEST(SequenceStoreTest, DecodeDemotesEveryLayerInOneBackendCall) {
   TestCore core;
   const int layers = 5;
