@@ -220,11 +220,7 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
                             UploadRuns(*lane, {&src, &dst}));
     // Every layer's moves, K and V, straight from the BF16 pages: one launch.
-    cuda::PagedRows from;
-    from.kv = View(m, /*history=*/false);
-    from.first_token = batch[0].first_token;
-    from.block_tables = batch[0].block_tables;
-    from.block_table_stride = batch[0].block_table_stride;
+    const cuda::PagedRows from = PagesOf(m, batch[0]);
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(m.codec.quant, View(m, /*history=*/true), batch[1],
                                                  from, lane->error_word, lane->stream));
@@ -442,6 +438,16 @@ class CudaBackend final : public ComputeBackend {
     v.num_blocks = static_cast<int64_t>(arena_bytes_ / kBlockStride);
     v.block_stride = kBlockStride;
     return v;
+  }
+
+  // The BF16 pages of the rows that `batch` names (block tables and first tokens on the device).
+  cuda::PagedRows PagesOf(const Model& m, const cuda::SequenceBatch& batch) const {
+    cuda::PagedRows pages;
+    pages.kv = View(m, /*history=*/false);
+    pages.first_token = batch.first_token;
+    pages.block_tables = batch.block_tables;
+    pages.block_table_stride = batch.block_table_stride;
+    return pages;
   }
 
   // The device copy of M for (model codec, layer, tensor); nullptr for the identity.
@@ -679,11 +685,7 @@ class CudaBackend final : public ComputeBackend {
                               UploadRuns(lane, {&read, &write}));
       // Sink and recent rows are BF16 pages already: copied page to page. History rows are
       // dequantized to a staging buffer first.
-      cuda::PagedRows pages;
-      pages.kv = View(m, /*history=*/false);
-      pages.first_token = batch[0].first_token;
-      pages.block_tables = batch[0].block_tables;
-      pages.block_table_stride = batch[0].block_table_stride;
+      const cuda::PagedRows pages = PagesOf(m, batch[0]);
       uint8_t* rows = nullptr;
       if (history) {
         KVPOOL_ASSIGN_OR_RETURN(

@@ -35,6 +35,22 @@ bool SameLayout(const BlockLayout& a, const BlockLayout& b) {
          a.group_size == b.group_size && a.bits == b.bits;
 }
 
+// The pool pointer, block count and stride of a view; `what` prefixes the messages.
+absl::Status CheckArena(const PagedKvView& kv, const char* what) {
+  if (kv.pool == nullptr || reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, "pool must be a non-null, 16-byte aligned device pointer"));
+  }
+  if (kv.num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "num_blocks must be >= 1"));
+  }
+  if (kv.block_stride < 0 || kv.block_stride % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, "block_stride ", kv.block_stride, " must be 0 or a multiple of 16"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckModel(const QuantConfig& cfg, const PagedKvView& kv) {
   const BlockLayout& l = kv.layout;
   if (!IsSupportedHeadDim(l.head_dim)) {
@@ -59,15 +75,7 @@ absl::Status CheckModel(const QuantConfig& cfg, const PagedKvView& kv) {
       return absl::InvalidArgumentError(absl::StrCat("unsupported bits ", l.bits));
     }
   }
-  if (kv.pool == nullptr || reinterpret_cast<uintptr_t>(kv.pool) % 16 != 0) {
-    return absl::InvalidArgumentError("pool must be a non-null, 16-byte aligned device pointer");
-  }
-  if (kv.num_blocks < 1) return absl::InvalidArgumentError("num_blocks must be >= 1");
-  if (kv.block_stride < 0 || kv.block_stride % 16 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block_stride ", kv.block_stride, " must be 0 or a multiple of 16"));
-  }
-  return absl::OkStatus();
+  return CheckArena(kv, "");
 }
 
 absl::Status CheckBatch(const SequenceBatch& b) {
@@ -117,15 +125,7 @@ absl::Status CheckPagedRows(const PagedRows& src, const BlockLayout& dst, const 
     return absl::InvalidArgumentError(
         "paged input rows must be BF16 pages with the destination's kv_heads and head_dim");
   }
-  if (src.kv.pool == nullptr || reinterpret_cast<uintptr_t>(src.kv.pool) % 16 != 0) {
-    return absl::InvalidArgumentError(
-        "paged input pool must be a non-null, 16-byte aligned device pointer");
-  }
-  if (src.kv.num_blocks < 1) return absl::InvalidArgumentError("paged input has no blocks");
-  if (src.kv.block_stride < 0 || src.kv.block_stride % 16 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("paged input block_stride ", src.kv.block_stride,
-                                                   " must be 0 or a multiple of 16"));
-  }
+  KVPOOL_RETURN_IF_ERROR(CheckArena(src.kv, "paged input "));
   if (b.total_rows > 0 &&
       (src.first_token == nullptr || src.block_tables == nullptr || src.block_table_stride < 1)) {
     return absl::InvalidArgumentError("paged input rows need first tokens and block tables");
