@@ -20,16 +20,14 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/kvpool_client.h"
+#include "kernels/common/file_read.h"
 
 namespace kvpool::client {
 namespace {
 
 std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "";
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  constexpr uint64_t kMaxPortFileBytes = 4096;
+  return ReadRegularFile(path, kMaxPortFileBytes).value_or("");
 }
 
 std::string DescribeWaitStatus(int status) {

@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "kernels/common/file_read.h"
+#include "kernels/common/status_macros.h"
 
 namespace kvpool::client {
 namespace {
@@ -241,11 +243,9 @@ absl::StatusOr<NpyArray> ParseNpy(std::string bytes) {
 }
 
 absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  auto parsed = ParseNpy(ss.str());
+  KVPOOL_ASSIGN_OR_RETURN(std::string bytes,
+                          ReadRegularFile(path, std::numeric_limits<uint64_t>::max()));
+  auto parsed = ParseNpy(std::move(bytes));
   if (!parsed.ok()) {
     return absl::Status(parsed.status().code(),
                         absl::StrCat(path, ": ", parsed.status().message()));

@@ -14,6 +14,9 @@ constexpr int kMinBlockTokens = 8;
 constexpr int kMaxBlockTokens = 1024;
 // Sink and recent sizes are multiples of the reference allocator's 8-token INT2 page.
 constexpr int kWindowQuantum = 8;
+// The BF16 windows are meant to be small beside the INT2 history; a bound keeps a model from
+// storing everything in BF16.
+constexpr int kMaxWindowTokens = 8192;
 // Smallest group: keeps every group byte-aligned for 2- and 4-bit codes.
 constexpr int kMinGroupSize = 8;
 
@@ -29,9 +32,10 @@ absl::Status CheckClipRatio(const char* field, float ratio) {
 }
 
 absl::Status CheckWindow(const char* field, int tokens) {
-  if (tokens < 0 || tokens % kWindowQuantum != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " must be a non-negative multiple of ",
-                                                   kWindowQuantum, ", got ", tokens));
+  if (tokens < 0 || tokens > kMaxWindowTokens || tokens % kWindowQuantum != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be a multiple of ", kWindowQuantum,
+                                                   " in [0, ", kMaxWindowTokens, "], got ",
+                                                   tokens));
   }
   return absl::OkStatus();
 }

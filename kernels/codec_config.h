@@ -35,8 +35,8 @@ struct QuantConfig {
   float clip_ratio_k = 0.96f;  // <= 0 disables clipping (section 6)
   float clip_ratio_v = 0.92f;
   int block_tokens = 16;       // tokens per paged block: power of two >= 8
-  int sink_tokens = 64;        // S0: BF16 prefix, multiple of 8
-  int recent_tokens = 256;     // W: BF16 recent window, multiple of 8
+  int sink_tokens = 64;        // S0: BF16 prefix, multiple of 8, at most 8192
+  int recent_tokens = 256;     // W: BF16 recent window, multiple of 8, at most 8192
   int demotion_batch = 16;     // recent tokens demoted at once; divides block_tokens
 
   // Effective group size for rows of `head_dim` dims.

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/codec_version.h"
+#include "kernels/common/quote.h"
 #include "kernels/common/status_macros.h"
 #include "kernels/safetensors.h"
 
@@ -44,7 +45,7 @@ class Metadata {
 
   absl::StatusOr<std::string> String(const std::string& key) const {
     auto it = m_.find(key);
-    if (it == m_.end()) return Invalid(absl::StrCat("missing metadata '", key, "'"));
+    if (it == m_.end()) return Invalid(absl::StrCat("missing metadata ", Quote(key)));
     return it->second;
   }
   bool Has(const std::string& key) const { return m_.count(key) > 0; }
@@ -55,11 +56,11 @@ class Metadata {
     const char* end = s.data() + s.size();
     const std::from_chars_result r = std::from_chars(s.data(), end, v);
     if (s.empty() || r.ec != std::errc() || r.ptr != end) {
-      return Invalid(absl::StrCat("metadata '", key, "' = '", s, "' is not an integer"));
+      return Invalid(absl::StrCat("metadata ", Quote(key), " = ", Quote(s), " is not an integer"));
     }
     if (v < min || v > max) {
       return Invalid(
-          absl::StrCat("metadata '", key, "' = ", v, " is outside [", min, ", ", max, "]"));
+          absl::StrCat("metadata ", Quote(key), " = ", v, " is outside [", min, ", ", max, "]"));
     }
     return v;
   }
@@ -70,8 +71,8 @@ class Metadata {
     const char* end = s.data() + s.size();
     const std::from_chars_result r = std::from_chars(s.data(), end, v);
     if (s.empty() || r.ec != std::errc() || r.ptr != end) {
-      return Invalid(
-          absl::StrCat("metadata '", key, "' = '", s, "' is not an unsigned 64-bit integer"));
+      return Invalid(absl::StrCat("metadata ", Quote(key), " = ", Quote(s),
+                                  " is not an unsigned 64-bit integer"));
     }
     return v;
   }
@@ -82,7 +83,8 @@ class Metadata {
     const char* end = s.data() + s.size();
     const std::from_chars_result r = std::from_chars(s.data(), end, v);
     if (s.empty() || r.ec != std::errc() || r.ptr != end || !std::isfinite(v)) {
-      return Invalid(absl::StrCat("metadata '", key, "' = '", s, "' is not a finite number"));
+      return Invalid(
+          absl::StrCat("metadata ", Quote(key), " = ", Quote(s), " is not a finite number"));
     }
     return v;
   }
@@ -91,7 +93,7 @@ class Metadata {
     KVPOOL_ASSIGN_OR_RETURN(std::string s, String(key));
     if (s == "true") return true;
     if (s == "false") return false;
-    return Invalid(absl::StrCat("metadata '", key, "' = '", s, "' is not true or false"));
+    return Invalid(absl::StrCat("metadata ", Quote(key), " = ", Quote(s), " is not true or false"));
   }
 
  private:
@@ -103,23 +105,23 @@ absl::StatusOr<std::vector<float>> ReadF32Tensor(const SafetensorsFile& file,
                                                  const std::string& name,
                                                  const std::vector<int64_t>& shape) {
   const SafetensorsTensor* t = file.Find(name);
-  if (t == nullptr) return Invalid(absl::StrCat("missing tensor '", name, "'"));
+  if (t == nullptr) return Invalid(absl::StrCat("missing tensor ", Quote(name)));
   if (t->dtype != SafetensorsDtype::kF32) {
-    return Invalid(absl::StrCat("tensor '", name, "' has dtype ", SafetensorsDtypeName(t->dtype),
-                                ", expected F32"));
+    return Invalid(absl::StrCat("tensor ", Quote(name), " has dtype ",
+                                SafetensorsDtypeName(t->dtype), ", expected F32"));
   }
   if (t->shape != shape) {
     std::string got, want;
     for (int64_t s : t->shape) absl::StrAppend(&got, got.empty() ? "" : ",", s);
     for (int64_t s : shape) absl::StrAppend(&want, want.empty() ? "" : ",", s);
     return Invalid(
-        absl::StrCat("tensor '", name, "' has shape [", got, "], expected [", want, "]"));
+        absl::StrCat("tensor ", Quote(name), " has shape [", got, "], expected [", want, "]"));
   }
   absl::StatusOr<std::vector<float>> v = file.ReadFloat32(name);
   if (!v.ok()) return Wrap(v.status());
   for (float x : *v) {
     if (!std::isfinite(x))
-      return Invalid(absl::StrCat("tensor '", name, "' has a non-finite value"));
+      return Invalid(absl::StrCat("tensor ", Quote(name), " has a non-finite value"));
   }
   return v;
 }
@@ -150,7 +152,7 @@ absl::StatusOr<ModelCodec> FromSafetensors(const SafetensorsFile& file) {
   const Metadata meta(file.metadata());
   KVPOOL_ASSIGN_OR_RETURN(std::string format, meta.String("format"));
   if (format != kFormat) {
-    return Invalid(absl::StrCat("format is '", format, "', expected '", kFormat, "'"));
+    return Invalid(absl::StrCat("format is ", Quote(format), ", expected ", Quote(kFormat)));
   }
   KVPOOL_ASSIGN_OR_RETURN(std::string version, meta.String("format_version"));
   if (version != kFormatVersion) {
@@ -202,7 +204,7 @@ absl::StatusOr<ModelCodec> FromSafetensors(const SafetensorsFile& file) {
   }
   for (const SafetensorsTensor& t : file.tensors()) {
     if (expected.count(t.name) == 0) {
-      return Invalid(absl::StrCat("unexpected tensor '", t.name, "' for a ", kind_name,
+      return Invalid(absl::StrCat("unexpected tensor ", Quote(t.name), " for a ", kind_name,
                                   " rotation of ", num_layers, " layers"));
     }
   }

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/status_macros.h"
+#include "kernels/value_range.h"
 
 namespace kvpool {
 namespace {
@@ -33,6 +34,12 @@ constexpr uint16_t kNonFiniteAbsBits = 0x7f80;
 // such rows are encoded in place; others go through a staging buffer so errors write nothing.
 constexpr uint16_t kSafeAbsBitsFp16 = 0x4600;  // 8192
 constexpr uint16_t kSafeAbsBitsBf16 = 0x5b80;  // 2^56: keeps the Lloyd-Max variance finite
+
+absl::Status MagnitudeError() {
+  return absl::OutOfRangeError(
+      absl::StrCat("row has a value of magnitude >= ", kValueMagnitudeLimit,
+                   " (after rotation): kvpool stores |x| < 2^16"));
+}
 
 float Bf16BitsToFloat(uint16_t bits) {
   const uint32_t u = static_cast<uint32_t>(bits) << 16;
@@ -332,6 +339,7 @@ absl::Status EncodeUniformRow512(const QuantConfig& cfg, int g, KvTensor t, cons
   if (max_abs >= kNonFiniteAbsBits) {
     return absl::InvalidArgumentError("row contains NaN or Inf");
   }
+  if (max_abs >= kValueMagnitudeLimitBf16Bits) return MagnitudeError();
 
   const float ratio = cfg.ClipRatio(t);
   bool clip = false;
@@ -481,6 +489,7 @@ absl::Status EncodeRowBits(const QuantConfig& cfg, int d, int g, KvTensor t, con
   if (max_abs >= kNonFiniteAbsBits) {
     return absl::InvalidArgumentError("row contains NaN or Inf");
   }
+  if (max_abs >= kValueMagnitudeLimitBf16Bits) return MagnitudeError();
   if (cfg.method == QuantMethod::kBypass) {
     std::memcpy(codes, words, sizeof(uint16_t) * d);
     return absl::OkStatus();
@@ -706,6 +715,7 @@ absl::Status RowCodec::EncodeIntoBlock(KvTensor t, const BlockLayout& block,
       if (row_max >= kNonFiniteAbsBits) {
         return WithContext(absl::InvalidArgumentError("row contains NaN or Inf"), r, h);
       }
+      if (row_max >= kValueMagnitudeLimitBf16Bits) return WithContext(MagnitudeError(), r, h);
       max_abs = std::max(max_abs, row_max);
     }
   }

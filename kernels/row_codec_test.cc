@@ -464,8 +464,8 @@ TEST(RowCodecTest, BypassReturnsTheInputBitsExactly) {
   std::vector<Bf16> row = ToBf16(RealLikeRows(1, 128, 4));
   row[0] = Bf16::FromBits(0x8000);  // -0
   row[1] = Bf16::FromBits(0x0001);  // smallest subnormal
-  row[2] = Bf16::FromBits(0x7f7f);  // largest finite
-  row[3] = Bf16::FromBits(0xff7f);
+  row[2] = Bf16::FromBits(0x477f);  // largest value in range (65280)
+  row[3] = Bf16::FromBits(0xc77f);
   std::vector<uint8_t> codes(256);
   ASSERT_TRUE(codec.Encode(KvTensor::kValue, row, codes.data(), nullptr).ok());
   EXPECT_EQ(std::memcmp(codes.data(), row.data(), 256), 0);
@@ -551,47 +551,57 @@ TEST(RowCodecTest, SubnormalRowsQuantizeWithoutError) {
   }
 }
 
-TEST(RowCodecTest, HugeValuesOverflowFp16ButNotBf16) {
+TEST(RowCodecTest, ValuesOfMagnitudeTwoToTheSixteenAreOutOfRangeForEveryFormat) {
+  // kernels/value_range.h: one bound for every model, quantized or bypass, before any clipping.
   std::vector<float> values = GaussianValues(128, 8, 1.0f);
-  values[7] = -1.0e5f;  // the minimum does not fit fp16
+  values[7] = -65536.0f;
   const std::vector<Bf16> row = ToBf16(values);
-  const RowCodec fp16 = MakeCodec(Config(2, 0, QuantMethod::kUniform, ScaleDtype::kFp16), 128);
-  QuantConfig no_clip = Config(2, 0, QuantMethod::kUniform, ScaleDtype::kFp16);
-  no_clip.clip_ratio_k = 0.0f;
-  const RowCodec fp16_no_clip = MakeCodec(no_clip, 128);
+  for (QuantMethod method : {QuantMethod::kUniform, QuantMethod::kLloydMax, QuantMethod::kBypass}) {
+    for (ScaleDtype dtype : {ScaleDtype::kFp16, ScaleDtype::kBf16}) {
+      const RowCodec codec = MakeCodec(Config(2, 0, method, dtype), 128);
+      std::vector<uint8_t> codes(256, 0xab);
+      GroupMeta meta{0x1234, 0x5678};
+      const absl::Status s = codec.Encode(KvTensor::kKey, row, codes.data(), &meta);
+      EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+      EXPECT_EQ(codes, std::vector<uint8_t>(256, 0xab)) << "nothing written";
+      EXPECT_EQ(meta.scale, 0x1234);
+      EXPECT_EQ(meta.min, 0x5678);
+    }
+  }
+}
+
+TEST(RowCodecTest, LargestValuesInRangeEncodeWithEitherScaleType) {
+  // The extremes of the range fit both 16-bit scale types: max - min = 2 x 65280, / 3 < 65504.
+  std::vector<float> wide = GaussianValues(128, 8, 1.0f);
+  wide[0] = 65280.0f;
+  wide[1] = -65280.0f;
+  for (ScaleDtype dtype : {ScaleDtype::kFp16, ScaleDtype::kBf16}) {
+    QuantConfig no_clip = Config(2, 0, QuantMethod::kUniform, dtype);
+    no_clip.clip_ratio_k = 0.0f;
+    const RowCodec codec = MakeCodec(no_clip, 128);
+    const Encoded e = EncodeOrDie(codec, KvTensor::kKey, ToBf16(wide));
+    std::vector<float> out(128);
+    codec.Decode(e.codes.data(), e.meta.data(), absl::MakeSpan(out));
+    EXPECT_NEAR(out[0], 65280.0f, 256.0f);
+    EXPECT_NEAR(out[1], -65280.0f, 256.0f);
+  }
+}
+
+TEST(RowCodecTest, LloydMaxScaleOverflowingFp16IsOutOfRangeAndWritesNothing) {
+  // Lloyd-Max's step is 1.16 x ~1.0 sigma: a row of values near the range's edge has a scale
+  // beyond fp16 (but not beyond BF16).
+  std::vector<float> values(128);
+  for (int j = 0; j < 128; ++j) values[j] = (j % 2 == 0 ? 1.0f : -1.0f) * 65000.0f;
+  const std::vector<Bf16> row = ToBf16(values);
+  const RowCodec fp16 = MakeCodec(Config(2, 0, QuantMethod::kLloydMax, ScaleDtype::kFp16), 128);
   std::vector<uint8_t> codes(32, 0xab);
   GroupMeta meta{0x1234, 0x5678};
-  // Clipping at 0.96 removes the outlier, so it encodes.
-  EXPECT_TRUE(fp16.Encode(KvTensor::kKey, row, codes.data(), &meta).ok());
-  codes.assign(32, 0xab);
-  meta = GroupMeta{0x1234, 0x5678};
-  const absl::Status s = fp16_no_clip.Encode(KvTensor::kKey, row, codes.data(), &meta);
+  const absl::Status s = fp16.Encode(KvTensor::kKey, row, codes.data(), &meta);
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
   EXPECT_EQ(codes, std::vector<uint8_t>(32, 0xab));
   EXPECT_EQ(meta.scale, 0x1234);
-  EXPECT_EQ(meta.min, 0x5678);
-
-  // An in-range min with a range too wide for the scale: (1.5e5 + 5e4) / 3 > 65504.
-  std::vector<float> wide(128, 0.0f);
-  wide[0] = 1.5e5f;
-  wide[1] = -5e4f;
-  const absl::Status s2 = fp16_no_clip.Encode(KvTensor::kKey, ToBf16(wide), codes.data(), &meta);
-  EXPECT_EQ(s2.code(), absl::StatusCode::kOutOfRange) << s2;
-
-  QuantConfig bf16_cfg = no_clip;
-  bf16_cfg.scale_dtype = ScaleDtype::kBf16;
-  const RowCodec bf16 = MakeCodec(bf16_cfg, 128);
-  const Encoded e = EncodeOrDie(bf16, KvTensor::kKey, row);
-  std::vector<float> out(128);
-  bf16.Decode(e.codes.data(), e.meta.data(), absl::MakeSpan(out));
-  EXPECT_NEAR(out[7], -1.0e5f, 1e3f);
-
-  // Near the largest BF16 values the range overflows fp32 itself: OutOfRange, not garbage.
-  std::vector<Bf16> extreme(128, Bf16::FromFloat(0.0f));
-  extreme[0] = Bf16::FromBits(0x7f7f);
-  extreme[1] = Bf16::FromBits(0xff7f);
-  EXPECT_EQ(bf16.Encode(KvTensor::kKey, extreme, codes.data(), &meta).code(),
-            absl::StatusCode::kOutOfRange);
+  const RowCodec bf16 = MakeCodec(Config(2, 0, QuantMethod::kLloydMax, ScaleDtype::kBf16), 128);
+  EXPECT_TRUE(bf16.Encode(KvTensor::kKey, row, codes.data(), &meta).ok());
 }
 
 TEST(RowCodecTest, ClipRatioAtOrBelowZeroAndAtOrAboveOneDoesNotClip) {

@@ -10,6 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/bf16.h"
+#include "kernels/common/file_read.h"
+#include "kernels/common/quote.h"
 #include "nlohmann/json.hpp"
 
 namespace kvpool {
@@ -138,13 +140,14 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
       if (!value.is_object()) return Malformed("__metadata__ is not an object");
       for (auto m = value.begin(); m != value.end(); ++m) {
         if (!m.value().is_string()) {
-          return Malformed(absl::StrCat("__metadata__ value for '", m.key(), "' is not a string"));
+          return Malformed(
+              absl::StrCat("__metadata__ value for ", Quote(m.key()), " is not a string"));
         }
         file.metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    const std::string where = absl::StrCat("tensor '", key, "': ");
+    const std::string where = absl::StrCat("tensor ", Quote(key), ": ");
     if (!value.is_object()) return Malformed(where + "entry is not an object");
     auto dtype_it = value.find("dtype");
     auto shape_it = value.find("shape");
@@ -155,7 +158,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
     const DtypeInfo* dtype = FindDtype(dtype_it->get_ref<const std::string&>());
     if (dtype == nullptr) {
       return Malformed(
-          absl::StrCat(where, "unknown dtype '", dtype_it->get_ref<const std::string&>(), "'"));
+          absl::StrCat(where, "unknown dtype ", Quote(dtype_it->get_ref<const std::string&>())));
     }
     if (shape_it == value.end() || !shape_it->is_array()) {
       return Malformed(where + "missing or non-array shape");
@@ -209,8 +212,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
   for (const Range& r : ranges) {
     if (r.begin == r.end) continue;
     if (covered_by != nullptr && r.begin < covered_end) {
-      return Malformed(absl::StrCat("tensors '", *covered_by, "' and '",
-                                    file.tensors_[r.tensor].name, "' overlap"));
+      return Malformed(absl::StrCat("tensors ", Quote(*covered_by), " and ",
+                                    Quote(file.tensors_[r.tensor].name), " overlap"));
     }
     covered_end = r.end;
     covered_by = &file.tensors_[r.tensor].name;
@@ -226,12 +229,14 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes) {
   return file;
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("safetensors: cannot open '", path, "'"));
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return absl::DataLossError(absl::StrCat("safetensors: error reading '", path, "'"));
-  absl::StatusOr<SafetensorsFile> file = Parse(std::move(bytes));
+absl::StatusOr<SafetensorsFile> SafetensorsFile::ReadFile(const std::string& path,
+                                                          uint64_t max_bytes) {
+  absl::StatusOr<std::string> bytes = ReadRegularFile(path, max_bytes);
+  if (!bytes.ok()) {
+    return absl::Status(bytes.status().code(),
+                        absl::StrCat("safetensors: ", bytes.status().message()));
+  }
+  absl::StatusOr<SafetensorsFile> file = Parse(*std::move(bytes));
   if (!file.ok()) {
     return absl::Status(file.status().code(),
                         absl::StrCat(file.status().message(), " (in '", path, "')"));
@@ -249,7 +254,7 @@ const SafetensorsTensor* SafetensorsFile::Find(absl::string_view name) const {
 absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(absl::string_view name) const {
   const SafetensorsTensor* t = Find(name);
   if (t == nullptr) {
-    return absl::NotFoundError(absl::StrCat("safetensors: no tensor named '", name, "'"));
+    return absl::NotFoundError(absl::StrCat("safetensors: no tensor named ", Quote(name)));
   }
   const size_t n = static_cast<size_t>(t->num_elements());
   std::vector<float> out(n);
@@ -281,8 +286,8 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(absl::string_vie
       }
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor '", name, "' has dtype ",
-                                                     SafetensorsDtypeName(t->dtype),
+      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", Quote(name),
+                                                     " has dtype ", SafetensorsDtypeName(t->dtype),
                                                      ", not a floating-point type"));
   }
   return out;

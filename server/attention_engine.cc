@@ -4,7 +4,9 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/quote.h"
 #include "kernels/common/status_macros.h"
+#include "kernels/value_range.h"
 
 namespace kvpool::server {
 
@@ -23,6 +25,21 @@ struct AttentionEngine::Batch {
   AttentionDone done;
 };
 
+// A result the caller can merge: over a non-empty sequence every output and LSE is finite.
+// (An empty sequence answers output 0 and LSE -inf, the documented "nothing attended"; an
+// overflow must never look like that.) The value range (kernels/value_range.h) makes overflow
+// impossible on the CPU; this check is what guarantees it on every backend.
+absl::Status AttentionEngine::CheckFinite(const AttentionResult& r) {
+  if (r.attended_tokens == 0) return absl::OkStatus();
+  bool finite = true;
+  for (float x : r.lse) finite = finite && std::isfinite(x);
+  for (float x : r.out) finite = finite && std::isfinite(x);
+  if (finite) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat(
+      "attention over sequence ", Quote(r.sequence_id),
+      " overflowed the float range (queries and keys too large); nothing was answered"));
+}
+
 absl::Status AttentionEngine::Validate(const Model& model, int layer,
                                        const std::vector<AttentionQuery>& queries) {
   if (layer < 0 || layer >= model.num_layers) {
@@ -34,17 +51,22 @@ absl::Status AttentionEngine::Validate(const Model& model, int layer,
   for (const AttentionQuery& q : queries) {
     if (q.num_queries < 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat("sequence '", q.sequence_id, "': num_queries must be >= 1"));
+          absl::StrCat("sequence ", Quote(q.sequence_id), ": num_queries must be >= 1"));
     }
     if (q.q.size() != per_query * q.num_queries) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "sequence '", q.sequence_id, "': q must hold num_queries x q_heads x head_dim = ",
+          "sequence ", Quote(q.sequence_id), ": q must hold num_queries x q_heads x head_dim = ",
           q.num_queries, " x ", model.q_heads, " x ", model.head_dim, " values, got ", q.q.size()));
     }
     for (float x : q.q) {
       if (!std::isfinite(x)) {
         return absl::InvalidArgumentError(
-            absl::StrCat("sequence '", q.sequence_id, "': q contains NaN or Inf"));
+            absl::StrCat("sequence ", Quote(q.sequence_id), ": q contains NaN or Inf"));
+      }
+      if (std::fabs(x) >= kValueMagnitudeLimit) {
+        return absl::OutOfRangeError(
+            absl::StrCat("sequence ", Quote(q.sequence_id), ": q has a value of magnitude >= ",
+                         kValueMagnitudeLimit, " (kvpool takes |q| < 2^16)"));
       }
     }
   }
@@ -57,8 +79,8 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> AttentionEngine::SnapshotOf(
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
                           store_->Snapshot(tenant, id, layer_list));
   if (snap->model().id != m.id || snap->model().version != m.version) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence '", id, "' belongs to model '",
-                                                   snap->model().id, "', not '", m.id, "'"));
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", Quote(id), " belongs to model '",
+                                                   snap->model().id, "', not ", Quote(m.id)));
   }
   return snap;
 }
@@ -203,6 +225,7 @@ absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Finish(Batch* b) {
     const size_t at = b->row_offset[i] * m.head_dim;
     const size_t n = per_query * b->queries[i].num_queries;
     b->results[i].out.assign(unrotated.begin() + at, unrotated.begin() + at + n);
+    KVPOOL_RETURN_IF_ERROR(CheckFinite(b->results[i]));
   }
   b->snapshots.clear();  // drop page references before answering
   return std::move(b->results);

@@ -90,9 +90,11 @@ class AttentionEngine {
                                                              std::shared_ptr<const Model> model,
                                                              const DeviceAttentionCall& call);
 
-  // Validation alone (shapes, finiteness, layer range).
+  // Validation alone (shapes, finiteness and range of the queries, layer range).
   [[nodiscard]] static absl::Status Validate(const Model& model, int layer,
                                              const std::vector<AttentionQuery>& queries);
+  // OutOfRange when a result over a non-empty sequence holds a non-finite output or LSE.
+  [[nodiscard]] static absl::Status CheckFinite(const AttentionResult& result);
 
  private:
   struct Batch;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "kernels/common/file_read.h"
 
 ABSL_FLAG(std::string, config, "", "Optional config file of `name = value` lines (flag names)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -166,14 +167,13 @@ absl::Status ParseServerFlags(int argc, char** argv) {
     }
   }
   if (!config_path.empty()) {
-    std::ifstream in(config_path);
-    if (!in) {
+    constexpr uint64_t kMaxConfigBytes = 1 << 20;
+    absl::StatusOr<std::string> text = ReadRegularFile(config_path, kMaxConfigBytes);
+    if (!text.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("cannot read config file '", config_path, "'"));
+          absl::StrCat("cannot read config file: ", text.status().message()));
     }
-    std::stringstream text;
-    text << in.rdbuf();
-    if (absl::Status s = ApplyConfigText(text.str(), config_path); !s.ok()) return s;
+    if (absl::Status s = ApplyConfigText(*text, config_path); !s.ok()) return s;
   }
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

@@ -10,6 +10,9 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "kernels/common/file_read.h"
+#include "kernels/common/quote.h"
 #include "kernels/common/status_macros.h"
 
 namespace kvpool::server {
@@ -78,38 +81,28 @@ absl::StatusOr<ModelCodec> DataFreeCodec(RotationKind kind, uint64_t seed, int n
   return codec;
 }
 
-absl::StatusOr<std::string> ResolveModelPath(const std::string& model_dir,
-                                             const std::string& path) {
+absl::StatusOr<std::string> ReadModelFile(const std::string& model_dir, const std::string& path,
+                                          uint64_t max_bytes) {
   if (model_dir.empty()) {
     return absl::FailedPreconditionError(
         "server paths are disabled: start kvpoold with --model_dir to allow them");
   }
   if (path.empty()) return absl::InvalidArgumentError("server_path is empty");
-  if (path.find('\0') != std::string::npos) {
-    return absl::InvalidArgumentError("server_path contains a NUL byte");
-  }
+  absl::string_view relative = path;
+  // An absolute path names a file inside the directory by the directory's own spelling or its
+  // resolved one; anything else absolute is outside (ReadRegularFileBeneath refuses it).
   char dir_buf[PATH_MAX];
-  if (realpath(model_dir.c_str(), dir_buf) == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("model directory '", model_dir, "' is not accessible"));
+  const std::string resolved_dir = realpath(model_dir.c_str(), dir_buf) ? dir_buf : model_dir;
+  for (const std::string& prefix : {model_dir, resolved_dir}) {
+    const std::string with_slash = absl::StrCat(absl::StripSuffix(prefix, "/"), "/");
+    if (absl::ConsumePrefix(&relative, with_slash)) break;
   }
-  const std::string dir(dir_buf);
-  const std::string joined = path[0] == '/' ? path : absl::StrCat(dir, "/", path);
-  char file_buf[PATH_MAX];
-  if (realpath(joined.c_str(), file_buf) == nullptr) {
-    // Do not reveal whether a path outside the directory exists.
-    if (path[0] == '/' && !absl::StartsWith(path, dir + "/")) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("server_path '", path, "' is outside the model directory"));
-    }
-    return absl::NotFoundError(absl::StrCat("no file '", path, "' in the model directory"));
+  absl::StatusOr<std::string> bytes = ReadRegularFileBeneath(model_dir, relative, max_bytes);
+  if (!bytes.ok()) {
+    return absl::Status(bytes.status().code(),
+                        absl::StrCat("server_path: ", bytes.status().message()));
   }
-  const std::string resolved(file_buf);
-  if (!absl::StartsWith(resolved, dir + "/")) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("server_path '", path, "' resolves outside the model directory"));
-  }
-  return resolved;
+  return bytes;
 }
 
 absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
@@ -193,7 +186,7 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
       return RegisterResult{it->second, true};
     }
     return absl::AlreadyExistsError(
-        absl::StrCat("model '", model->id, "' is already registered with codec version ",
+        absl::StrCat("model ", Quote(model->id), " is already registered with codec version ",
                      old.version_hex, " (or other head counts / tier sizes); delete it first"));
   }
   std::shared_ptr<const Model> shared = std::move(model);
@@ -206,7 +199,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Get(const TenantId& 
   absl::MutexLock lock(&mu_);
   auto it = models_.find(std::make_pair(tenant, std::string(id)));
   if (it == models_.end()) {
-    return absl::NotFoundError(absl::StrCat("no model '", id, "'"));
+    return absl::NotFoundError(absl::StrCat("no model ", Quote(id)));
   }
   return it->second;
 }
@@ -224,7 +217,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Remove(const TenantI
                                                                    absl::string_view id) {
   absl::MutexLock lock(&mu_);
   auto it = models_.find(std::make_pair(tenant, std::string(id)));
-  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("no model '", id, "'"));
+  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("no model ", Quote(id)));
   std::shared_ptr<const Model> m = std::move(it->second);
   models_.erase(it);
   return m;

@@ -123,10 +123,13 @@ class ModelRegistry {
                                                        const QuantConfig& quant,
                                                        bool v_prerotated = false);
 
-// Resolves `path` (relative to `model_dir`, or absolute) to a real file path inside
-// `model_dir`, following symlinks. FailedPrecondition when no model directory is configured,
-// PermissionDenied when the path leaves it, NotFound when it does not exist.
-[[nodiscard]] absl::StatusOr<std::string> ResolveModelPath(const std::string& model_dir,
-                                                           const std::string& path);
+// The bytes of the file `path` inside `model_dir` (relative to it, or absolute under it), read
+// without following any step out of the directory (kernels/common/file_read.h). At most
+// `max_bytes`. FailedPrecondition when no model directory is configured; PermissionDenied for
+// any path that leads outside it, whether or not its target exists; NotFound for a missing
+// file inside it; InvalidArgument for what is not a regular file or is too large.
+[[nodiscard]] absl::StatusOr<std::string> ReadModelFile(const std::string& model_dir,
+                                                        const std::string& path,
+                                                        uint64_t max_bytes);
 
 }  // namespace kvpool::server

@@ -82,19 +82,38 @@ TEST(ModelRegistryTest, ServerPathsStayInsideTheModelDirectory) {
   char tmpl[] = "/tmp/kvpool-models-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
+  constexpr uint64_t kMax = 1 << 20;
   std::ofstream(dir + "/model.safetensors") << "x";
-  EXPECT_TRUE(absl::IsFailedPrecondition(ResolveModelPath("", "model.safetensors").status()));
-  auto ok = ResolveModelPath(dir, "model.safetensors");
+  EXPECT_TRUE(absl::IsFailedPrecondition(ReadModelFile("", "model.safetensors", kMax).status()));
+  auto ok = ReadModelFile(dir, "model.safetensors", kMax);
   ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_EQ(*ok, dir + "/model.safetensors");
-  EXPECT_TRUE(ResolveModelPath(dir, dir + "/model.safetensors").ok());
-  EXPECT_TRUE(absl::IsPermissionDenied(ResolveModelPath(dir, "../../etc/passwd").status()));
-  EXPECT_TRUE(absl::IsPermissionDenied(ResolveModelPath(dir, "/etc/passwd").status()));
+  EXPECT_EQ(*ok, "x");
+  EXPECT_TRUE(ReadModelFile(dir, dir + "/model.safetensors", kMax).ok());
+  EXPECT_TRUE(ReadModelFile(dir, "./sub/../model.safetensors", kMax).status().code() ==
+              absl::StatusCode::kNotFound);  // "sub" does not exist
+  // Outside the directory: one answer whether or not the target exists.
+  for (const char* outside : {"../../etc/passwd", "../../etc/no-such-file", "/etc/passwd",
+                              "/etc/no-such-file", "../../../../../../../../../etc/passwd"}) {
+    EXPECT_TRUE(absl::IsPermissionDenied(ReadModelFile(dir, outside, kMax).status())) << outside;
+  }
   ASSERT_EQ(symlink("/etc/passwd", (dir + "/link").c_str()), 0);
-  EXPECT_TRUE(absl::IsPermissionDenied(ResolveModelPath(dir, "link").status()));
-  EXPECT_TRUE(absl::IsNotFound(ResolveModelPath(dir, "missing.safetensors").status()));
-  unlink((dir + "/link").c_str());
-  unlink((dir + "/model.safetensors").c_str());
+  ASSERT_EQ(symlink("/etc/no-such-file", (dir + "/dangling").c_str()), 0);
+  ASSERT_EQ(symlink("../../etc/passwd", (dir + "/relative-link").c_str()), 0);
+  for (const char* link : {"link", "dangling", "relative-link"}) {
+    EXPECT_TRUE(absl::IsPermissionDenied(ReadModelFile(dir, link, kMax).status())) << link;
+  }
+  EXPECT_TRUE(absl::IsNotFound(ReadModelFile(dir, "missing.safetensors", kMax).status()));
+  // Not regular files: refused, never read (a FIFO must not block the caller).
+  ASSERT_EQ(mkdir((dir + "/subdir").c_str(), 0700), 0);
+  ASSERT_EQ(mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  EXPECT_TRUE(absl::IsInvalidArgument(ReadModelFile(dir, "subdir", kMax).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ReadModelFile(dir, "fifo", kMax).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ReadModelFile(dir, ".", kMax).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ReadModelFile(dir, "model.safetensors", 0).status()));
+  for (const char* name : {"link", "dangling", "relative-link", "fifo", "model.safetensors"}) {
+    unlink((dir + "/" + name).c_str());
+  }
+  rmdir((dir + "/subdir").c_str());
   rmdir(dir.c_str());
 }
 

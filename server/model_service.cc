@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/quote.h"
 #include "kernels/common/status_macros.h"
 #include "kernels/rotation_file.h"
 #include "server/proto_convert.h"
@@ -114,9 +115,10 @@ class RegisterReactor final : public grpc::ServerReadReactor<v1::RegisterModelRe
       case v1::ModelSpec::kUploadSize:
         return ParseRotationFile(std::move(file_));
       case v1::ModelSpec::kServerPath: {
-        KVPOOL_ASSIGN_OR_RETURN(std::string path,
-                                ResolveModelPath(ctx_->config->model_dir, spec_.server_path()));
-        return ReadRotationFile(path);
+        KVPOOL_ASSIGN_OR_RETURN(std::string bytes,
+                                ReadModelFile(ctx_->config->model_dir, spec_.server_path(),
+                                              ctx_->config->max_rotation_file_bytes));
+        return ParseRotationFile(std::move(bytes));
       }
       default: {
         KVPOOL_ASSIGN_OR_RETURN(QuantConfig quant, QuantFromProto(spec_.quant()));
@@ -237,7 +239,7 @@ grpc::ServerUnaryReactor* ModelServiceImpl::DeleteModel(grpc::CallbackServerCont
       auto it = totals.find(model->id);
       if (it != totals.end() && it->second.sequences > 0) {
         return absl::FailedPreconditionError(
-            absl::StrCat("model '", model->id, "' still has ", it->second.sequences,
+            absl::StrCat("model ", Quote(model->id), " still has ", it->second.sequences,
                          " sequences: release them or delete with force"));
       }
     }

@@ -18,8 +18,6 @@ size_t DTypeSize(v1::DType dtype) {
   }
 }
 
-namespace {
-
 absl::Status CheckPayload(v1::DType dtype, const std::string& bytes, size_t values,
                           const char* what) {
   const size_t elem = DTypeSize(dtype);
@@ -36,8 +34,6 @@ absl::Status CheckPayload(v1::DType dtype, const std::string& bytes, size_t valu
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype, const std::string& bytes,
                                                size_t values, const char* what) {

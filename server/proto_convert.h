@@ -31,6 +31,10 @@ size_t DTypeSize(v1::DType dtype);
 
 // Decodes `bytes` of `dtype` holding exactly `values` elements to BF16 (FP32 and FP16 round to
 // nearest even). InvalidArgument for an unknown dtype or a size mismatch (naming `what`).
+// OK when `bytes` holds exactly `values` values of `dtype` (BF16, FP16 or FP32); InvalidArgument
+// naming `what` otherwise. Cheap: lets a caller refuse a payload before reserving anything.
+[[nodiscard]] absl::Status CheckPayload(v1::DType dtype, const std::string& bytes, size_t values,
+                                        const char* what);
 [[nodiscard]] absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype,
                                                              const std::string& bytes,
                                                              size_t values, const char* what);

@@ -307,6 +307,18 @@ absl::Status RunDecodeAppend(ServiceContext* ctx, const TenantId& tenant,
     return absl::InvalidArgumentError(
         absl::StrCat("num_tokens must be in [1, ", max_tokens, "], got ", req.num_tokens()));
   }
+  {
+    // The payload's size is checked against the sequence's model before anything is reserved,
+    // so a request with too little data never touches the pool. (Checked again after
+    // BeginAppend, which holds the sequence.)
+    KVPOOL_ASSIGN_OR_RETURN(SequenceInfo info, ctx->store->Describe(tenant, req.sequence_id()));
+    KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                            ctx->registry->Get(tenant, info.model_id));
+    const size_t values = static_cast<size_t>(req.num_tokens()) * model->row_values() *
+                          static_cast<size_t>(model->num_layers);
+    KVPOOL_RETURN_IF_ERROR(CheckPayload(req.dtype(), req.k(), values, "k"));
+    KVPOOL_RETURN_IF_ERROR(CheckPayload(req.dtype(), req.v(), values, "v"));
+  }
   AppendSpec spec;
   spec.token_start = static_cast<int>(std::min<uint32_t>(req.token_start(), INT32_MAX / 2));
   spec.num_tokens = static_cast<int>(req.num_tokens());

@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/common/quote.h"
 #include "kernels/common/status_macros.h"
 
 namespace kvpool::server {
@@ -371,7 +372,7 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
         id = absl::StrCat("seq-", next_auto_id_++);
       } while (sequences_.count(std::make_pair(tenant, id)) > 0);
     } else if (sequences_.count(std::make_pair(tenant, id)) > 0) {
-      return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+      return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
     }
     return absl::OkStatus();
   };
@@ -419,7 +420,7 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
   // The id was free a moment ago; re-check in case a concurrent Create took it.
   if (sequences_.count(std::make_pair(tenant, id)) > 0) {
     pool_->UnrefAll(attached_pages);
-    return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
   }
   sequences_.emplace(std::make_pair(tenant, id), seq);
   absl::MutexLock seq_lock(&seq->mu);
@@ -430,7 +431,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
                                                                       const std::string& id,
                                                                       AppendSpec spec) {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
   const Model& m = *seq->model;
   if (spec.num_tokens < 1) {
     return absl::InvalidArgumentError(
@@ -452,13 +453,13 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   int new_sink = 0, new_history = 0, new_recent = 0;
   {
     absl::MutexLock lock(&seq->mu);
-    if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+    if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
     if (seq->state == SequenceState::kSealed) {
-      return absl::FailedPreconditionError(absl::StrCat("sequence '", id, "' is sealed"));
+      return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(id), " is sealed"));
     }
     if (seq->append_active) {
       return absl::AbortedError(
-          absl::StrCat("another append to sequence '", id, "' is in progress"));
+          absl::StrCat("another append to sequence ", Quote(id), " is in progress"));
     }
     if (spec.token_start != seq->layout.total()) {
       return absl::FailedPreconditionError(absl::StrCat("token_start ", spec.token_start,
@@ -576,7 +577,7 @@ absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> tx
     absl::MutexLock lock(&seq.mu);
     if (seq.released) {
       return absl::NotFoundError(
-          absl::StrCat("sequence '", seq.id, "' was released during the append"));
+          absl::StrCat("sequence ", Quote(seq.id), " was released during the append"));
     }
     for (size_t layer = 0; layer < seq.layers.size(); ++layer) {
       LayerPages& pages = seq.layers[layer];
@@ -642,10 +643,10 @@ absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> tx
 
 absl::StatusOr<SequenceInfo> SequenceStore::Seal(const TenantId& tenant, const std::string& id) {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
   absl::MutexLock lock(&seq->mu);
   if (seq->append_active) {
-    return absl::AbortedError(absl::StrCat("an append to sequence '", id, "' is in progress"));
+    return absl::AbortedError(absl::StrCat("an append to sequence ", Quote(id), " is in progress"));
   }
   seq->state = SequenceState::kSealed;
   return seq->InfoLocked(*pool_);
@@ -656,7 +657,7 @@ absl::StatusOr<size_t> SequenceStore::Release(const TenantId& tenant, const std:
   {
     absl::MutexLock lock(&mu_);
     auto it = sequences_.find(std::make_pair(tenant, id));
-    if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+    if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
     seq = std::move(it->second);
     sequences_.erase(it);
   }
@@ -693,7 +694,7 @@ std::pair<size_t, size_t> SequenceStore::ReleaseModel(const TenantId& tenant,
 absl::StatusOr<SequenceInfo> SequenceStore::Describe(const TenantId& tenant,
                                                      const std::string& id) const {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
   absl::MutexLock lock(&seq->mu);
   return seq->InfoLocked(*pool_);
 }
@@ -701,7 +702,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Describe(const TenantId& tenant,
 absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
     const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
   const Model& m = *seq->model;
   for (int layer : layers) {
     if (layer < 0 || layer >= m.num_layers) {
@@ -713,7 +714,7 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->model_ = seq->model;
   snap->id_ = seq->id;
   absl::MutexLock lock(&seq->mu);
-  if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence '", id, "'"));
+  if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
   snap->sink_ = seq->layout.sink();
   snap->history_ = seq->layout.history();
   snap->recent_ = seq->layout.recent();
@@ -734,7 +735,14 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   if (layers.empty()) {
     for (int layer = 0; layer < m.num_layers; ++layer) add(layer);
   } else {
-    for (int layer : layers) add(layer);
+    // Repeats are merged (first occurrence kept), so a snapshot holds each layer at most once
+    // however long the client's list is.
+    std::vector<bool> taken(m.num_layers, false);
+    for (int layer : layers) {
+      if (taken[layer]) continue;
+      taken[layer] = true;
+      add(layer);
+    }
   }
   pool_->RefAll(snap->refs_);
   snap->pool_ = pool_;

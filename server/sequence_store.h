@@ -291,7 +291,8 @@ class SequenceStore {
   std::pair<size_t, size_t> ReleaseModel(const TenantId& tenant, const std::string& model_id);
   [[nodiscard]] absl::StatusOr<SequenceInfo> Describe(const TenantId& tenant,
                                                       const std::string& id) const;
-  // A snapshot of `layers` (all when empty). NotFound, InvalidArgument (layer range).
+  // A snapshot of `layers` (all when empty; repeats merged, first occurrence kept). NotFound,
+  // InvalidArgument (layer range).
   [[nodiscard]] absl::StatusOr<std::unique_ptr<SequenceSnapshot>> Snapshot(
       const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const;
 

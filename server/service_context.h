@@ -52,10 +52,17 @@ struct ServiceContext {
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
 
-// absl and gRPC share the canonical codes; the message is kept.
+// Longest status message sent to a client: messages quote untrusted text (kernels/common/
+// quote.h), and this bound keeps any message far below gRPC's metadata limit even so.
+inline constexpr size_t kMaxStatusMessageBytes = 1024;
+
+// absl and gRPC share the canonical codes; the message is kept, cut to kMaxStatusMessageBytes.
 inline grpc::Status ToGrpcStatus(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  absl::string_view message = s.message();
+  std::string text(message.substr(0, kMaxStatusMessageBytes));
+  if (message.size() > kMaxStatusMessageBytes) text += "...";
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::move(text));
 }
 
 // The caller's tenant. Authentication comes later (a token in the call metadata mapped to a

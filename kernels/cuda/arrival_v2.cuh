@@ -343,12 +343,15 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
       m = max(m, __shfl_xor_sync(kFullMask, m, 2));
       max_key[r] = m;
       const bool finite = m < 0x7f80;
-      ok[r] = in[r] && slot[r].valid && finite;
+      const bool in_range = m < kValueMagnitudeLimitBf16Bits;
+      ok[r] = in[r] && slot[r].valid && in_range;
       if (in[r] && t == 0) {
         if (!slot[r].valid) {
           atomicOr(p.error_word, kErrorBadBlock);
         } else if (!finite) {
           atomicOr(p.error_word, kErrorNonFinite);
+        } else if (!in_range) {
+          atomicOr(p.error_word, kErrorOutOfRange);
         }
       }
     }

@@ -5,13 +5,15 @@
 
 #include <cstdint>
 
+#include "kernels/value_range.h"
+
 struct CUstream_st;
 
 namespace kvpool::cuda::internal {
 
 // Error bits a kernel ORs into the caller's device error word.
 inline constexpr uint32_t kErrorNonFinite = 1u;   // a row (after rotation) holds NaN or Inf
-inline constexpr uint32_t kErrorOutOfRange = 2u;  // scale or min overflows the 16-bit type
+inline constexpr uint32_t kErrorOutOfRange = 2u;  // |x| >= 2^16, or scale or min overflows
 inline constexpr uint32_t kErrorBadBlock = 4u;    // a block table entry outside [0, num_blocks)
 
 // The byte geometry of one block (kernels/block_layout.h), precomputed on the host from

@@ -312,7 +312,9 @@ absl::Status TakeCodecErrors(uint32_t* error_word, Stream stream) {
     return absl::InvalidArgumentError("a K/V row holds NaN or Inf (after rotation)");
   }
   if (bits & internal::kErrorOutOfRange) {
-    return absl::OutOfRangeError("a scale or minimum overflows the 16-bit scale type");
+    return absl::OutOfRangeError(
+        "a K/V row has a value of magnitude >= 2^16 (after rotation), or a scale or minimum "
+        "overflows the 16-bit scale type");
   }
   if (bits & internal::kErrorBadBlock) {
     return absl::OutOfRangeError("a block table entry is outside the pool");

@@ -57,15 +57,17 @@ __device__ __forceinline__ float WarpHalvingSum(const float (&x)[kMaxE], int e_c
   return __shfl_sync(kFullMask, v[0], 0);
 }
 
-// True on every lane when no valid element of the row is NaN or Inf (BF16 words).
+// 0 on every lane when every valid element of the row (BF16 words) is finite and inside
+// kvpool's value range (kernels/value_range.h); else kErrorNonFinite or kErrorOutOfRange.
 template <int kMaxE>
-__device__ __forceinline__ bool WarpRowFinite(const uint16_t (&bits)[kMaxE], int e_count) {
-  bool ok = true;
+__device__ __forceinline__ uint32_t WarpRowRangeError(const uint16_t (&bits)[kMaxE], int e_count) {
+  uint32_t worst = 0;
 #pragma unroll
   for (int e = 0; e < kMaxE; ++e) {
-    if (e < e_count) ok = ok && ((bits[e] & 0x7f80u) != 0x7f80u);
+    if (e < e_count) worst = max(worst, static_cast<uint32_t>(bits[e] & 0x7fffu));
   }
-  return __all_sync(kFullMask, ok);
+  if (__any_sync(kFullMask, worst >= 0x7f80u)) return kErrorNonFinite;
+  return __any_sync(kFullMask, worst >= kValueMagnitudeLimitBf16Bits) ? kErrorOutOfRange : 0u;
 }
 
 // The c-th smallest (0-based) magnitude over the warp's row, as a BF16 magnitude key
@@ -188,7 +190,7 @@ __device__ __forceinline__ uint32_t EncodeRowWarp(const uint16_t (&bits)[kMaxE],
                                                   const RowShape& shape, uint8_t* codes,
                                                   uint8_t* meta) {
   const int lane = threadIdx.x % kWarpSize;
-  if (!WarpRowFinite<kMaxE>(bits, e_count)) return kErrorNonFinite;
+  if (const uint32_t error = WarpRowRangeError<kMaxE>(bits, e_count); error != 0) return error;
 
   if (shape.bits == 16) {  // bypass: the rotated BF16 row as it is
     uint16_t* dst = reinterpret_cast<uint16_t*>(codes) + lane * e_count;

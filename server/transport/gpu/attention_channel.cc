@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/quote.h"
 #include "kernels/common/status_macros.h"
 #include "server/transport/gpu/nccl_channel.h"  // DisableNvlinkMulticast, AwaitCommSettled
 #include "server/transport/gpu/poll_backoff.h"
@@ -426,7 +427,7 @@ absl::StatusOr<std::vector<int>> AttentionChannel::Attend(const CallHeader& h) {
                           ctx_->registry->Get(tenant_, plan->model_id));
   if (model->q_heads != plan->shape.q_heads || model->head_dim != plan->shape.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model '", plan->model_id, "' changed shape since plan ", h.plan_id, " was set"));
+        "model ", Quote(plan->model_id), " changed shape since plan ", h.plan_id, " was set"));
   }
   ctx_->counters.attention_calls++;
   ctx_->counters.attention_sequences += plan->sequence_ids.size();
