@@ -4,6 +4,7 @@
 #include <ftw.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -104,6 +105,11 @@ absl::StatusOr<std::unique_ptr<LocalDaemon>> LocalDaemon::Start(const LocalDaemo
     if (log_fd >= 0) {
       dup2(log_fd, STDOUT_FILENO);
       dup2(log_fd, STDERR_FILENO);
+    }
+    if (options.max_open_files > 0) {
+      struct rlimit lim;
+      lim.rlim_cur = lim.rlim_max = options.max_open_files;
+      if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(126);
     }
     execv(argv[0], argv.data());
     _exit(127);

@@ -21,6 +21,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,6 +41,9 @@ struct LocalDaemonOptions {
   absl::Duration startup_timeout = absl::Seconds(120);
   // Echo the daemon's log to this process's stderr instead of a file.
   bool inherit_output = false;
+  // When positive, the daemon's soft and hard descriptor limits (RLIMIT_NOFILE), as
+  // `prlimit --nofile=N:N` would set them.
+  uint64_t max_open_files = 0;
 };
 
 class LocalDaemon {

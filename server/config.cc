@@ -39,6 +39,9 @@ ABSL_FLAG(uint64_t, max_chunk_bytes, uint64_t{8} << 20,
 ABSL_FLAG(uint64_t, max_rotation_file_bytes, uint64_t{512} << 20, "Largest uploaded rotation file");
 ABSL_FLAG(int32_t, max_attention_batch, 256, "Most sequences in one Attend call");
 ABSL_FLAG(int32_t, max_append_tokens, 1 << 20, "Most tokens in one AppendKv stream");
+ABSL_FLAG(int32_t, max_connections, 0,
+          "Most client connections held at once (more are closed at once); 0 = what the "
+          "descriptor limit leaves room for (kvpoold raises its soft limit to the hard one)");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file once serving (for tests)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
@@ -232,6 +235,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.max_rotation_file_bytes = absl::GetFlag(FLAGS_max_rotation_file_bytes);
   c.max_attention_batch = absl::GetFlag(FLAGS_max_attention_batch);
   c.max_append_tokens = absl::GetFlag(FLAGS_max_append_tokens);
+  c.max_connections = absl::GetFlag(FLAGS_max_connections);
   c.port_file = absl::GetFlag(FLAGS_port_file);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);

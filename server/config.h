@@ -39,6 +39,9 @@ struct ServerConfig {
   size_t max_rotation_file_bytes = 512u << 20;
   int max_attention_batch = 256;
   int max_append_tokens = 1 << 20;
+  // Most client connections held at once; 0 = as many as the descriptor limit leaves room for
+  // (server/connection_listener.h). Connections over the cap are closed at once.
+  int max_connections = 0;
   std::string port_file;
   std::string log_level = "info";
   int shutdown_grace_ms = 5000;

@@ -12,6 +12,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/common/status_macros.h"
 #include "server/attention_service.h"
+#include "server/connection_listener.h"
 #include "server/model_service.h"
 #include "server/read_service.h"
 #include "server/sequence_service.h"
@@ -107,10 +108,20 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   s->gpu_transport_service_ = NewGpuTransportService(&ctx);
   s->gpu_attention_service_ = NewGpuAttentionService(&ctx);  // UNAVAILABLE off the GPU
 
+  // The daemon accepts its own connections (server/connection_listener.h) and hands them to
+  // gRPC: it owns its descriptor budget.
+  KVPOOL_ASSIGN_OR_RETURN(const int max_connections,
+                          ConnectionCap(RaiseOpenFileLimit(), config.max_connections));
+  KVPOOL_ASSIGN_OR_RETURN(s->listener_, ConnectionListener::Bind(config.listen));
+  s->port_ = s->listener_->port();
+  ctx.listener = s->listener_.get();
+  ctx.max_connections = max_connections;
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &s->port_);
+  s->acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+      grpc::InsecureServerCredentials());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   // A per-stream window large enough that the next AppendKv chunk (256 KiB of K plus V) can
@@ -126,10 +137,11 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
     builder.RegisterService(s->gpu_transport_service_.get());
   builder.RegisterService(s->gpu_attention_service_.get());
   s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve on ", config.listen, " (address in use or invalid?)"));
+  if (s->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot serve on ", config.listen));
   }
+  s->listener_->Start(s->acceptor_.get(), max_connections);
+  spdlog::info("serving on port {}, at most {} connections", s->port_, max_connections);
   SetHealth(s->server_.get(), true);
   return s;
 }
@@ -146,6 +158,7 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
     shut_down_ = true;
   }
   SetHealth(server_.get(), false);
+  listener_->Stop();
   for (const auto& t : transports_) t->Shutdown();  // rolls back open pushes
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   workers_->Shutdown();

@@ -31,6 +31,7 @@ class AttentionServiceImpl;
 class StatsServiceImpl;
 class TransportServiceImpl;
 class Transport;
+class ConnectionListener;
 
 class KvpoolServer {
  public:
@@ -75,6 +76,8 @@ class KvpoolServer {
   std::unique_ptr<TransportServiceImpl> transport_service_;
   std::unique_ptr<grpc::Service> gpu_transport_service_;  // null unless the pool is on a GPU
   std::unique_ptr<grpc::Service> gpu_attention_service_;  // UNAVAILABLE unless on a GPU
+  std::unique_ptr<ConnectionListener> listener_;          // accepts connections for server_
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   absl::Mutex shutdown_mu_;

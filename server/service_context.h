@@ -28,7 +28,8 @@
 
 namespace kvpool::server {
 
-class Transport;  // server/transport/transport.h
+class Transport;           // server/transport/transport.h
+class ConnectionListener;  // server/connection_listener.h
 
 struct ServiceCounters {
   std::atomic<uint64_t> ingested_bytes{0};   // BF16-equivalent bytes committed by appends
@@ -48,6 +49,9 @@ struct ServiceContext {
   AttentionEngine* attention = nullptr;
   // Data-plane transports offered in TransportService.Negotiate (grpc_inline first).
   std::vector<Transport*> transports;
+  // The gRPC port's accept loop and its connection cap (null in servers without a port).
+  const ConnectionListener* listener = nullptr;
+  int max_connections = 0;
   ServiceCounters counters;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };

@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "server/connection_listener.h"
 #include "server/transport/transport.h"
 
 namespace kvpool::server {
@@ -72,6 +73,15 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   l->set_max_rotation_file_bytes(cfg.max_rotation_file_bytes);
   l->set_max_attention_batch(cfg.max_attention_batch);
   l->set_max_append_tokens(cfg.max_append_tokens);
+  l->set_max_connections(static_cast<uint32_t>(ctx_->max_connections));
+  if (ctx_->listener != nullptr) {
+    const ConnectionStats cs = ctx_->listener->Stats();
+    v1::ConnectionStats* c = response->mutable_connections();
+    c->set_open(cs.open);
+    c->set_accepted(cs.accepted);
+    c->set_refused_at_cap(cs.refused_at_cap);
+    c->set_refused_no_descriptors(cs.refused_no_descriptors);
+  }
 
   v1::TransportStats* t = response->mutable_transport();
   for (const Transport* tr : ctx_->transports) {
