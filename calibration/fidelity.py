@@ -161,7 +161,7 @@ def kivi_recent_start(t_len: int, sink: int) -> np.ndarray:
 
 
 def bits_per_element(cfg: dict, t_len: int, sink: int, recent: int, head_dim: int) -> float:
-    """Effective bits per K/V element at length t_len (oscar-method.md section 12)."""
+    """Effective bits per K/V element at length t_len (docs/oscar-method.md section 12)."""
     if cfg["kind"] == "bf16":
         return 16.0
     if cfg["kind"] == "kivi":
@@ -344,7 +344,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=texts.EVAL_TOKENS)
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--recent", type=int, default=256)
-    ap.add_argument("--out", help="JSON report path (design.md form)")
+    ap.add_argument("--out", help="JSON report path (docs/operations.md, Benchmarks)")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--assert-kl-ratio", type=float, default=None,
                     help="fail unless KL(oscar_fitted or oscar_uniform) <= this x "

@@ -1,4 +1,4 @@
-// The OSCAR rotation fit (oscar-method.md sections 2-6): calibration captures in, per-layer
+// The OSCAR rotation fit (docs/oscar-method.md sections 2-3): calibration captures in, per-layer
 // rotations M_K, M_V out, plus an offline fit of the clip ratios and per-layer statistics.
 //
 // Captures are safetensors files written by calibration/capture.py, one per layer, with BF16

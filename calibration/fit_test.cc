@@ -73,7 +73,7 @@ LayerCapture KnownKeyTargetCapture(const MatrixD& r, const std::vector<double>& 
 }
 
 TEST(BitReversal, SpreadsTopRanksAsSpecified) {
-  // oscar-method.md section 5: for D = 128 the top four ranks go to positions 0, 64, 32, 96.
+  // docs/oscar-method.md section 3: for D = 128 the top four ranks go to positions 0, 64, 32, 96.
   EXPECT_EQ(BitReverse(0, 7), 0);
   EXPECT_EQ(BitReverse(1, 7), 64);
   EXPECT_EQ(BitReverse(2, 7), 32);
@@ -154,7 +154,7 @@ TEST(KnownAnswerFit, AblationCompositions) {
   EXPECT_FALSE(BuildRotation(c, 48, Composition::kU).ok());
 }
 
-// The value target against a direct float64 transcription of oscar-method.md section 4.
+// The value target against a direct float64 transcription of docs/oscar-method.md section 2.
 TEST(Targets, ValueTargetMatchesReferenceFormula) {
   LayerCapture cap;
   cap.tokens = 40;

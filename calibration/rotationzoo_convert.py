@@ -2,7 +2,7 @@
 """Convert OSCAR RotationZoo rotations (.pt) into a kvpool rotation file (.safetensors).
 
 The reference publishes one torch.save checkpoint per tensor (K and V), a zip archive holding a
-pickled dict (oscar-method.md section 14):
+pickled dict (docs/oscar-method.md section 14):
 
     {"format_version": 1, "objective": str, "source_grouping": "layer",
      "layers": {id: {"layer_id": int, "rotation": float32[D, D], "eigenvalues": float32[D]}}}

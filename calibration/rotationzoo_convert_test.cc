@@ -1,5 +1,7 @@
 // End to end: the published Qwen3-4B-Thinking-2507 RotationZoo files are converted by
-// rotationzoo_convert.py, read back by ReadRotationFile, and stamped by kvpool-rotation.
+// rotationzoo_convert.py, read back by ReadRotationFile, and stamped by kvpool-rotation. The
+// repository keeps their first layers (tests/fixtures/README.md), with the published structure
+// and bytes.
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -62,9 +64,8 @@ class RotationZooConvertTest : public ::testing::Test {
   void SetUp() override {
     k_pt_ = kRotationZooDir + "/k_rotation_qqt_r_h_pbr.pt";
     v_pt_ = kRotationZooDir + "/v_rotation_sst_r_h_pbr.pt";
-    if (!Exists(k_pt_) || !Exists(v_pt_)) {
-      GTEST_SKIP() << "RotationZoo fixtures not present under " << kRotationZooDir;
-    }
+    ASSERT_TRUE(Exists(k_pt_)) << "missing fixture " << k_pt_;
+    ASSERT_TRUE(Exists(v_pt_)) << "missing fixture " << v_pt_;
     out_ = ::testing::TempDir() + "/rotationzoo_qwen3_4b.safetensors";
     stamped_ = ::testing::TempDir() + "/rotationzoo_qwen3_4b.stamped.safetensors";
   }
@@ -98,7 +99,8 @@ TEST_F(RotationZooConvertTest, ConvertedFileLoadsWithOrthogonalMatricesAndAscend
   const RotationSet& r = model->rotations;
   EXPECT_EQ(model->model_id, "qwen3-4b-thinking-2507");
   EXPECT_EQ(r.kind(), RotationKind::kDense);
-  ASSERT_EQ(r.num_layers(), 36);
+  const int layers = r.num_layers();
+  ASSERT_GE(layers, 2);
   ASSERT_EQ(r.head_dim(), 128);
   EXPECT_EQ(model->objective, "qqt_r_h_pbr/sst_r_h_pbr");
   EXPECT_EQ(model->quant.clip_ratio_k, 0.96f);
@@ -106,18 +108,18 @@ TEST_F(RotationZooConvertTest, ConvertedFileLoadsWithOrthogonalMatricesAndAscend
   EXPECT_FALSE(model->v_prerotated);
 
   double worst = 0.0;
-  for (int layer = 0; layer < 36; ++layer) {
+  for (int layer = 0; layer < layers; ++layer) {
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       const double err = OrthogonalityError(r.Matrix(layer, t), 128);
       EXPECT_LE(err, 1e-6) << "layer " << layer << (t == KvTensor::kKey ? " K" : " V");
       worst = std::max(worst, err);
     }
   }
-  std::printf("max |M M^T - I| over 72 matrices: %.3g\n", worst);
+  std::printf("max |M M^T - I| over %d matrices: %.3g\n", 2 * layers, worst);
 
-  ASSERT_EQ(model->k_eigenvalues.size(), 36u);
-  ASSERT_EQ(model->v_eigenvalues.size(), 36u);
-  for (int layer = 0; layer < 36; ++layer) {
+  ASSERT_EQ(model->k_eigenvalues.size(), static_cast<size_t>(layers));
+  ASSERT_EQ(model->v_eigenvalues.size(), static_cast<size_t>(layers));
+  for (int layer = 0; layer < layers; ++layer) {
     for (const auto* e : {&model->k_eigenvalues[layer], &model->v_eigenvalues[layer]}) {
       ASSERT_EQ(e->size(), 128u);
       for (int i = 1; i < 128; ++i) {
@@ -152,7 +154,8 @@ TEST_F(RotationZooConvertTest, StampAndInspect) {
   absl::StatusOr<ModelCodec> stamped = ReadRotationFile(stamped_);
   ASSERT_TRUE(stamped.ok()) << stamped.status();
   EXPECT_EQ(CodecVersionHex(*stamped), version);
-  for (int layer : {0, 17, 35}) {
+  const int layers = unstamped.rotations.num_layers();
+  for (int layer : {0, layers / 2, layers - 1}) {
     EXPECT_EQ(stamped->rotations.Matrix(layer, KvTensor::kKey),
               unstamped.rotations.Matrix(layer, KvTensor::kKey));
     EXPECT_EQ(stamped->v_eigenvalues[layer], unstamped.v_eigenvalues[layer]);
@@ -163,7 +166,7 @@ TEST_F(RotationZooConvertTest, StampAndInspect) {
             0)
       << inspect_out;
   EXPECT_THAT(inspect_out, HasSubstr("qwen3-4b-thinking-2507"));
-  EXPECT_THAT(inspect_out, HasSubstr("num_layers      36"));
+  EXPECT_THAT(inspect_out, HasSubstr("num_layers      " + std::to_string(layers)));
   EXPECT_THAT(inspect_out, HasSubstr("head_dim        128"));
   EXPECT_THAT(inspect_out, HasSubstr(version + " (stored and verified)"));
   std::printf("%s", inspect_out.c_str());

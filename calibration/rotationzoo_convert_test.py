@@ -1,95 +1,40 @@
 #!/usr/bin/env python3
 """Tests for rotationzoo_convert.py on synthetic torch.save archives (standard library only).
 
-The archives are written by pickling stand-ins registered as `torch.FloatStorage` and
-`torch._utils._rebuild_tensor_v2`, so the pickle bytes have the same shape as torch's.
+The archives are written by torch_save.py, whose pickle bytes have the same shape as torch's.
 """
 
 import array
-import collections
 import contextlib
 import importlib.util
 import io
 import json
 import math
 import os
-import pickle
 import struct
-import sys
 import tempfile
-import types
 import unittest
 import zipfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location(
-    "rotationzoo_convert", os.path.join(_HERE, "rotationzoo_convert.py"))
-convert = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert)
 
 
-# Stand-ins so that pickle writes GLOBAL 'torch FloatStorage' / 'torch._utils _rebuild_tensor_v2'.
-class FloatStorage:
-    pass
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _rebuild_tensor_v2(*args):
-    raise AssertionError("never called while writing")
-
-
-_torch = types.ModuleType("torch")
-_torch_utils = types.ModuleType("torch._utils")
-FloatStorage.__module__ = "torch"
-FloatStorage.__qualname__ = "FloatStorage"
-_rebuild_tensor_v2.__module__ = "torch._utils"
-_rebuild_tensor_v2.__qualname__ = "_rebuild_tensor_v2"
-_torch.FloatStorage = FloatStorage
-_torch_utils._rebuild_tensor_v2 = _rebuild_tensor_v2
-_torch._utils = _torch_utils
-
-
-class FakeStorage:
-    def __init__(self, key, values):
-        self.key = key
-        self.values = values
-
-
-class FakeTensor:
-    def __init__(self, storage, offset, size, stride):
-        self.args = (storage, offset, tuple(size), tuple(stride), False, collections.OrderedDict())
-
-    def __reduce__(self):
-        return (_rebuild_tensor_v2, self.args)
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj):
-        if isinstance(obj, FakeStorage):
-            return ("storage", FloatStorage, obj.key, "cpu", len(obj.values))
-        return None
+convert = _load("rotationzoo_convert")
+torch_save = _load("torch_save")
+FakeStorage = torch_save.Storage
+FakeTensor = torch_save.Tensor
 
 
 def write_pt(path, obj, storages, prefix="archive", storage_bytes_override=None):
-    saved = {k: sys.modules.get(k) for k in ("torch", "torch._utils")}
-    sys.modules["torch"] = _torch
-    sys.modules["torch._utils"] = _torch_utils
-    try:
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(obj)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        z.writestr(prefix + "/data.pkl", buf.getvalue())
-        z.writestr(prefix + "/byteorder", "little")
-        for s in storages:
-            data = array.array("f", s.values).tobytes()
-            if storage_bytes_override and s.key in storage_bytes_override:
-                data = storage_bytes_override[s.key]
-            z.writestr("%s/data/%s" % (prefix, s.key), data)
+    torch_save.write_archive(path, obj, storages, prefix=prefix,
+                             storage_bytes_override=storage_bytes_override)
 
 
 def hadamard(d, sign):

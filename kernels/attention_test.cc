@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "gtest/gtest.h"
 #include "kernels/bf16.h"
 #include "kernels/block_layout.h"
@@ -426,19 +427,32 @@ TEST(AttentionDeathTest, MismatchedShapesAssertOrReturnNaN) {
 #endif
 }
 
-// Conformance with the OSCAR reference kernel's mixed-precision decode attention.
+// Conformance with the OSCAR reference kernel's mixed-precision decode attention. The repository
+// keeps one sequence and one KV head (with its query heads) of the reference's case; the file's
+// metadata states the shape.
 class OscarFixtureTest : public ::testing::Test {
  protected:
-  static constexpr int kSeqs = 2, kHq = 16, kHkv = 4, kD = 128;
-  static constexpr int kBf16Tokens = 320, kInt2Tokens = 680;
+  static constexpr int kD = 128;
 
   void SetUp() override {
-    const std::string dir = OscarFixturesDir();
-    if (dir.empty()) GTEST_SKIP() << "OSCAR reference fixtures not present";
-    absl::StatusOr<SafetensorsFile> f =
-        SafetensorsFile::ReadFile(dir + "/attention_d128.safetensors");
-    ASSERT_TRUE(f.ok()) << f.status();
+    const std::string path = OscarFixturesDir() + "/attention_d128.safetensors";
+    absl::StatusOr<SafetensorsFile> f = SafetensorsFile::ReadFile(path);
+    ASSERT_TRUE(f.ok()) << "fixture " << path << ": " << f.status();
     file_ = std::make_unique<SafetensorsFile>(*std::move(f));
+    int d = 0;
+    ASSERT_TRUE(MetaInt("B", &seqs_) && MetaInt("Hq", &hq_) && MetaInt("Hkv", &hkv_) &&
+                MetaInt("D", &d) && MetaInt("bf16_tokens_per_seq", &bf16_tokens_) &&
+                MetaInt("int2_tokens_per_seq", &int2_tokens_));
+    ASSERT_EQ(d, kD);
+    ASSERT_GE(seqs_, 1);
+    ASSERT_TRUE(hkv_ >= 1 && hq_ % hkv_ == 0) << hq_ << " query heads, " << hkv_ << " KV heads";
+  }
+
+  bool MetaInt(const std::string& key, int* out) {
+    const auto it = file_->metadata().find(key);
+    const bool ok = it != file_->metadata().end() && absl::SimpleAtoi(it->second, out);
+    EXPECT_TRUE(ok) << "metadata " << key;
+    return ok;
   }
 
   std::vector<float> Floats(const std::string& name) {
@@ -448,11 +462,12 @@ class OscarFixtureTest : public ::testing::Test {
   }
 
   std::unique_ptr<SafetensorsFile> file_;
+  int seqs_ = 0, hq_ = 0, hkv_ = 0, bf16_tokens_ = 0, int2_tokens_ = 0;
 };
 
 TEST_F(OscarFixtureTest, MixedAttentionMatchesReference) {
-  const AttentionShape s{kHq, kHkv, kD};
-  const size_t row = static_cast<size_t>(kHkv) * kD;
+  const AttentionShape s{hq_, hkv_, kD};
+  const size_t row = static_cast<size_t>(hkv_) * kD;
   const std::vector<float> q = Floats("q_rotated_bf16");
   const std::vector<float> ref = Floats("output_rotated_bf16");
   const std::vector<float> bf16_k = Floats("bf16_tier_k");
@@ -465,12 +480,12 @@ TEST_F(OscarFixtureTest, MixedAttentionMatchesReference) {
   const SafetensorsTensor* codes_v = file_->Find("int2_v_codes_planar");
   ASSERT_NE(codes_k, nullptr);
   ASSERT_NE(codes_v, nullptr);
-  ASSERT_EQ(q.size(), static_cast<size_t>(kSeqs) * kHq * kD);
+  ASSERT_EQ(q.size(), static_cast<size_t>(seqs_) * hq_ * kD);
   ASSERT_EQ(ref.size(), q.size());
-  ASSERT_EQ(bf16_k.size(), kSeqs * kBf16Tokens * row);
-  ASSERT_EQ(src_k.size(), kSeqs * kInt2Tokens * row);
-  ASSERT_EQ(sz_k.size(), kSeqs * kInt2Tokens * kHkv * 2u);
-  ASSERT_EQ(codes_k->bytes.size(), kSeqs * kInt2Tokens * kHkv * (kD / 4u));
+  ASSERT_EQ(bf16_k.size(), seqs_ * bf16_tokens_ * row);
+  ASSERT_EQ(src_k.size(), seqs_ * int2_tokens_ * row);
+  ASSERT_EQ(sz_k.size(), seqs_ * int2_tokens_ * hkv_ * 2u);
+  ASSERT_EQ(codes_k->bytes.size(), seqs_ * int2_tokens_ * hkv_ * (kD / 4u));
 
   // The reference's planar codes dequantized as (code - zero) * scale in fp32.
   auto dequant = [&](const SafetensorsTensor* codes, const std::vector<float>& sz) {
@@ -494,45 +509,45 @@ TEST_F(OscarFixtureTest, MixedAttentionMatchesReference) {
   const RowCodec codec = MakeCodec(cfg, kD);
 
   double worst_ref_codes = 0.0, worst_ref_codes_bf16 = 0.0, worst_kvpool = 0.0, worst_exact = 0.0;
-  for (int b = 0; b < kSeqs; ++b) {
-    const absl::Span<const float> qb(q.data() + b * kHq * kD, kHq * kD);
-    const absl::Span<const float> want(ref.data() + b * kHq * kD, kHq * kD);
+  for (int b = 0; b < seqs_; ++b) {
+    const absl::Span<const float> qb(q.data() + b * hq_ * kD, hq_ * kD);
+    const absl::Span<const float> want(ref.data() + b * hq_ * kD, hq_ * kD);
     auto slice = [&](const std::vector<float>& v, int tokens) {
       return std::vector<float>(v.begin() + b * tokens * row, v.begin() + (b + 1) * tokens * row);
     };
     Rows bf16_tier;
-    bf16_tier.kf = slice(bf16_k, kBf16Tokens);
-    bf16_tier.vf = slice(bf16_v, kBf16Tokens);
+    bf16_tier.kf = slice(bf16_k, bf16_tokens_);
+    bf16_tier.vf = slice(bf16_v, bf16_tokens_);
     bf16_tier.k = ToBf16(bf16_tier.kf);
     bf16_tier.v = ToBf16(bf16_tier.vf);
-    const AttentionOutput bf16_part = AttendBf16Rows(s, qb, bf16_tier.k, bf16_tier.v, kBf16Tokens);
+    const AttentionOutput bf16_part = AttendBf16Rows(s, qb, bf16_tier.k, bf16_tier.v, bf16_tokens_);
 
     // (1) The reference's own INT2 codes, dequantized in fp32, attended in float64.
-    const std::vector<float> hk = slice(deq_k, kInt2Tokens), hv = slice(deq_v, kInt2Tokens);
+    const std::vector<float> hk = slice(deq_k, int2_tokens_), hv = slice(deq_v, int2_tokens_);
     AttentionOutput acc = bf16_part;
-    MergeAttention(s, DenseAttentionReference(s, qb, hk, hv, kInt2Tokens), &acc);
+    MergeAttention(s, DenseAttentionReference(s, qb, hk, hv, int2_tokens_), &acc);
     worst_ref_codes = std::max(worst_ref_codes, RelError(acc.out, want));
 
     // (2) The same codes dequantized then rounded to BF16 (as the reference kernel does),
     // attended by kvpool's fp32 kernel.
     acc = bf16_part;
-    MergeAttention(s, AttendBf16Rows(s, qb, ToBf16(hk), ToBf16(hv), kInt2Tokens), &acc);
+    MergeAttention(s, AttendBf16Rows(s, qb, ToBf16(hk), ToBf16(hv), int2_tokens_), &acc);
     worst_ref_codes_bf16 = std::max(worst_ref_codes_bf16, RelError(acc.out, want));
 
     // (3) kvpool's codec on the reference's BF16 source rows, in paged blocks.
     Rows source;
-    source.kf = slice(src_k, kInt2Tokens);
-    source.vf = slice(src_v, kInt2Tokens);
+    source.kf = slice(src_k, int2_tokens_);
+    source.vf = slice(src_v, int2_tokens_);
     source.k = ToBf16(source.kf);
     source.v = ToBf16(source.vf);
-    const PagedRows paged = Page(codec, s, source, kInt2Tokens);
+    const PagedRows paged = Page(codec, s, source, int2_tokens_);
     acc = bf16_part;
-    MergeAttention(s, AttendBlocks(s, codec, paged.layout, paged.blocks, kInt2Tokens, qb), &acc);
+    MergeAttention(s, AttendBlocks(s, codec, paged.layout, paged.blocks, int2_tokens_, qb), &acc);
     worst_kvpool = std::max(worst_kvpool, RelError(acc.out, want));
 
     // (4) The INT2 tier's BF16 source without clip or quantization: shows the tier matters.
     acc = bf16_part;
-    MergeAttention(s, AttendBf16Rows(s, qb, source.k, source.v, kInt2Tokens), &acc);
+    MergeAttention(s, AttendBf16Rows(s, qb, source.k, source.v, int2_tokens_), &acc);
     worst_exact = std::max(worst_exact, RelError(acc.out, want));
   }
   std::printf(
@@ -541,7 +556,7 @@ TEST_F(OscarFixtureTest, MixedAttentionMatchesReference) {
       "  reference codes, bf16 dequant, kvpool fp32 attention: %.3e\n"
       "  kvpool INT2 codec (uniform, fp16 meta, clip 0.96/0.92): %.3e\n"
       "  INT2-tier source without clip or quantization (sanity): %.3e\n",
-      kSeqs, worst_ref_codes, worst_ref_codes_bf16, worst_kvpool, worst_exact);
+      seqs_, worst_ref_codes, worst_ref_codes_bf16, worst_kvpool, worst_exact);
   RecordProperty("rel_err_reference_codes", std::to_string(worst_ref_codes));
   RecordProperty("rel_err_kvpool_codec", std::to_string(worst_kvpool));
   EXPECT_LT(worst_ref_codes, 1e-2);

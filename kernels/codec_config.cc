@@ -79,7 +79,7 @@ absl::Status QuantConfig::Validate(int head_dim) const {
   KVPOOL_RETURN_IF_ERROR(CheckClipRatio("clip_ratio_k", clip_ratio_k));
   KVPOOL_RETURN_IF_ERROR(CheckClipRatio("clip_ratio_v", clip_ratio_v));
   if (method == QuantMethod::kLloydMax) {
-    // oscar-method.md section 8: one group per row, INT2 only, and the row must be clipped.
+    // docs/oscar-method.md section 8: one group per row, INT2 only, and the row must be clipped.
     if (bits != 2) {
       return absl::InvalidArgumentError(
           absl::StrCat("bits must be 2 for the lloyd_max quantizer, got ", bits));

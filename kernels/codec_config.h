@@ -19,7 +19,7 @@ enum class KvTensor : uint8_t { kKey = 0, kValue = 1 };
 
 // How a clipped row is turned into codes.
 enum class QuantMethod : uint8_t {
-  kUniform = 0,   // asymmetric min/max affine, round half up (oscar-method.md section 7)
+  kUniform = 0,   // asymmetric min/max affine, round half up (docs/oscar-method.md section 7)
   kLloydMax = 1,  // Gaussian Lloyd-Max buckets, uniform stretched levels (section 8); G = D only
   kBypass = 2,    // no quantization: history blocks keep the rotated BF16 rows (exactness path)
 };
@@ -28,16 +28,16 @@ enum class QuantMethod : uint8_t {
 enum class ScaleDtype : uint8_t { kFp16 = 0, kBf16 = 1 };
 
 struct QuantConfig {
-  int bits = 2;         // 2 or 4 (ignored by kBypass, which stores 16-bit BF16 rows)
-  int group_size = 0;   // G, dims per (scale, min) pair; 0 means G = D
+  int bits = 2;        // 2 or 4 (ignored by kBypass, which stores 16-bit BF16 rows)
+  int group_size = 0;  // G, dims per (scale, min) pair; 0 means G = D
   QuantMethod method = QuantMethod::kUniform;
   ScaleDtype scale_dtype = ScaleDtype::kFp16;
   float clip_ratio_k = 0.96f;  // <= 0 disables clipping (section 6)
   float clip_ratio_v = 0.92f;
-  int block_tokens = 16;       // tokens per paged block: power of two >= 8
-  int sink_tokens = 64;        // S0: BF16 prefix, multiple of 8, at most 8192
-  int recent_tokens = 256;     // W: BF16 recent window, multiple of 8, at most 8192
-  int demotion_batch = 16;     // recent tokens demoted at once; divides block_tokens
+  int block_tokens = 16;    // tokens per paged block: power of two >= 8
+  int sink_tokens = 64;     // S0: BF16 prefix, multiple of 8, at most 8192
+  int recent_tokens = 256;  // W: BF16 recent window, multiple of 8, at most 8192
+  int demotion_batch = 16;  // recent tokens demoted at once; divides block_tokens
 
   // Effective group size for rows of `head_dim` dims.
   int EffectiveGroupSize(int head_dim) const { return group_size == 0 ? head_dim : group_size; }
@@ -53,9 +53,9 @@ struct QuantConfig {
 // Head dims kvpool supports: powers of two from 32 to 256.
 bool IsSupportedHeadDim(int head_dim);
 
-absl::string_view QuantMethodName(QuantMethod m);        // "uniform", "lloyd_max", "bypass"
+absl::string_view QuantMethodName(QuantMethod m);  // "uniform", "lloyd_max", "bypass"
 absl::StatusOr<QuantMethod> ParseQuantMethod(absl::string_view name);
-absl::string_view ScaleDtypeName(ScaleDtype d);          // "fp16", "bf16"
+absl::string_view ScaleDtypeName(ScaleDtype d);  // "fp16", "bf16"
 absl::StatusOr<ScaleDtype> ParseScaleDtype(absl::string_view name);
 
 }  // namespace kvpool

@@ -1,4 +1,5 @@
-// The codec version: a SHA-256 over the canonical content of a model's codec (design.md).
+// The codec version: a SHA-256 over the canonical content of a model's codec
+// (docs/block-format.md, "Codec version").
 //
 // Hashed, in this order, all integers little-endian:
 //   "kvpool-codec\0", u32 block format version, u32 num_layers, u32 head_dim,

@@ -1,6 +1,6 @@
-// The mixed-precision layout of one sequence (oscar-method.md section 9) as a small state machine
-// over token counts: a BF16 sink [0, S0), an INT2 history, and a BF16 recent window whose
-// oldest tokens are demoted to INT2 in batches.
+// The mixed-precision layout of one sequence (docs/oscar-method.md section 10) as a small state
+// machine over token counts: a BF16 sink [0, S0), an INT2 history, and a BF16 recent window
+// whose oldest tokens are demoted to INT2 in batches.
 //
 //   [0, sink)   [sink, sink + history)   [sink + history, total)
 //     BF16 sink      INT2 history              BF16 recent

@@ -6,7 +6,8 @@
 //
 //   s = max(mx - mn, 1e-8f) / 3;  z = -mn / s;  code = clamp(floor(x / s + z + 0.5f), 0, 3)
 //
-// and its Lloyd-Max variant (oscar-method.md section 8) stores s = 1.16739 * sigma, z = 1.5 - mu/s.
+// and its Lloyd-Max variant (docs/oscar-method.md section 8) stores s = 1.16739 * sigma,
+// z = 1.5 - mu/s.
 // QuantizeReferenceRow evaluates "/ 3" as a multiply by fp32(1/3), as the reference kernel does
 // (bit-exact scales on the golden data), and the Lloyd-Max step as RowCodec's kLloydMaxStep.
 //
@@ -27,8 +28,8 @@ namespace kvpool {
 // One row quantized the reference's way: codes in logical order (one per dim, 0..3) and fp32
 // (scale, zero) per group.
 struct ReferenceRow {
-  std::vector<uint8_t> codes;        // D
-  std::vector<float> scale_zero;     // 2 * D/G, interleaved [s0, z0, s1, z1, ...]
+  std::vector<uint8_t> codes;     // D
+  std::vector<float> scale_zero;  // 2 * D/G, interleaved [s0, z0, s1, z1, ...]
 };
 
 // Clips (exact order statistic) and quantizes one rotated BF16 row with the reference's fp32

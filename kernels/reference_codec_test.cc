@@ -44,20 +44,24 @@ std::vector<T> TensorAs(const SafetensorsFile& f, const std::string& name) {
   return out;
 }
 
-// Loads K (clip 0.96) or V (clip 0.92) of quantizer_d{D}.safetensors; false when absent.
+// Loads K (clip 0.96) or V (clip 0.92) of quantizer_d{D}.safetensors ([tokens, heads, D] rows;
+// the repository keeps the first tokens of the reference's 512). False, with a test failure,
+// when the file is missing or malformed.
 bool LoadTensorSet(int d, char kv, TensorSet* set) {
-  const std::string dir = kvpool::testing::OscarFixturesDir();
-  if (dir.empty()) return false;
-  absl::StatusOr<SafetensorsFile> f =
-      SafetensorsFile::ReadFile(dir + "/quantizer_d" + std::to_string(d) + ".safetensors");
-  EXPECT_TRUE(f.ok()) << f.status();
+  const std::string path =
+      kvpool::testing::OscarFixturesDir() + "/quantizer_d" + std::to_string(d) + ".safetensors";
+  absl::StatusOr<SafetensorsFile> f = SafetensorsFile::ReadFile(path);
+  EXPECT_TRUE(f.ok()) << "fixture " << path << ": " << f.status();
   if (!f.ok()) return false;
   const std::string t(1, kv);
   const SafetensorsTensor* input = f->Find(t + "_rotated_bf16");
   EXPECT_NE(input, nullptr);
   if (input == nullptr) return false;
   EXPECT_EQ(input->dtype, SafetensorsDtype::kBF16);
-  EXPECT_EQ(input->shape, (std::vector<int64_t>{512, 2, d}));
+  EXPECT_EQ(input->shape.size(), 3u);
+  if (input->shape.size() != 3) return false;
+  EXPECT_GE(input->shape[0] * input->shape[1], 128) << "too few rows to test anything";
+  EXPECT_EQ(input->shape[2], d);
   set->d = d;
   set->rows = static_cast<int>(input->shape[0] * input->shape[1]);
   set->clip = kv == 'k' ? 0.96f : 0.92f;
@@ -103,12 +107,6 @@ int64_t UlpDistance(float a, float b) {
   return std::llabs(static_cast<int64_t>(ia) - ib);
 }
 
-#define REQUIRE_FIXTURES(set, d, kv)                                    \
-  if (kvpool::testing::OscarFixturesDir().empty()) {                    \
-    GTEST_SKIP() << "OSCAR reference fixtures are not on this machine"; \
-  }                                                                     \
-  ASSERT_TRUE(LoadTensorSet(d, kv, &set))
-
 struct Shape {
   int d;
   char kv;
@@ -126,7 +124,7 @@ TEST(ReferenceGoldenTest, UniformReproducesReferenceCodesAndScales) {
   for (const Shape& shape : kShapes) {
     SCOPED_TRACE(ShapeName(shape));
     TensorSet set;
-    REQUIRE_FIXTURES(set, shape.d, shape.kv);
+    ASSERT_TRUE(LoadTensorSet(shape.d, shape.kv, &set));
     int64_t total = 0, mismatches = 0, exact_rows = 0, max_scale_ulp = 0, max_zero_ulp = 0;
     std::map<int64_t, int> zero_ulp_hist;
     for (int r = 0; r < set.rows; ++r) {
@@ -185,7 +183,7 @@ TEST(ReferenceGoldenTest, LloydMaxMatchesReferenceWithinItsRules) {
   for (const Shape& shape : kShapes) {
     SCOPED_TRACE(ShapeName(shape));
     TensorSet set;
-    REQUIRE_FIXTURES(set, shape.d, shape.kv);
+    ASSERT_TRUE(LoadTensorSet(shape.d, shape.kv, &set));
     int64_t total = 0, mismatches = 0;
     double max_scale_rel = 0, max_zero_abs = 0;
     for (int r = 0; r < set.rows; ++r) {
@@ -231,7 +229,7 @@ TEST(ReferenceGoldenTest, DefaultKvpoolModeAgreesWithReferenceCodes) {
   for (const Shape& shape : kShapes) {
     SCOPED_TRACE(ShapeName(shape));
     TensorSet set;
-    REQUIRE_FIXTURES(set, shape.d, shape.kv);
+    ASSERT_TRUE(LoadTensorSet(shape.d, shape.kv, &set));
     const KvTensor t = shape.kv == 'k' ? KvTensor::kKey : KvTensor::kValue;
     struct Mode {
       const char* name;
@@ -291,7 +289,7 @@ TEST(ReferenceGoldenTest, PlanarConvertersRoundTripFixtureBytes) {
   for (const Shape& shape : kShapes) {
     SCOPED_TRACE(ShapeName(shape));
     TensorSet set;
-    REQUIRE_FIXTURES(set, shape.d, shape.kv);
+    ASSERT_TRUE(LoadTensorSet(shape.d, shape.kv, &set));
     const int q4 = shape.d / 4;
     for (const std::vector<uint8_t>* all : {&set.uniform_planar, &set.lloydmax_planar}) {
       for (int r = 0; r < set.rows; ++r) {

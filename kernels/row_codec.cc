@@ -21,7 +21,7 @@ namespace {
 
 constexpr int kMaxHeadDim = 256;
 
-// Lloyd-Max constants (oscar-method.md section 8), evaluated in fp32 like the reference:
+// Lloyd-Max constants (docs/oscar-method.md section 8), evaluated in fp32 like the reference:
 // kLloydMaxStep == 1.16739297f (0x3f956d5b).
 constexpr float kLloydMaxStep = (2.0f * 1.50956f / 3.0f) * 1.16f;
 constexpr float kLloydMaxThreshold = 0.98107f;

@@ -1,6 +1,6 @@
 // Clip, quantize and dequantize rotated K/V rows: the CPU reference of kvpool's codec.
 //
-// Normative arithmetic (design.md, oscar-method.md sections 6-8), for one rotated BF16 row x of
+// Normative arithmetic (docs/oscar-method.md sections 6-9), for one rotated BF16 row x of
 // D values and one group [g*G, (g+1)*G) of it, all in fp32 with no FMA contraction:
 //
 //   clip:     c = clamp(floor(r * D), 0, D-1) (r <= 0: no clip); tau = c-th smallest |x_j| over

@@ -274,7 +274,7 @@ TEST(ClipThresholdTest, EqualsTheSortedOrderStatistic) {
 }
 
 TEST(ClipThresholdTest, DefaultRatiosPickTheDocumentedRanks) {
-  // oscar-method.md section 6: D = 128 gives c = 122 (K, 0.96) and c = 117 (V, 0.92).
+  // docs/oscar-method.md section 6: D = 128 gives c = 122 (K, 0.96) and c = 117 (V, 0.92).
   std::vector<float> x(128), scratch(128);
   for (int j = 0; j < 128; ++j) x[j] = (j % 2 ? -1.0f : 1.0f) * static_cast<float>(j);
   EXPECT_EQ(ClipThreshold(x, 0.96f, absl::MakeSpan(scratch)), 122.0f);

@@ -1,6 +1,7 @@
 // INT2 paged decode attention on the GPU: one decode step of one layer for a batch of
 // sequences of different lengths, over the BF16 sink, the INT2 history and the BF16 recent
-// window, with an exact log-sum-exp merge (oscar-method.md section 11, kernels/attention.h).
+// window, with an exact log-sum-exp merge (docs/oscar-method.md section 11,
+// kernels/attention.h).
 // No CUDA types here; all pointers are device pointers.
 //
 //   DecodeAttentionShape shape{cfg, /*q_heads=*/64, int2_view, bf16_view, batch_size,

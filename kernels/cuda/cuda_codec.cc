@@ -102,7 +102,7 @@ BatchParams Batch(const SequenceBatch& b) {
   return p;
 }
 
-// c of the clip order statistic (oscar-method.md section 6), -1 when clipping is off.
+// c of the clip order statistic (docs/oscar-method.md section 6), -1 when clipping is off.
 int ClipRank(float ratio, int head_dim) {
   if (!(ratio > 0.0f)) return -1;
   const float c = std::floor(ratio * static_cast<float>(head_dim));

@@ -1,4 +1,4 @@
-// INT2 paged decode attention on tensor cores (oscar-method.md section 11, attention.h).
+// INT2 paged decode attention on tensor cores (docs/oscar-method.md section 11, attention.h).
 //
 // One decode step of one layer is four launches on one stream:
 //   1. RotateQueriesKernel   q' = q * M_K for each (sequence, KV head group); also the sum and

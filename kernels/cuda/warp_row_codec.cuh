@@ -27,7 +27,7 @@ struct RowShape {
   bool lloyd_max;   // Lloyd-Max buckets (INT2, G = D) instead of the uniform min/max grid
 };
 
-// Lloyd-Max constants (oscar-method.md section 8), the same fp32 expressions as the CPU codec.
+// Lloyd-Max constants (docs/oscar-method.md section 8), the same fp32 expressions as the CPU codec.
 inline constexpr float kLloydMaxStep = (2.0f * 1.50956f / 3.0f) * 1.16f;
 inline constexpr float kLloydMaxThreshold = 0.98107f;
 inline constexpr float kLloydMaxEps = 1e-8f;

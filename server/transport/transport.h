@@ -1,6 +1,6 @@
 // Transport: one way of moving bulk K/V and attention traffic between clients and kvpoold (the
-// data plane of design.md, "Planes"). gRPC stays the control plane: a client negotiates a
-// transport through TransportService.Negotiate (proto/kvpool/v1/transport_service.proto), the
+// data plane of docs/architecture.md, "Planes"). gRPC stays the control plane: a client negotiates
+// a transport through TransportService.Negotiate (proto/kvpool/v1/transport_service.proto), the
 // daemon picks one of the transports it hosts and the transport answers with what the client
 // needs to reach it.
 //

@@ -1,4 +1,5 @@
-// Benchmark results in design.md's JSON form, shared by every kvpool benchmark:
+// Benchmark results in the JSON form of docs/operations.md ("Benchmarks"), shared by every kvpool
+// benchmark:
 //
 //   {"machine": {...}, "results": [{"name", "params", "value", "unit",
 //                                   "baseline": {"name", "value"}, "ratio"}]}

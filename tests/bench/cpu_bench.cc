@@ -1,5 +1,5 @@
 // make bench-cpu: the CPU codec's throughput beside the machine's own bounds, measured in the
-// same run (Google Benchmark), written as bench-results/cpu.json in design.md's form.
+// same run (Google Benchmark), written as bench-results/cpu.json in the form of docs/operations.md.
 //
 //   rotate+clip+quantize  GB/s of BF16 input   vs  the rate a single-thread sgemm's FLOP rate
 //                                                   implies for the rotation's D FLOP per byte

@@ -1,6 +1,6 @@
 // make bench-service: kvpoold over inline gRPC on loopback beside the codec and the attention
 // kernel alone, measured in the same run on the same data, written as bench-results/service.json
-// in design.md's form.
+// in the form of docs/operations.md ("Benchmarks").
 //
 //   ingest             MB/s of BF16 K/V accepted, rotated and quantized by the daemon (AppendKv
 //                      streams of 8K tokens, 1 and 2 at once)   vs  the daemon's own arrival

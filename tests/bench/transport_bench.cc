@@ -14,7 +14,7 @@
 //      each layer as soon as it is computed; the tail (last layer computed -> all KV stored and
 //      committed) beside one layer's transfer + quantize alone.
 //
-// Prints a table and writes --out (design.md's JSON form). Never a timed assertion.
+// Prints a table and writes --out (the JSON form of docs/operations.md). Never a timed assertion.
 #include <sys/resource.h>
 #include <unistd.h>
 

@@ -1,6 +1,7 @@
 // kvpoold on the GPU end to end (issue "kvpoold on the GPU"): a real kvpoold --device=cuda:N,
 // a client on the same machine over inline gRPC, one layer of a 64/8/128-head model (randomized
-// Hadamard rotation, INT2 history, BF16 sink and recent window). Writes design.md's JSON.
+// Hadamard rotation, INT2 history, BF16 sink and recent window). Writes the JSON of
+// docs/operations.md.
 //
 //   ingest             MB/s of BF16 K/V accepted into the GPU pool (4 AppendKv streams at once,
 //                      one prefill per sequence)   vs  the arrival kernels' own device time for

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Adds torch SDPA BF16 (F.scaled_dot_product_attention, enable_gqa=True) on the shapes that
-gpu_bench measured, and writes bench-results/gpu.json (design.md's benchmark format) with
-every INT2 result compared against both its byte floor and SDPA, then prints a short table.
+gpu_bench measured, and writes bench-results/gpu.json (the benchmark format of
+docs/operations.md) with every INT2 result compared against both its byte floor and SDPA, then
+prints a short table.
 
   python3 tests/gpu/sdpa_bench.py --ours gpu-kernels.json --out bench-results/gpu.json
 """

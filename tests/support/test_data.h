@@ -20,8 +20,9 @@ std::vector<float> GaussianValues(size_t n, uint64_t seed, float stddev = 1.0f);
 std::vector<Bf16> ToBf16(const std::vector<float>& v);
 std::vector<float> ToFloat(const std::vector<Bf16>& v);
 
-// Directory of the OSCAR reference golden data (shared/fixtures/oscar-reference), or "" if it
-// is not present on this machine.
+// Directory of the OSCAR reference golden data kept in the repository
+// (tests/fixtures/oscar-reference, see tests/fixtures/README.md). The conformance tests read
+// their files from it and fail when one is missing.
 std::string OscarFixturesDir();
 
 }  // namespace kvpool::testing
