@@ -230,8 +230,6 @@ TEST(ArrivalEncoderTest, ErrorsMatchTheTwoStepPathAndLeaveTheBlockUnchanged) {
       const ArrivalEncoder enc = *ArrivalEncoder::Create(&rot, codec);
       const BlockLayout layout = BlockLayout::ForModel(cc.cfg, 4, d);
       const std::vector<Bf16> good = InputRows(layout.tokens, 4, d, 0, 3);
-      const bool bypass = cc.cfg.method == QuantMethod::kBypass;
-      const bool fp16 = cc.cfg.scale_dtype == ScaleDtype::kFp16 && !bypass;
 
       // NaN and Inf anywhere, even in the last row: InvalidArgument.
       for (float bad :
@@ -241,15 +239,15 @@ TEST(ArrivalEncoderTest, ErrorsMatchTheTwoStepPathAndLeaveTheBlockUnchanged) {
         ExpectSameAsTwoStep(enc, 1, KvTensor::kKey, layout, rows, 0, 9,
                             absl::StatusCode::kInvalidArgument);
       }
-      // Values that overflow the fp16 scale/min after rotation (a Gaussian row of scale 1e5
-      // stays far above 65504 in every basis, clipped or not): OutOfRange, and the rows before
+      // Values outside kvpool's range after rotation (a Gaussian row of scale 1e5 keeps values
+      // of magnitude >= 2^16 in every basis): OutOfRange for every format, and the rows before
       // it are not written either.
       {
         std::vector<Bf16> rows = good;
         const std::vector<float> big = GaussianValues(d, 4, 1e5f);
         for (int j = 0; j < d; ++j) rows[static_cast<size_t>(40) * d + j] = Bf16::FromFloat(big[j]);
         ExpectSameAsTwoStep(enc, 1, KvTensor::kValue, layout, rows, 0, 10,
-                            fp16 ? absl::StatusCode::kOutOfRange : absl::StatusCode::kOk);
+                            absl::StatusCode::kOutOfRange);
       }
       // Large but fine values (above the codec's in-place bound of 8192 after rotation).
       {

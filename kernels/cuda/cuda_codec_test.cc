@@ -625,14 +625,33 @@ TEST_F(CudaCodecErrorTest, NonFiniteRowIsInvalidArgument) {
   EXPECT_EQ(Quantize(cfg, v, 0).code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(CudaCodecErrorTest, ScaleOverflowIsOutOfRange) {
-  QuantConfig cfg;
-  cfg.clip_ratio_k = 0;
+TEST_F(CudaCodecErrorTest, ValuesOutOfRangeAndScaleOverflowAreOutOfRange) {
+  // |x| >= 2^16 is outside kvpool's range (kernels/value_range.h) for every format, as on the
+  // CPU, on both arrival kernels (the bypass and uniform INT2 rows take the MMA kernel, INT4 and
+  // Lloyd-Max the row kernel).
   std::vector<float> v = testing::GaussianValues(64, 4);
-  v[3] = -1e6f;  // the minimum does not fit fp16
-  EXPECT_EQ(Quantize(cfg, v, 0).code(), absl::StatusCode::kOutOfRange);
-  cfg.scale_dtype = ScaleDtype::kBf16;
-  EXPECT_TRUE(Quantize(cfg, v, 0).ok());
+  v[3] = -1e6f;
+  for (QuantMethod method : {QuantMethod::kUniform, QuantMethod::kBypass}) {
+    for (ScaleDtype dtype : {ScaleDtype::kFp16, ScaleDtype::kBf16}) {
+      QuantConfig cfg;
+      cfg.clip_ratio_k = 0;
+      cfg.method = method;
+      cfg.scale_dtype = dtype;
+      EXPECT_EQ(Quantize(cfg, v, 0).code(), absl::StatusCode::kOutOfRange)
+          << QuantMethodName(method) << " " << ScaleDtypeName(dtype);
+    }
+  }
+  QuantConfig int4;
+  int4.bits = 4;
+  EXPECT_EQ(Quantize(int4, v, 0).code(), absl::StatusCode::kOutOfRange);
+  // In range, but Lloyd-Max's step (1.16 x ~sigma) is beyond fp16: the scale overflows.
+  std::vector<float> w(64);
+  for (int j = 0; j < 64; ++j) w[j] = (j % 2 == 0 ? 1.0f : -1.0f) * 65000.0f;
+  QuantConfig lloyd;
+  lloyd.method = QuantMethod::kLloydMax;
+  EXPECT_EQ(Quantize(lloyd, w, 0).code(), absl::StatusCode::kOutOfRange);
+  lloyd.scale_dtype = ScaleDtype::kBf16;
+  EXPECT_TRUE(Quantize(lloyd, w, 0).ok());
 }
 
 TEST_F(CudaCodecErrorTest, BadBlockIdIsOutOfRange) {

@@ -131,9 +131,9 @@ TEST_F(RoundTripTest, IdentityBypassIsExactOnEveryReadPath) {
   const QuantConfig quant = KernelQuant(model->quant());
 
   SequenceKv kv = MakeSequenceKv(kShape, 740, 1);
-  // Bit patterns that a float round trip would not keep: -0, subnormals, the largest finite
-  // values, a negative subnormal, in history, sink and recent positions.
-  const uint16_t specials[] = {0x8000, 0x0001, 0x7f7f, 0xff7f, 0x8001, 0x0080};
+  // Bit patterns that a float round trip would not keep: -0, subnormals, the largest values in
+  // kvpool's range (|x| < 2^16), a negative subnormal, in history, sink and recent positions.
+  const uint16_t specials[] = {0x8000, 0x0001, 0x477f, 0xc77f, 0x8001, 0x0080};
   for (int l = 0; l < kShape.num_layers; ++l) {
     for (size_t i = 0; i < 6; ++i) {
       for (int pos : {5, 100, 300, 735}) {
