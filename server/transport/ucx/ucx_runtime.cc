@@ -95,6 +95,12 @@ absl::StatusOr<std::unique_ptr<UcxRuntime>> UcxRuntime::Create(const UcxRuntimeO
   if (absl::Status st = SetConfig(config.get(), "NET_DEVICES", options.net_devices); !st.ok()) {
     return st;
   }
+  // Endpoint and request ids in UCX's wire headers (a REPLY-flagged active message, a
+  // rendezvous) are looked up in a map, not taken as pointers: by default UCX 1.13 uses raw
+  // pointers for endpoints without peer error handling (shared memory), and a message naming an
+  // endpoint closed meanwhile, or any id a hostile peer makes up, would be dereferenced (the
+  // process aborted on "Assertion `(*ep_p)->worker == worker'" in ucp_am_handler_reply).
+  if (absl::Status st = SetConfig(config.get(), "PROTO_INDIRECT_ID", "on"); !st.ok()) return st;
   const std::string keepalive = absl::StrCat(absl::ToInt64Milliseconds(options.keepalive), "ms");
   if (absl::Status st = SetConfig(config.get(), "KEEPALIVE_INTERVAL", keepalive); !st.ok()) {
     return st;

@@ -235,6 +235,10 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
   if (!secret.ok()) return secret.status();
   absl::StatusOr<TransportSession> result = absl::InternalError("not run");
   absl::Status run = rt_->RunSync([&] {
+    if (listener_ == nullptr) {  // Shutdown ran first
+      result = absl::UnavailableError("kvpoold is shutting down");
+      return;
+    }
     if (sessions_.size() >= static_cast<size_t>(options_.max_sessions)) {
       result = absl::ResourceExhaustedError(
           absl::StrCat("too many UCX sessions (", options_.max_sessions, ")"));
@@ -971,7 +975,10 @@ void UcxTransport::EndSession(const std::shared_ptr<Session>& session, const abs
       ReleaseChunk(r->push, r->chunk);
     }
   }
-  if (session->connection != nullptr) CloseConnection(session->connection, force);
+  if (session->connection != nullptr) {
+    if (peer_gone) session->connection->failed = true;  // nothing answers a graceful close
+    CloseConnection(session->connection, force);
+  }
   session->ep = nullptr;
   session->ended = absl::Now();
   if (sessions_.erase(session->id) > 0) --sessions_count_;
