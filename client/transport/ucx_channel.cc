@@ -145,7 +145,8 @@ absl::Status UcxChannel::Init(std::shared_ptr<grpc::Channel> grpc_channel,
   }
   if (!ep.ok()) return absl::UnavailableError(absl::StrCat("UCX connect: ", ep.status().message()));
 
-  // Bind the connection to the session, and wait for the daemon to confirm it.
+  // Bind the connection to the session, and wait for the daemon to confirm it (also before any
+  // rendezvous: see ConnectToListener).
   wire::HelloHeader hello{};
   hello.session_id = session_.session_id();
   std::memcpy(hello.secret, session_.session_secret().data(), sizeof(hello.secret));

@@ -295,6 +295,23 @@ Timing RawStream(const TlsSet& t, const Kv& kv, size_t message_bytes) {
     connected.Notify();
   });
   Die(listener.status(), "raw stream: listener");
+  // A first message and its answer before the stream, as a client's HELLO and HELLO_DONE.
+  absl::Notification answered;
+  Die(rr->SetAmHandler(2,
+                       [&](const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+                         ucx::AmMessage m;
+                         m.header = std::string(8, '\0');
+                         m.flags = UCP_AM_SEND_FLAG_EAGER;
+                         ucx::SendAm(rr, accepted, 3, std::move(m), nullptr);
+                         return UCS_OK;
+                       }),
+      "raw stream: handler");
+  Die(sr->SetAmHandler(3,
+                       [&](const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+                         answered.Notify();
+                         return UCS_OK;
+                       }),
+      "raw stream: handler");
   rr->Start();
   sr->Start();
   ucp_ep_h ep = nullptr;
@@ -303,8 +320,13 @@ Timing RawStream(const TlsSet& t, const Kv& kv, size_t message_bytes) {
                                     &ignore_errors);
     Die(e.status(), "raw stream: connect");
     ep = *e;
+    ucx::AmMessage hello;
+    hello.header = std::string(8, '\0');
+    hello.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucx::SendAm(sr, ep, 2, std::move(hello), nullptr);
   }),
       "raw stream: connect");
+  answered.WaitForNotification();
   absl::Mutex mu;
   int inflight = 0;  // at most kSlots, as a push's session limit
   const double cpu0 = ProcessCpuSeconds();

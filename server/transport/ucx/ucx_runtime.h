@@ -183,7 +183,10 @@ bool IsWildcardHost(absl::string_view host);
     UcxRuntime* rt, ucp_conn_request_h request, bool peer_error_handling,
     std::function<void(ucs_status_t)>* on_error);
 // Connects an endpoint to a UcxListener at `host` (IP literal or name) and `port`; error
-// handling as AcceptConnection. InvalidArgument when `host` does not resolve.
+// handling as AcceptConnection. InvalidArgument when `host` does not resolve. Post rendezvous
+// sends only once a first message has been answered over it: the connection starts on
+// temporary lanes, and UCX 1.13 aborts ("packed_rkey_size <= ...rndv.rkey_size" in
+// ucp_rndv_rts_pack) when rendezvous sends queued meanwhile are replayed on the final ones.
 [[nodiscard]] absl::StatusOr<ucp_ep_h> ConnectToListener(
     UcxRuntime* rt, const std::string& host, uint16_t port, bool peer_error_handling,
     std::function<void(ucs_status_t)>* on_error);
