@@ -59,7 +59,18 @@ ABSL_FLAG(std::string, ucx_tls, "",
           "UCX transports of the daemon's worker (UCX_TLS syntax, e.g. posix,sysv,cma or tcp); "
           "'' = the UCX_TLS environment variable or UCX's default");
 ABSL_FLAG(std::string, ucx_net_devices, "",
-          "UCX network devices (UCX_NET_DEVICES syntax, e.g. lo); '' = environment/default");
+          "UCX network devices (UCX_NET_DEVICES syntax, e.g. lo); '' = environment/default. "
+          "Must include the device of --ucx_listen's address (UCX's connection manager runs on "
+          "it)");
+ABSL_FLAG(std::string, ucx_listen, "",
+          "Address of the UCX listener that clients connect their data-plane endpoints to "
+          "(host:port, port 0 picks a free one; Negotiate tells clients the bound address); "
+          "'' = the host of --listen with port 0. Serve it only where --listen is served: "
+          "UCX 1.13 aborts the process on malformed bytes sent to this port "
+          "(server/transport/README.md, Security)");
+ABSL_FLAG(int32_t, transport_hello_timeout_ms, 10000,
+          "A UCX connection must send its HELLO (session id and secret) within this long, and a "
+          "negotiated UCX session must be connected within it; else it is closed");
 ABSL_FLAG(uint64_t, transport_staging_bytes, uint64_t{64} << 20,
           "Registered staging memory for UCX pushes, shared by all sessions");
 ABSL_FLAG(uint64_t, transport_message_bytes, uint64_t{4} << 20,
@@ -70,6 +81,27 @@ ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
           "UCX keepalive interval: how fast a vanished peer is noticed");
 
 namespace kvpool::server {
+
+absl::StatusOr<HostPort> ParseHostPort(absl::string_view address) {
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("'", address, "' is not host:port"));
+  }
+  absl::string_view host = address.substr(0, colon);
+  const absl::string_view port = address.substr(colon + 1);
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
+    host = host.substr(1, host.size() - 2);
+  } else if (host.find(':') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "': write an IPv6 host in brackets, [host]:port"));
+  }
+  uint32_t number = 0;
+  if (port.empty() || !absl::SimpleAtoi(port, &number) || number > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "': the port must be a number in [0, 65535]"));
+  }
+  return HostPort{std::string(host), static_cast<uint16_t>(number)};
+}
 
 absl::Status ServerConfig::Validate() const {
   if (listen.empty() || listen.find(':') == std::string::npos) {
@@ -107,9 +139,16 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "--transport_message_bytes must be >= 4096 and at most --transport_staging_bytes");
   }
-  if (transport_idle_timeout_ms < 1 || transport_keepalive_ms < 1) {
+  if (transport_idle_timeout_ms < 1 || transport_keepalive_ms < 1 ||
+      transport_hello_timeout_ms < 1) {
     return absl::InvalidArgumentError(
-        "--transport_idle_timeout_ms and --transport_keepalive_ms must be >= 1");
+        "--transport_idle_timeout_ms, --transport_keepalive_ms and --transport_hello_timeout_ms "
+        "must be >= 1");
+  }
+  if (!ucx_listen.empty()) {
+    if (absl::StatusOr<HostPort> a = ParseHostPort(ucx_listen); !a.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--ucx_listen: ", a.status().message()));
+    }
   }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error"};
   bool level_ok = false;
@@ -243,6 +282,8 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.transports = absl::GetFlag(FLAGS_transports);
   c.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);
   c.ucx_net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
+  c.ucx_listen = absl::GetFlag(FLAGS_ucx_listen);
+  c.transport_hello_timeout_ms = absl::GetFlag(FLAGS_transport_hello_timeout_ms);
   c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);

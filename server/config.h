@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace kvpool::server {
 
@@ -53,14 +54,23 @@ struct ServerConfig {
   std::string transports = "ucx";
   std::string ucx_tls;
   std::string ucx_net_devices;
+  std::string ucx_listen;  // host:port of the UCX listener; "" = --listen's host, port 0
   size_t transport_staging_bytes = 64u << 20;
   size_t transport_message_bytes = 4u << 20;
   int transport_idle_timeout_ms = 30000;
   int transport_keepalive_ms = 1000;
+  int transport_hello_timeout_ms = 10000;
 
   // InvalidArgument naming the first bad setting.
   absl::Status Validate() const;
 };
+
+struct HostPort {
+  std::string host;  // without brackets; "" = every address
+  uint16_t port = 0;
+};
+// "host:port" or "[IPv6 host]:port" (port 0..65535); InvalidArgument when malformed.
+[[nodiscard]] absl::StatusOr<HostPort> ParseHostPort(absl::string_view address);
 
 // Applies `--config=FILE` (if present in argv) and then the command line to the flags.
 // InvalidArgument for an unreadable or malformed file, an unknown key, or a bad value.

@@ -7,6 +7,7 @@
 ABSL_DECLARE_FLAG(uint64_t, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, listen);
 ABSL_DECLARE_FLAG(int32_t, worker_threads);
+ABSL_DECLARE_FLAG(std::string, ucx_listen);
 
 namespace kvpool::server {
 namespace {
@@ -43,6 +44,30 @@ TEST(ConfigTest, ConfigTextSetsFlagsAndRejectsMistakes) {
   EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
   absl::SetFlag(&FLAGS_listen, "127.0.0.1:50051");
   absl::SetFlag(&FLAGS_worker_threads, 0);
+}
+
+TEST(ConfigTest, HostPortSplitsAndRejectsMalformedAddresses) {
+  auto a = ParseHostPort("127.0.0.1:0");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->host, "127.0.0.1");
+  EXPECT_EQ(a->port, 0);
+  a = ParseHostPort("[::1]:65535");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->host, "::1");
+  EXPECT_EQ(a->port, 65535);
+  a = ParseHostPort(":7000");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->host, "");
+  for (const char* bad : {"", "host", "host:", "host:port", "host:65536", "host:-1", "::1:80"}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(ParseHostPort(bad).status())) << bad;
+  }
+  absl::SetFlag(&FLAGS_ucx_listen, "127.0.0.1:99999");
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  absl::SetFlag(&FLAGS_ucx_listen, "10.0.0.1:7000");
+  auto c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->ucx_listen, "10.0.0.1:7000");
+  absl::SetFlag(&FLAGS_ucx_listen, "");
 }
 
 TEST(ConfigTest, AutoPoolIsAFractionCappedAndAligned) {

@@ -99,6 +99,7 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
     t->set_timeouts(t->timeouts() + ts.timeouts);
     t->set_bytes_received(t->bytes_received() + ts.bytes_received);
     t->set_attention_calls(t->attention_calls() + ts.attention_calls);
+    t->set_connections_refused(t->connections_refused() + ts.connections_refused);
   }
 
   if (request->include_sequences()) {

@@ -61,8 +61,13 @@ absl::Status UcxChannel::Init(std::shared_ptr<grpc::Channel> grpc_channel,
   if (!rt.ok()) return absl::UnavailableError(absl::StrCat("UCX: ", rt.status().message()));
   rt_ = *std::move(rt);
   absl::Status s = rt_->SetAmHandler(
-      wire::kLayerDone, [this](const void* h, size_t hl, void*, size_t,
-                               const ucp_am_recv_param_t*) { return OnLayerDone(h, hl); });
+      wire::kHelloDone, [this](const void* h, size_t hl, void*, size_t,
+                               const ucp_am_recv_param_t*) { return OnHelloDone(h, hl); });
+  if (s.ok()) {
+    s = rt_->SetAmHandler(wire::kLayerDone,
+                          [this](const void* h, size_t hl, void*, size_t,
+                                 const ucp_am_recv_param_t*) { return OnLayerDone(h, hl); });
+  }
   if (s.ok()) {
     s = rt_->SetAmHandler(wire::kPushDone,
                           [this](const void* h, size_t hl, void* d, size_t l,
@@ -84,7 +89,7 @@ absl::Status UcxChannel::Init(std::shared_ptr<grpc::Channel> grpc_channel,
   req.set_client_name(options.client_name);
   v1::TransportOffer* ucx_offer = req.add_offers();
   ucx_offer->set_kind(v1::TRANSPORT_KIND_UCX);
-  ucx_offer->set_ucx_worker_address(rt_->address());
+  ucx_offer->set_wire_version(wire::kWireVersion);
   ucx_offer->set_ucx_transports(rt_->transports());
   const ucx::ProcessIdentity self = ucx::SelfProcess();
   ucx_offer->set_pid(self.pid);
@@ -112,24 +117,50 @@ absl::Status UcxChannel::Init(std::shared_ptr<grpc::Channel> grpc_channel,
   if (session_.max_message_bytes() < 1) {
     return absl::FailedPreconditionError("kvpoold offered a UCX session without message room");
   }
+  if (session_.listener_host().empty() || session_.listener_port() < 1 ||
+      session_.listener_port() > 65535 ||
+      session_.session_secret().size() != sizeof(wire::HelloHeader::secret)) {
+    return absl::FailedPreconditionError(
+        "kvpoold offered a UCX session without a listener address or secret");
+  }
   // A chunk is two messages (K and V) and must be able to fly.
   max_inflight_ = std::max<uint32_t>(2, session_.max_inflight_messages());
-  on_error_ = [this](ucs_status_t st) { OnPeerError(st); };
-  peer_error_handling_ = !ucx::SharedMemoryOnly(rt_->transports());
+  on_error_ = [this](ucs_status_t st) {
+    ep_failed_ = true;
+    OnPeerError(st);
+  };
+  peer_error_handling_ = session_.peer_error_handling();  // both ends use the same mode
   absl::StatusOr<ucp_ep_h> ep = absl::InternalError("not run");
   if (absl::Status run = rt_->RunSync([&] {
         daemon_ = ucx::ProcessIdentity{session_.boot_id(), session_.daemon_pid(),
                                        session_.daemon_start_time()};
         watch_daemon_ = ucx::CanWatch(daemon_);
-        ep = ucx::ConnectEndpoint(rt_.get(), session_.worker_address(), peer_error_handling_,
-                                  &on_error_);
+        ep = ucx::ConnectToListener(rt_.get(), session_.listener_host(),
+                                    static_cast<uint16_t>(session_.listener_port()),
+                                    peer_error_handling_, &on_error_);
         if (ep.ok()) ep_ = *ep;
       });
       !run.ok()) {
     return run;
   }
   if (!ep.ok()) return absl::UnavailableError(absl::StrCat("UCX connect: ", ep.status().message()));
-  return absl::OkStatus();
+
+  // Bind the connection to the session, and wait for the daemon to confirm it (also before any
+  // rendezvous: see ConnectToListener).
+  wire::HelloHeader hello{};
+  hello.session_id = session_.session_id();
+  std::memcpy(hello.secret, session_.session_secret().data(), sizeof(hello.secret));
+  hello.wire_version = wire::kWireVersion;
+  absl::Status sent =
+      Send(wire::kHello, Message(wire::Encode(hello), {}, UCP_AM_SEND_FLAG_EAGER), nullptr);
+  if (!sent.ok()) return sent;
+  absl::MutexLock lock(&mu_);
+  auto answered = [this]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return connected_ || !health_.ok(); };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&answered), options.deadline)) {
+    return absl::DeadlineExceededError("kvpoold did not accept the UCX connection in time");
+  }
+  return health_;
 }
 
 UcxChannel::~UcxChannel() {
@@ -143,7 +174,8 @@ UcxChannel::~UcxChannel() {
     (void)stub_->CloseSession(&context, req, &resp);  // best effort: the daemon also notices
   }
   (void)rt_->RunSync([this] {
-    ucx::CloseEndpoint(rt_.get(), ep_, /*force=*/!health().ok() && peer_error_handling_);
+    ucx::CloseEndpoint(rt_.get(), ep_,
+                       /*force=*/ep_failed_ || (!health().ok() && peer_error_handling_));
     ep_ = nullptr;
   });
   rt_->Stop(absl::Milliseconds(100));
@@ -176,13 +208,14 @@ void UcxChannel::OnPeerError(ucs_status_t status) {
     FailAll(health_);
   }
   rt_->Post([this] {
-    ucx::CloseEndpoint(rt_.get(), ep_, /*force=*/peer_error_handling_);
+    ucx::CloseEndpoint(rt_.get(), ep_, /*force=*/ep_failed_ || peer_error_handling_);
     ep_ = nullptr;
   });
 }
 
 absl::Status UcxChannel::Send(uint16_t id, ucx::AmMessage msg,
                               std::function<void(absl::Status)> done) {
+  msg.flags |= UCP_AM_SEND_FLAG_REPLY;
   const bool posted = rt_->Post([this, id, msg = std::move(msg), done]() mutable {
     if (ep_ == nullptr) {
       if (done) done(absl::UnavailableError("UCX endpoint closed"));
@@ -192,6 +225,15 @@ absl::Status UcxChannel::Send(uint16_t id, ucx::AmMessage msg,
   });
   if (!posted) return absl::UnavailableError("UCX channel stopped");
   return absl::OkStatus();
+}
+
+ucs_status_t UcxChannel::OnHelloDone(const void* header, size_t header_length) {
+  const std::optional<wire::HelloDoneHeader> h =
+      wire::Decode<wire::HelloDoneHeader>(header, header_length);
+  if (!h || h->session_id != session_.session_id()) return UCS_OK;
+  absl::MutexLock lock(&mu_);
+  connected_ = true;
+  return UCS_OK;
 }
 
 ucs_status_t UcxChannel::OnLayerDone(const void* header, size_t header_length) {

@@ -2,8 +2,10 @@
 // prefill workers and remote attention from decode workers without gRPC on the hot path.
 //
 // Connect negotiates over gRPC (TransportService.Negotiate, offering UCX then grpc_inline); when
-// the daemon picks UCX the channel connects a ucp endpoint to the daemon's worker and keeps it
-// (one channel per worker process or thread group; it is thread-safe). When the daemon answers
+// the daemon picks UCX the channel connects a ucp endpoint to the daemon's UCX listener (UCX's
+// client-server path, by socket address), binds it to the negotiated session with HELLO (the
+// session id and the secret from Negotiate) and keeps it (one channel per worker process or
+// thread group; it is thread-safe). When the daemon answers
 // grpc_inline, Connect fails with FailedPrecondition: the caller then uses the inline RPCs
 // (SequenceService.AppendKv, AttentionService.Attend), which always work.
 //
@@ -182,26 +184,30 @@ class UcxChannel {
   absl::Status Init(std::shared_ptr<grpc::Channel> grpc_channel, const UcxChannelOptions& options);
   // Progress thread.
   void OnPeerError(ucs_status_t status);
+  ucs_status_t OnHelloDone(const void* header, size_t header_length);
   ucs_status_t OnLayerDone(const void* header, size_t header_length);
   ucs_status_t OnPushDone(const void* header, size_t header_length, void* data, size_t length);
   ucs_status_t OnAttendDone(const void* header, size_t header_length, void* data, size_t length,
                             const ucp_am_recv_param_t* param);
   void FailAll(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Posts a send to the progress thread; `done` (may be null) gets the completion.
+  // Posts a send to the progress thread; `done` (may be null) gets the completion. Every message
+  // names its connection (UCP_AM_SEND_FLAG_REPLY), which is how the daemon attributes it.
   absl::Status Send(uint16_t id, ucx::AmMessage msg, std::function<void(absl::Status)> done);
 
   UcxChannelOptions options_;
   std::unique_ptr<::kvpool::v1::TransportService::Stub> stub_;
   ::kvpool::v1::UcxSession session_;
   std::unique_ptr<ucx::UcxRuntime> rt_;
-  ucp_ep_h ep_ = nullptr;  // progress thread
+  ucp_ep_h ep_ = nullptr;   // progress thread
+  bool ep_failed_ = false;  // progress thread: UCX reported its error (close it forcefully)
   std::function<void(ucs_status_t)> on_error_;
-  bool peer_error_handling_ = true;  // else the daemon's process is watched (same host)
+  bool peer_error_handling_ = true;  // as the daemon's endpoint; else its process is watched
   ucx::ProcessIdentity daemon_;      // progress thread, set before it reads them
   bool watch_daemon_ = false;
 
   mutable absl::Mutex mu_;
   absl::Status health_ ABSL_GUARDED_BY(mu_);
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;  // HELLO_DONE received
   // LAYER_DATA messages of every push in flight, at most max_inflight_ (the session's limit).
   uint32_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t max_inflight_ = 2;

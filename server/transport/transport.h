@@ -65,7 +65,7 @@ struct PeerProcess {
 // A client's offer of one transport (kvpool.v1.TransportOffer).
 struct TransportOffer {
   TransportKind kind = TransportKind::kGrpcInline;
-  std::string peer_address;  // UCX: the client's worker address
+  uint32_t wire_version = 0;  // UCX: the client's wire format version
   std::string peer_transports;
   std::string client_name;
   PeerProcess peer_process;
@@ -75,7 +75,11 @@ struct TransportOffer {
 struct TransportSession {
   TransportKind kind = TransportKind::kGrpcInline;
   uint64_t session_id = 0;
-  std::string local_address;  // the daemon's worker address
+  // UCX: the listener to connect to (IP literal; a wildcard when it serves every address) and
+  // the secret that binds a connection to this session.
+  std::string listener_host;
+  uint16_t listener_port = 0;
+  std::string secret;
   uint32_t wire_version = 0;
   size_t max_message_bytes = 0;
   uint32_t max_inflight_messages = 0;
@@ -99,7 +103,8 @@ struct TransportStats {
   uint64_t timeouts = 0;
   uint64_t bytes_received = 0;
   uint64_t attention_calls = 0;
-  std::string transports;  // UCX: the transports in use
+  uint64_t connections_refused = 0;  // UCX: connections refused before joining a session
+  std::string transports;            // UCX: the transports in use
 };
 
 // Memory registered with a transport; deregistered when destroyed.
@@ -119,8 +124,9 @@ class Transport {
   absl::string_view name() const { return TransportKindName(capabilities().kind); }
 
   // --- Operations every transport implements ---
-  // Connects to the client of `offer` (of this transport's kind) and returns what the client
-  // needs. InvalidArgument (malformed offer, unreachable peer), ResourceExhausted (sessions).
+  // Opens a session for the client of `offer` (of this transport's kind), bound to `tenant`,
+  // and returns what the client needs to reach it. InvalidArgument (malformed or unacceptable
+  // offer), ResourceExhausted (sessions).
   [[nodiscard]] virtual absl::StatusOr<TransportSession> Accept(const TenantId& tenant,
                                                                 const TransportOffer& offer) = 0;
   // Ends a session: rolls back its uncommitted pushes and releases what it holds; returns the

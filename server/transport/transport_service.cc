@@ -1,9 +1,35 @@
 #include "server/transport/transport_service.h"
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/transport/transport.h"
+#include "server/transport/ucx/ucx_runtime.h"
 
 namespace kvpool::server {
+
+namespace {
+
+// The host of a request's :authority ("host:port", "[v6]:port" or "host"); "" when it is
+// implausible (too long, or not a host name or address).
+std::string AuthorityHost(grpc::string_ref authority) {
+  absl::string_view a(authority.data(), authority.size());
+  if (a.size() > 255) return "";
+  absl::string_view host = a;
+  if (absl::StartsWith(a, "[")) {
+    const size_t close = a.find(']');
+    if (close == absl::string_view::npos) return "";
+    host = a.substr(1, close - 1);
+  } else if (a.find(':') == a.rfind(':') && a.find(':') != absl::string_view::npos) {
+    host = a.substr(0, a.find(':'));
+  }
+  for (char c : host) {
+    if (!absl::ascii_isalnum(c) && c != '.' && c != '-' && c != ':' && c != '_') return "";
+  }
+  return std::string(host);
+}
+
+}  // namespace
 
 grpc::ServerUnaryReactor* TransportServiceImpl::Negotiate(grpc::CallbackServerContext* context,
                                                           const v1::NegotiateRequest* request,
@@ -18,7 +44,7 @@ grpc::ServerUnaryReactor* TransportServiceImpl::Negotiate(grpc::CallbackServerCo
         if (static_cast<int>(t->capabilities().kind) != static_cast<int>(o.kind())) continue;
         TransportOffer offer;
         offer.kind = t->capabilities().kind;
-        offer.peer_address = o.ucx_worker_address();
+        offer.wire_version = o.wire_version();
         offer.peer_transports = o.ucx_transports();
         offer.client_name = request->client_name();
         offer.peer_process = PeerProcess{o.boot_id(), o.pid(), o.process_start_time()};
@@ -28,7 +54,12 @@ grpc::ServerUnaryReactor* TransportServiceImpl::Negotiate(grpc::CallbackServerCo
         if (s->kind == TransportKind::kUcx) {
           v1::UcxSession* u = response->mutable_ucx();
           u->set_session_id(s->session_id);
-          u->set_worker_address(s->local_address);
+          // A listener on every address is reached the way the client reached this service.
+          u->set_listener_host(ucx::IsWildcardHost(s->listener_host)
+                                   ? AuthorityHost(context->ExperimentalGetAuthority())
+                                   : s->listener_host);
+          u->set_listener_port(s->listener_port);
+          u->set_session_secret(s->secret);
           u->set_wire_version(s->wire_version);
           u->set_max_message_bytes(s->max_message_bytes);
           u->set_max_inflight_messages(s->max_inflight_messages);

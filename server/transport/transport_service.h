@@ -1,7 +1,7 @@
 // TransportServiceImpl: the kvpool.v1.TransportService gRPC service. Negotiate picks the first
 // offered transport the daemon hosts (grpc_inline when none matches) and returns what the
-// client needs (for UCX: session id, the daemon's worker address, limits); CloseSession ends a
-// UCX session.
+// client needs (for UCX: session id and secret, the listener's address, limits); CloseSession
+// ends a UCX session.
 //
 //   TransportServiceImpl transports(&service_context);   // uses service_context.transports
 //   builder.RegisterService(&transports);

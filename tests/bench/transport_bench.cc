@@ -282,17 +282,51 @@ Timing RawStream(const TlsSet& t, const Kv& kv, size_t message_bytes) {
                          return receive(w, /*in_handler=*/true);
                        }),
       "raw stream: handler");
+  // Connected as the daemon's clients are: the receiver's listener accepts the sender's
+  // client-server endpoint (same error handling mode on both ends).
+  const bool peer_errors = absl::GetFlag(FLAGS_raw_stream_peer_errors);
+  static std::function<void(ucs_status_t)> ignore_errors = [](ucs_status_t) {};
+  ucp_ep_h accepted = nullptr;  // receiver's progress thread
+  absl::Notification connected;
+  auto listener = ucx::UcxListener::Create(rr, "127.0.0.1", 0, [&](ucp_conn_request_h request) {
+    auto e = ucx::AcceptConnection(rr, request, peer_errors, &ignore_errors);
+    Die(e.status(), "raw stream: accept");
+    accepted = *e;
+    connected.Notify();
+  });
+  Die(listener.status(), "raw stream: listener");
+  // A first message and its answer before the stream, as a client's HELLO and HELLO_DONE.
+  absl::Notification answered;
+  Die(rr->SetAmHandler(2,
+                       [&](const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+                         ucx::AmMessage m;
+                         m.header = std::string(8, '\0');
+                         m.flags = UCP_AM_SEND_FLAG_EAGER;
+                         ucx::SendAm(rr, accepted, 3, std::move(m), nullptr);
+                         return UCS_OK;
+                       }),
+      "raw stream: handler");
+  Die(sr->SetAmHandler(3,
+                       [&](const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+                         answered.Notify();
+                         return UCS_OK;
+                       }),
+      "raw stream: handler");
   rr->Start();
   sr->Start();
   ucp_ep_h ep = nullptr;
   Die(sr->RunSync([&] {
-    static std::function<void(ucs_status_t)> ignore_errors = [](ucs_status_t) {};
-    auto e = ucx::ConnectEndpoint(sr, rr->address(), absl::GetFlag(FLAGS_raw_stream_peer_errors),
-                                  &ignore_errors);
+    auto e = ucx::ConnectToListener(sr, (*listener)->host(), (*listener)->port(), peer_errors,
+                                    &ignore_errors);
     Die(e.status(), "raw stream: connect");
     ep = *e;
+    ucx::AmMessage hello;
+    hello.header = std::string(8, '\0');
+    hello.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucx::SendAm(sr, ep, 2, std::move(hello), nullptr);
   }),
       "raw stream: connect");
+  answered.WaitForNotification();
   absl::Mutex mu;
   int inflight = 0;  // at most kSlots, as a push's session limit
   const double cpu0 = ProcessCpuSeconds();
@@ -329,6 +363,12 @@ Timing RawStream(const TlsSet& t, const Kv& kv, size_t message_bytes) {
     mu.Await(absl::Condition(&idle));  // every send completed before the endpoint closes
   }
   Die(sr->RunSync([&] { ucx::CloseEndpoint(sr, ep, /*force=*/false); }), "raw stream: close");
+  connected.WaitForNotification();  // it was, since every message arrived
+  Die(rr->RunSync([&] {
+    ucx::CloseEndpoint(rr, accepted, /*force=*/false);
+    listener->reset();
+  }),
+      "raw stream: close");
   sr->Stop();
   rr->Stop();
   staging->reset();  // before its context

@@ -17,6 +17,7 @@
 #include "proto/kvpool/v1/gpu_attention_service.grpc.pb.h"
 #include "server/transport/gpu/attention_channel.h"
 #include "server/transport/gpu/attention_wire.h"
+#include "server/transport/gpu/join_admission.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
@@ -88,6 +89,7 @@ class GpuAttentionServiceImpl final : public v1::GpuAttentionService::CallbackSe
   }
 
   ServiceContext* ctx() const { return ctx_; }
+  PendingJoins& joins() { return joins_; }
 
   uint64_t Add(std::shared_ptr<AttentionChannel> ch) {
     const uint64_t id = next_channel_.fetch_add(1);
@@ -122,6 +124,7 @@ class GpuAttentionServiceImpl final : public v1::GpuAttentionService::CallbackSe
 
  private:
   ServiceContext* const ctx_;
+  PendingJoins joins_;
   std::atomic<uint64_t> next_channel_{1};
   absl::Mutex mu_;
   std::map<uint64_t, std::shared_ptr<AttentionChannel>> channels_ ABSL_GUARDED_BY(mu_);
@@ -141,12 +144,21 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenAttentionChann
                             const v1::OpenAttentionChannelRequest& request) {
     std::shared_ptr<OpenReactor> r(new OpenReactor(service));
     r->self_ = r;
-    const uint32_t timeout_ms = request.timeout_ms() == 0 ? 60000 : request.timeout_ms();
+    const absl::StatusOr<absl::Duration> timeout = JoinTimeout(request.timeout_ms());
+    if (!timeout.ok() || !service->joins().TryAcquire()) {
+      r->End(!timeout.ok()
+                 ? timeout.status()
+                 : absl::ResourceExhaustedError(absl::StrCat(
+                       kMaxPendingJoins, " attention channels are joining; retry later")));
+      r->Release();  // no join thread
+      return r.get();
+    }
     // Joining waits for the client's rank: off the gRPC thread.
-    std::thread([r, tenant = TenantOf(call), id = request.nccl_unique_id(), timeout_ms,
-                 name = request.client_name(), blocking = request.blocking_ops()] {
-      r->JoinAndAnswer(tenant, id, absl::Milliseconds(static_cast<int64_t>(timeout_ms)), name,
-                       blocking);
+    std::thread([r, service, tenant = TenantOf(call), id = request.nccl_unique_id(),
+                 timeout = *timeout, name = request.client_name(),
+                 blocking = request.blocking_ops()] {
+      r->JoinAndAnswer(tenant, id, timeout, name, blocking);
+      service->joins().Release();
     }).detach();
     return r.get();
   }

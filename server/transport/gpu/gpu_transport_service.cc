@@ -21,6 +21,7 @@
 #include "proto/kvpool/v1/gpu_transport_service.grpc.pb.h"
 #include "server/proto_convert.h"
 #include "server/transport/gpu/device_slots.h"
+#include "server/transport/gpu/join_admission.h"
 #include "server/transport/gpu/nccl_channel.h"
 #include "server/transport/layerwise_append.h"
 #include "spdlog/spdlog.h"
@@ -182,13 +183,22 @@ class GpuTransportServiceImpl final : public v1::GpuTransportService::CallbackSe
                                             const v1::OpenNcclChannelRequest* request,
                                             v1::OpenNcclChannelResponse* response) override {
     grpc::ServerUnaryReactor* reactor = call->DefaultReactor();
-    const uint32_t timeout_ms = request->timeout_ms() == 0 ? 60000 : request->timeout_ms();
+    const absl::StatusOr<absl::Duration> timeout = JoinTimeout(request->timeout_ms());
+    if (!timeout.ok()) {
+      reactor->Finish(ToGrpcStatus(timeout.status()));
+      return reactor;
+    }
+    if (!joins_.TryAcquire()) {
+      reactor->Finish(ToGrpcStatus(absl::ResourceExhaustedError(
+          absl::StrCat(kMaxPendingJoins, " NCCL channels are joining; retry later"))));
+      return reactor;
+    }
     // Joining waits for the client's rank: off the gRPC thread.
-    std::thread([this, reactor, id = request->nccl_unique_id(), timeout_ms, response,
+    std::thread([this, reactor, id = request->nccl_unique_id(), timeout = *timeout, response,
                  name = request->client_name(), blocking = request->blocking_ops()] {
       absl::StatusOr<std::unique_ptr<NcclChannel>> ch =
-          NcclChannel::Join(ctx_->backend->device(), id,
-                            absl::Milliseconds(static_cast<int64_t>(timeout_ms)), blocking);
+          NcclChannel::Join(ctx_->backend->device(), id, timeout, blocking);
+      joins_.Release();
       if (!ch.ok()) {
         reactor->Finish(ToGrpcStatus(ch.status()));
         return;
@@ -262,6 +272,7 @@ class GpuTransportServiceImpl final : public v1::GpuTransportService::CallbackSe
 
  private:
   ServiceContext* const ctx_;
+  PendingJoins joins_;
   IpcMappings ipc_;
   DeviceSlots ipc_slots_;
   cudaStream_t copy_stream_ = nullptr;

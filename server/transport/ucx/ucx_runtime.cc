@@ -1,8 +1,12 @@
 #include "server/transport/ucx/ucx_runtime.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -82,10 +86,21 @@ absl::StatusOr<std::unique_ptr<UcxRuntime>> UcxRuntime::Create(const UcxRuntimeO
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &raw_config);
   if (s != UCS_OK) return UcsStatus(s, "ucp_config_read");
   UcpConfig config(raw_config);
-  if (absl::Status st = SetConfig(config.get(), "TLS", options.tls); !st.ok()) return st;
+  const char* env_tls = std::getenv("UCX_TLS");
+  rt->transports_ = !options.tls.empty() ? options.tls : (env_tls != nullptr ? env_tls : "all");
+  if (absl::Status st = SetConfig(config.get(), "TLS", ClientServerTls(rt->transports_));
+      !st.ok()) {
+    return st;
+  }
   if (absl::Status st = SetConfig(config.get(), "NET_DEVICES", options.net_devices); !st.ok()) {
     return st;
   }
+  // Endpoint and request ids in UCX's wire headers (a REPLY-flagged active message, a
+  // rendezvous) are looked up in a map, not taken as pointers: by default UCX 1.13 uses raw
+  // pointers for endpoints without peer error handling (shared memory), and a message naming an
+  // endpoint closed meanwhile, or any id a hostile peer makes up, would be dereferenced (the
+  // process aborted on "Assertion `(*ep_p)->worker == worker'" in ucp_am_handler_reply).
+  if (absl::Status st = SetConfig(config.get(), "PROTO_INDIRECT_ID", "on"); !st.ok()) return st;
   const std::string keepalive = absl::StrCat(absl::ToInt64Milliseconds(options.keepalive), "ms");
   if (absl::Status st = SetConfig(config.get(), "KEEPALIVE_INTERVAL", keepalive); !st.ok()) {
     return st;
@@ -103,16 +118,6 @@ absl::StatusOr<std::unique_ptr<UcxRuntime>> UcxRuntime::Create(const UcxRuntimeO
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
   s = ucp_worker_create(rt->context_, &wp, &rt->worker_);
   if (s != UCS_OK) return UcsStatus(s, "ucp_worker_create");
-
-  ucp_address_t* address = nullptr;
-  size_t address_length = 0;
-  s = ucp_worker_get_address(rt->worker_, &address, &address_length);
-  if (s != UCS_OK) return UcsStatus(s, "ucp_worker_get_address");
-  rt->address_.assign(reinterpret_cast<const char*>(address), address_length);
-  ucp_worker_release_address(rt->worker_, address);
-
-  const char* env_tls = std::getenv("UCX_TLS");
-  rt->transports_ = !options.tls.empty() ? options.tls : (env_tls != nullptr ? env_tls : "all");
 
   s = ucp_worker_get_efd(rt->worker_, &rt->ucp_fd_);
   if (s != UCS_OK) return UcsStatus(s, "ucp_worker_get_efd");
@@ -316,19 +321,140 @@ void RecvCallback(void* request, ucs_status_t status, size_t /*length*/, void* u
 
 }  // namespace
 
-absl::StatusOr<ucp_ep_h> ConnectEndpoint(UcxRuntime* rt, absl::string_view address,
-                                         bool peer_error_handling,
-                                         std::function<void(ucs_status_t)>* on_error) {
+namespace {
+
+// `host`:`port` as socket addresses (numeric hosts are not looked up); `passive`: for binding
+// ("" = every address).
+absl::StatusOr<std::vector<sockaddr_storage>> Resolve(const std::string& host, uint16_t port,
+                                                      bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  const int rc =
+      getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &found);
+  if (rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot resolve '", host, "': ", gai_strerror(rc)));
+  }
+  std::vector<sockaddr_storage> out;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
+    sockaddr_storage ss{};
+    std::memcpy(&ss, a->ai_addr, a->ai_addrlen);
+    out.push_back(ss);
+  }
+  freeaddrinfo(found);
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("no address for '", host, "'"));
+  return out;
+}
+
+socklen_t SockaddrLength(const sockaddr_storage& ss) {
+  return ss.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+}
+
+void SetErrorHandling(ucp_ep_params_t* p, bool peer_error_handling,
+                      std::function<void(ucs_status_t)>* on_error) {
+  p->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p->err_mode = peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  p->err_handler.cb = &ErrorTrampoline;
+  p->err_handler.arg = on_error;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxListener>> UcxListener::Create(UcxRuntime* rt,
+                                                                 const std::string& host,
+                                                                 uint16_t port,
+                                                                 RequestHandler on_request) {
+  absl::StatusOr<std::vector<sockaddr_storage>> addresses = Resolve(host, port, /*passive=*/true);
+  if (!addresses.ok()) return addresses.status();
+  auto l = std::unique_ptr<UcxListener>(new UcxListener());
+  l->on_request_ = std::move(on_request);
+  sockaddr_storage& bind_to = addresses->front();
+  ucp_listener_params_t p{};
+  p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&bind_to);
+  p.sockaddr.addrlen = SockaddrLength(bind_to);
+  p.conn_handler.cb = &UcxListener::OnRequest;
+  p.conn_handler.arg = l.get();
+  ucs_status_t s = ucp_listener_create(rt->worker(), &p, &l->listener_);
+  if (s != UCS_OK) {
+    l->listener_ = nullptr;
+    return absl::UnavailableError(
+        absl::StrCat("UCX listener on '", host, "' port ", port, ": ", ucs_status_string(s)));
+  }
+  ucp_listener_attr_t attr{};
+  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  s = ucp_listener_query(l->listener_, &attr);
+  if (s != UCS_OK) return UcsStatus(s, "ucp_listener_query");
+  char text[INET6_ADDRSTRLEN] = {0};
+  if (attr.sockaddr.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&attr.sockaddr);
+    inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof(text));
+    l->port_ = ntohs(a->sin6_port);
+  } else {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&attr.sockaddr);
+    inet_ntop(AF_INET, &a->sin_addr, text, sizeof(text));
+    l->port_ = ntohs(a->sin_port);
+  }
+  l->host_ = text;
+  return l;
+}
+
+UcxListener::~UcxListener() {
+  if (listener_ != nullptr) ucp_listener_destroy(listener_);
+}
+
+void UcxListener::OnRequest(ucp_conn_request_h request, void* arg) {
+  auto* l = static_cast<UcxListener*>(arg);
+  if (l->on_request_) {
+    l->on_request_(request);
+  } else {
+    l->Reject(request);
+  }
+}
+
+void UcxListener::Reject(ucp_conn_request_h request) {
+  (void)ucp_listener_reject(listener_, request);  // fails only for a listener being destroyed
+}
+
+bool IsWildcardHost(absl::string_view host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
+}
+
+absl::StatusOr<ucp_ep_h> AcceptConnection(UcxRuntime* rt, ucp_conn_request_h request,
+                                          bool peer_error_handling,
+                                          std::function<void(ucs_status_t)>* on_error) {
   ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  p.err_mode = peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-  p.err_handler.cb = &ErrorTrampoline;
-  p.err_handler.arg = on_error;
+  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
+  p.conn_request = request;
+  SetErrorHandling(&p, peer_error_handling, on_error);
   ucp_ep_h ep = nullptr;
   ucs_status_t s = ucp_ep_create(rt->worker(), &p, &ep);
-  if (s != UCS_OK) return UcsStatus(s, "ucp_ep_create");
+  if (s != UCS_OK) return UcsStatus(s, "ucp_ep_create (connection request)");
+  return ep;
+}
+
+absl::StatusOr<ucp_ep_h> ConnectToListener(UcxRuntime* rt, const std::string& host, uint16_t port,
+                                           bool peer_error_handling,
+                                           std::function<void(ucs_status_t)>* on_error) {
+  if (port == 0) return absl::InvalidArgumentError("UCX listener port 0");
+  absl::StatusOr<std::vector<sockaddr_storage>> addresses = Resolve(host, port, /*passive=*/false);
+  if (!addresses.ok()) return addresses.status();
+  const sockaddr_storage& to = addresses->front();
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
+  p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&to);
+  p.sockaddr.addrlen = SockaddrLength(to);
+  SetErrorHandling(&p, peer_error_handling, on_error);
+  ucp_ep_h ep = nullptr;
+  ucs_status_t s = ucp_ep_create(rt->worker(), &p, &ep);
+  if (s != UCS_OK) return UcsStatus(s, "ucp_ep_create (client-server)");
   return ep;
 }
 
@@ -422,6 +548,11 @@ bool SharedMemoryOnly(absl::string_view tls) {
     }
   }
   return true;
+}
+
+std::string ClientServerTls(absl::string_view tls) {
+  if (!SharedMemoryOnly(tls)) return std::string(tls);
+  return absl::StrCat(tls, ",tcp");
 }
 
 namespace {

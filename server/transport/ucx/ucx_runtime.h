@@ -15,8 +15,13 @@
 //   rt->Start([] { /* timeouts */ });
 //   rt->Post([&] { SendAm(rt.get(), ep, kMyId, header, payload, [](absl::Status s) {}); });
 //
-// Thread-safety: Post, OnProgressThread, address() and transports() are thread-safe; the
-// helpers below (endpoints, sends, receives) must run on the progress thread.
+// Endpoints are made only by UCX's client-server path: the daemon runs a UcxListener on a TCP
+// address and accepts its connection requests (AcceptConnection), a client connects to that
+// address (ConnectToListener). No peer's packed worker address is ever handed to UCX: UCX 1.13
+// asserts (aborts the process) on a malformed one.
+//
+// Thread-safety: Post, OnProgressThread and transports() are thread-safe; the helpers below
+// (listener, endpoints, sends, receives) must run on the progress thread.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -76,8 +81,8 @@ class UcxRuntime {
 
   ucp_context_h context() const { return context_; }
   ucp_worker_h worker() const { return worker_; }
-  // The worker's address (bytes for ucp_ep_create), and the transports it was created with.
-  const std::string& address() const { return address_; }
+  // The transports it was configured with (options.tls, else UCX_TLS, else "all"). UCX itself
+  // runs with ClientServerTls of them.
   const std::string& transports() const { return transports_; }
 
   // Registers the handler of active-message `id`; before Start only. Every message is delivered
@@ -109,7 +114,6 @@ class UcxRuntime {
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
-  std::string address_;
   std::string transports_;
   UcxRuntimeOptions options_;
   int ucp_fd_ = -1;
@@ -131,13 +135,61 @@ class UcxRuntime {
 
 // --- Helpers: progress thread only ---
 
-// Connects an endpoint to `address`; with `peer_error_handling` (UCP_ERR_HANDLING_MODE_PEER)
-// `on_error` runs (on the progress thread) when the peer fails. UCX 1.13's shared-memory
-// transports cannot do peer error handling: see SharedMemoryOnly and CanWatch. The endpoint must
-// be closed with CloseEndpoint (forcefully only with peer error handling).
-[[nodiscard]] absl::StatusOr<ucp_ep_h> ConnectEndpoint(UcxRuntime* rt, absl::string_view address,
-                                                       bool peer_error_handling,
-                                                       std::function<void(ucs_status_t)>* on_error);
+// A ucp listener: UCX's client-server connection path (a TCP socket run by UCX's tcp connection
+// manager). Each connection request goes to `on_request` on the progress thread, which must
+// answer it with AcceptConnection or Reject. Created and destroyed on the progress thread (or
+// before Start).
+//
+// UCX 1.13.1 asserts (aborts the process) when a connection to this port sends bytes that do
+// not follow its connection manager's framing (uct_tcp_sockcm_ep_recv: a private-data header
+// announcing fewer bytes than arrive): see server/transport/README.md, "Security".
+class UcxListener {
+ public:
+  using RequestHandler = std::function<void(ucp_conn_request_h)>;
+  // Listens on `host` (an IP address or a name resolved here; "" = every address) and `port`
+  // (0 = a free one). Unavailable when the address cannot be bound, InvalidArgument when it
+  // does not resolve.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<UcxListener>> Create(
+      UcxRuntime* rt, const std::string& host, uint16_t port, RequestHandler on_request);
+  ~UcxListener();
+  UcxListener(const UcxListener&) = delete;
+  UcxListener& operator=(const UcxListener&) = delete;
+
+  // The bound address: an IP literal ("0.0.0.0" or "::" when listening on every address) and
+  // port.
+  const std::string& host() const { return host_; }
+  uint16_t port() const { return port_; }
+  // Refuses a request without creating an endpoint.
+  void Reject(ucp_conn_request_h request);
+
+ private:
+  UcxListener() = default;
+  static void OnRequest(ucp_conn_request_h request, void* arg);
+  ucp_listener_h listener_ = nullptr;
+  RequestHandler on_request_;
+  std::string host_;
+  uint16_t port_ = 0;
+};
+
+// Whether `host` is a wildcard address ("", "0.0.0.0", "::").
+bool IsWildcardHost(absl::string_view host);
+
+// Creates the endpoint that answers a listener's connection request. With
+// `peer_error_handling` (UCP_ERR_HANDLING_MODE_PEER) `on_error` runs (on the progress thread)
+// when the peer fails; UCX 1.13's shared-memory transports cannot do peer error handling: see
+// SharedMemoryOnly and CanWatch. Both ends of a connection must use the same mode. The endpoint
+// must be closed with CloseEndpoint (forcefully only with peer error handling).
+[[nodiscard]] absl::StatusOr<ucp_ep_h> AcceptConnection(
+    UcxRuntime* rt, ucp_conn_request_h request, bool peer_error_handling,
+    std::function<void(ucs_status_t)>* on_error);
+// Connects an endpoint to a UcxListener at `host` (IP literal or name) and `port`; error
+// handling as AcceptConnection. InvalidArgument when `host` does not resolve. Post rendezvous
+// sends only once a first message has been answered over it: the connection starts on
+// temporary lanes, and UCX 1.13 aborts ("packed_rkey_size <= ...rndv.rkey_size" in
+// ucp_rndv_rts_pack) when rendezvous sends queued meanwhile are replayed on the final ones.
+[[nodiscard]] absl::StatusOr<ucp_ep_h> ConnectToListener(
+    UcxRuntime* rt, const std::string& host, uint16_t port, bool peer_error_handling,
+    std::function<void(ucs_status_t)>* on_error);
 // Starts closing `ep` (forcefully when `force`, e.g. after a peer error); does not wait.
 void CloseEndpoint(UcxRuntime* rt, ucp_ep_h ep, bool force);
 
@@ -174,6 +226,14 @@ inline bool IsRendezvous(const ucp_am_recv_param_t* param) {
 // sm/shm, self): then endpoints cannot use peer error handling and the peer process is
 // watched instead.
 bool SharedMemoryOnly(absl::string_view tls);
+
+// The UCX_TLS list a runtime runs with for `tls` (its configured list): `tls` with tcp added
+// when it names only shared-memory transports. UCX 1.13's client-server connections go through
+// its tcp connection manager, which needs a tcp resource on the listener's network device (else
+// the client fails with "device lo is not enabled"); endpoints without peer error handling still
+// choose shared-memory lanes (posix/sysv for active messages, cma for rendezvous) between
+// processes of one host. Lists UCX expands itself ("all", "^..." exclusions) stay as they are.
+std::string ClientServerTls(absl::string_view tls);
 
 // A process on some host: enough to tell, on the same host, whether it is still alive.
 struct ProcessIdentity {

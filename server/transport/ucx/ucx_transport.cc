@@ -7,7 +7,9 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "server/transport/ucx/session_secret.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
@@ -40,16 +42,30 @@ struct UcxTransport::Push {
   bool finished = false;  // committing, committed or failed: PUSH_DONE decided
 };
 
+// A connection accepted from the listener. Unbound until its HELLO names a session and that
+// session's secret; then it is the session's only connection.
+struct UcxTransport::Connection {
+  ucp_ep_h ep = nullptr;
+  absl::Time accepted;
+  std::weak_ptr<Session> session;  // set when bound
+  bool failed = false;             // UCX reported its error: closed forcefully whatever the mode
+  bool closed = false;
+  absl::Time closed_at;
+  std::function<void(ucs_status_t)> on_error;  // UCX holds a pointer to it
+};
+
 struct UcxTransport::Session {
   uint64_t id = 0;
   TenantId tenant;
-  ucp_ep_h ep = nullptr;
-  bool peer_error_handling = true;  // else the client process is watched
-  bool watch = false;               // the client runs on this host: watch its process
+  std::string secret;  // binds a connection (HELLO)
+  absl::Time created;
+  std::shared_ptr<Connection> connection;  // null until HELLO
+  ucp_ep_h ep = nullptr;                   // the connection's endpoint once bound
+  bool peer_error_handling = true;         // else the client process is watched
+  bool watch = false;                      // the client runs on this host: watch its process
   ucx::ProcessIdentity peer;
   bool dead = false;
   absl::Time ended;
-  std::function<void(ucs_status_t)> on_error;  // UCX holds a pointer to it
   std::map<uint64_t, std::shared_ptr<Push>> pushes;
   uint32_t queued = 0;  // LAYER_DATA pending or receiving
   std::set<std::shared_ptr<Receive>> receiving;
@@ -90,6 +106,16 @@ ucx::AmMessage Message(std::string header, std::string payload = {}) {
   return m;
 }
 
+// A client-supplied string for the log: at most 64 characters, escaped.
+std::string Printable(absl::string_view s) { return absl::CEscape(s.substr(0, 64)); }
+
+// The endpoint a message came on: set when the sender used UCP_AM_SEND_FLAG_REPLY.
+ucp_ep_h SenderOf(const ucp_am_recv_param_t* param) {
+  return (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+}
+
+static_assert(sizeof(wire::HelloHeader::secret) == kSessionSecretBytes);
+
 }  // namespace
 
 UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config) {
@@ -98,6 +124,17 @@ UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config) {
   o.runtime.net_devices = config.ucx_net_devices;
   o.runtime.keepalive = absl::Milliseconds(config.transport_keepalive_ms);
   o.runtime.name = "kvpoold";
+  // --ucx_listen (validated by ServerConfig::Validate), else --listen's host and a free port.
+  absl::StatusOr<HostPort> at = ParseHostPort(config.ucx_listen);
+  if (config.ucx_listen.empty() || !at.ok()) {
+    at = ParseHostPort(config.listen);
+    if (at.ok()) at->port = 0;
+  }
+  if (at.ok()) {
+    o.listen_host = at->host;
+    o.listen_port = at->port;
+  }
+  o.hello_timeout = absl::Milliseconds(config.transport_hello_timeout_ms);
   o.staging_bytes = config.transport_staging_bytes;
   o.message_bytes = config.transport_message_bytes;
   o.idle_timeout = absl::Milliseconds(config.transport_idle_timeout_ms);
@@ -142,17 +179,29 @@ absl::Status UcxTransport::Init() {
   if (s.ok()) s = rt_->SetAmHandler(wire::kAttend, handler(&UcxTransport::OnAttend));
   if (s.ok()) {
     s = rt_->SetAmHandler(wire::kPushCommit, [this](const void* h, size_t hl, void*, size_t,
-                                                    const ucp_am_recv_param_t*) {
-      return OnPushControl(true, h, hl);
+                                                    const ucp_am_recv_param_t* p) {
+      return OnPushControl(true, h, hl, p);
     });
   }
   if (s.ok()) {
     s = rt_->SetAmHandler(wire::kPushAbort, [this](const void* h, size_t hl, void*, size_t,
-                                                   const ucp_am_recv_param_t*) {
-      return OnPushControl(false, h, hl);
+                                                   const ucp_am_recv_param_t* p) {
+      return OnPushControl(false, h, hl, p);
     });
   }
+  if (s.ok()) {
+    s = rt_->SetAmHandler(wire::kHello,
+                          [this](const void* h, size_t hl, void*, size_t l,
+                                 const ucp_am_recv_param_t* p) { return OnHello(h, hl, l, p); });
+  }
   if (!s.ok()) return s;
+  peer_error_handling_ = !ucx::SharedMemoryOnly(rt_->transports());
+  // Before Start: this thread owns the worker.
+  absl::StatusOr<std::unique_ptr<ucx::UcxListener>> listener = ucx::UcxListener::Create(
+      rt_.get(), options_.listen_host, options_.listen_port,
+      [this](ucp_conn_request_h request) { OnConnectionRequest(request); });
+  if (!listener.ok()) return listener.status();
+  listener_ = *std::move(listener);
   rt_->Start([this] { OnTick(); });
   return absl::OkStatus();
 }
@@ -177,11 +226,19 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
   if (offer.kind != TransportKind::kUcx) {
     return absl::InvalidArgumentError("the UCX transport got an offer of another kind");
   }
-  if (offer.peer_address.empty()) {
-    return absl::InvalidArgumentError("a UCX offer needs the client's ucx_worker_address");
+  if (offer.wire_version != wire::kWireVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("the UCX offer speaks wire version ",
+                                                   offer.wire_version, "; this kvpoold speaks ",
+                                                   wire::kWireVersion));
   }
+  absl::StatusOr<std::string> secret = NewSessionSecret();
+  if (!secret.ok()) return secret.status();
   absl::StatusOr<TransportSession> result = absl::InternalError("not run");
   absl::Status run = rt_->RunSync([&] {
+    if (listener_ == nullptr) {  // Shutdown ran first
+      result = absl::UnavailableError("kvpoold is shutting down");
+      return;
+    }
     if (sessions_.size() >= static_cast<size_t>(options_.max_sessions)) {
       result = absl::ResourceExhaustedError(
           absl::StrCat("too many UCX sessions (", options_.max_sessions, ")"));
@@ -191,40 +248,25 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
     static std::mt19937_64 rng{std::random_device{}()};
     session->id = (rng() & ~uint64_t{0xffff}) | (next_session_++ & 0xffff);
     session->tenant = tenant;
-    std::weak_ptr<Session> weak = session;
-    session->on_error = [this, weak](ucs_status_t status) {
-      std::shared_ptr<Session> s = weak.lock();
-      if (s == nullptr || s->dead) return;
-      ++peer_errors_;
-      spdlog::warn("ucx: session {:x}: peer failed ({}); rolling back its pushes", s->id,
-                   ucs_status_string(status));
-      rt_->Post([this, s, status] {
-        EndSession(s, ucx::UcsStatus(status, "UCX peer failed"), /*force=*/true);
-      });
-    };
+    session->secret = *secret;
+    session->created = absl::Now();
     session->peer = ucx::ProcessIdentity{offer.peer_process.boot_id, offer.peer_process.pid,
                                          offer.peer_process.start_time};
     session->watch = ucx::CanWatch(session->peer);
-    session->peer_error_handling = !ucx::SharedMemoryOnly(rt_->transports());
+    session->peer_error_handling = peer_error_handling_;
     if (!session->peer_error_handling && !session->watch) {
       result = absl::InvalidArgumentError(
           "shared-memory UCX needs a client on this host whose process the daemon can watch");
       return;
     }
-    absl::StatusOr<ucp_ep_h> ep = ucx::ConnectEndpoint(
-        rt_.get(), offer.peer_address, session->peer_error_handling, &session->on_error);
-    if (!ep.ok()) {
-      result = absl::InvalidArgumentError(
-          absl::StrCat("cannot connect to the client's UCX worker: ", ep.status().message()));
-      return;
-    }
-    session->ep = *ep;
     sessions_[session->id] = session;
     ++sessions_count_;
     TransportSession ts;
     ts.kind = TransportKind::kUcx;
     ts.session_id = session->id;
-    ts.local_address = rt_->address();
+    ts.listener_host = listener_->host();
+    ts.listener_port = listener_->port();
+    ts.secret = session->secret;
     ts.wire_version = wire::kWireVersion;
     ts.max_message_bytes = half_bytes_;
     ts.max_inflight_messages = max_inflight_;
@@ -236,7 +278,7 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
     ts.peer_error_handling = session->peer_error_handling;
     result = ts;
     spdlog::info("ucx: session {:x} for '{}' (client transports {})", session->id,
-                 offer.client_name, offer.peer_transports);
+                 Printable(offer.client_name), Printable(offer.peer_transports));
   });
   if (!run.ok()) return run;
   return result;
@@ -269,6 +311,7 @@ TransportStats UcxTransport::Stats() const {
   s.timeouts = timeouts_.load();
   s.bytes_received = bytes_received_.load();
   s.attention_calls = attention_calls_.load();
+  s.connections_refused = connections_refused_.load();
   s.transports = rt_ != nullptr ? rt_->transports() : "";
   return s;
 }
@@ -282,6 +325,10 @@ void UcxTransport::Shutdown() {
     for (auto& s : all) {
       EndSession(s, absl::UnavailableError("kvpoold is shutting down"), /*force=*/false);
     }
+    std::vector<std::shared_ptr<Connection>> unbound;
+    for (auto& [ep, c] : unbound_) unbound.push_back(c);
+    for (auto& c : unbound) CloseConnection(c, /*force=*/false);
+    listener_.reset();  // on the worker's thread
   });
   rt_->Stop(absl::Milliseconds(300));
 }
@@ -299,14 +346,134 @@ std::shared_ptr<UcxTransport::Session> UcxTransport::FindSession(uint64_t id) {
   return it->second;
 }
 
+// --- Connections ---
+
+void UcxTransport::OnConnectionRequest(ucp_conn_request_h request) {
+  if (shut_down_.load() ||
+      unbound_.size() >= static_cast<size_t>(options_.max_unbound_connections)) {
+    ++connections_refused_;
+    spdlog::warn("ucx: connection rejected: {} connections are waiting for their HELLO",
+                 unbound_.size());
+    listener_->Reject(request);
+    return;
+  }
+  auto c = std::make_shared<Connection>();
+  c->accepted = absl::Now();
+  std::weak_ptr<Connection> weak = c;
+  c->on_error = [this, weak](ucs_status_t status) {
+    std::shared_ptr<Connection> conn = weak.lock();
+    if (conn == nullptr || conn->closed) return;
+    conn->failed = true;
+    std::shared_ptr<Session> s = conn->session.lock();
+    if (s == nullptr) {  // gone before its HELLO
+      rt_->Post([this, conn] { CloseConnection(conn, /*force=*/true); });
+      return;
+    }
+    if (s->dead) return;
+    ++peer_errors_;
+    spdlog::warn("ucx: session {:x}: peer failed ({}); rolling back its pushes", s->id,
+                 ucs_status_string(status));
+    rt_->Post([this, s, status] {
+      EndSession(s, ucx::UcsStatus(status, "UCX peer failed"), /*force=*/true);
+    });
+  };
+  absl::StatusOr<ucp_ep_h> ep =
+      ucx::AcceptConnection(rt_.get(), request, peer_error_handling_, &c->on_error);
+  if (!ep.ok()) {
+    ++connections_refused_;
+    spdlog::warn("ucx: cannot accept a connection: {}", ep.status().ToString());
+    c->closed = true;
+    c->closed_at = absl::Now();
+    retired_.push_back(c);
+    return;
+  }
+  c->ep = *ep;
+  unbound_[c->ep] = c;
+}
+
+ucs_status_t UcxTransport::OnHello(const void* header, size_t header_length, size_t length,
+                                   const ucp_am_recv_param_t* param) {
+  auto it = unbound_.find(SenderOf(param));
+  if (it == unbound_.end()) return UCS_OK;  // a bound connection's second HELLO: ignored
+  std::shared_ptr<Connection> c = it->second;
+  // Refused once the handler has returned (the connection is delivering this message).
+  auto refuse = [this, &c](std::string why) {
+    rt_->Post([this, c, why = std::move(why)] { Refuse(c, why); });
+    return UCS_OK;
+  };
+  const std::optional<wire::HelloHeader> h = wire::Decode<wire::HelloHeader>(header, header_length);
+  if (!h || length != 0 || ucx::IsRendezvous(param)) return refuse("malformed HELLO");
+  if (h->wire_version != wire::kWireVersion) {
+    return refuse(absl::StrCat("HELLO of wire version ", h->wire_version));
+  }
+  auto s = sessions_.find(h->session_id);
+  const std::shared_ptr<Session> session = s == sessions_.end() ? nullptr : s->second;
+  const absl::string_view secret(reinterpret_cast<const char*>(h->secret), sizeof(h->secret));
+  // One answer for an unknown session and a wrong secret: a refusal tells nothing about which.
+  if (session == nullptr || session->dead || !SecretsEqual(secret, session->secret)) {
+    return refuse(
+        absl::StrCat("HELLO for session ", absl::Hex(h->session_id), " without its secret"));
+  }
+  if (session->connection != nullptr) {
+    return refuse(absl::StrCat("HELLO for session ", absl::Hex(h->session_id),
+                               ", which is connected already"));
+  }
+  unbound_.erase(it);
+  c->session = session;
+  session->connection = c;
+  session->ep = c->ep;
+  wire::HelloDoneHeader d{session->id};
+  ucx::AmMessage msg = Message(wire::Encode(d));
+  msg.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucx::SendAm(rt_.get(), session->ep, wire::kHelloDone, std::move(msg), nullptr);
+  spdlog::info("ucx: session {:x} connected", session->id);
+  return UCS_OK;
+}
+
+bool UcxTransport::FromUnboundConnection(const ucp_am_recv_param_t* param, const char* what) {
+  auto it = unbound_.find(SenderOf(param));
+  if (it == unbound_.end()) return false;
+  std::shared_ptr<Connection> c = it->second;
+  std::string why = absl::StrCat(what, " before HELLO");
+  rt_->Post([this, c, why = std::move(why)] { Refuse(c, why); });
+  return true;
+}
+
+std::shared_ptr<UcxTransport::Session> UcxTransport::SessionOf(uint64_t session_id,
+                                                               const ucp_am_recv_param_t* param) {
+  std::shared_ptr<Session> session = FindSession(session_id);
+  const ucp_ep_h from = SenderOf(param);
+  if (session == nullptr || from == nullptr || session->ep != from) return nullptr;
+  return session;
+}
+
+void UcxTransport::CloseConnection(const std::shared_ptr<Connection>& c, bool force) {
+  if (c->closed) return;
+  c->closed = true;
+  c->closed_at = absl::Now();
+  unbound_.erase(c->ep);
+  // A failed endpoint is released at once (a graceful close would flush into the failure); a
+  // live one forcefully only with peer error handling on both ends (UCX's rule).
+  ucx::CloseEndpoint(rt_.get(), c->ep, c->failed || (force && peer_error_handling_));
+  retired_.push_back(c);
+}
+
+void UcxTransport::Refuse(const std::shared_ptr<Connection>& c, const std::string& why) {
+  if (c->closed) return;
+  ++connections_refused_;
+  spdlog::warn("ucx: connection refused: {}", why);
+  CloseConnection(c, /*force=*/true);
+}
+
 // --- Pushes ---
 
 ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length, void* data,
                                        size_t length, const ucp_am_recv_param_t* param) {
+  if (FromUnboundConnection(param, "PUSH_BEGIN")) return UCS_OK;
   const std::optional<wire::PushBeginHeader> h =
       wire::Decode<wire::PushBeginHeader>(header, header_length);
   if (!h) return UCS_OK;
-  std::shared_ptr<Session> session = FindSession(h->session_id);
+  std::shared_ptr<Session> session = SessionOf(h->session_id, param);
   if (session == nullptr) return UCS_OK;
   auto fail = [&](absl::Status s) {
     SendPushDone(session, h->push_id, s);
@@ -356,11 +523,12 @@ ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length,
 
 ucs_status_t UcxTransport::OnLayerData(const void* header, size_t header_length, void* data,
                                        size_t length, const ucp_am_recv_param_t* param) {
+  if (FromUnboundConnection(param, "LAYER_DATA")) return UCS_OK;
   const bool rndv = ucx::IsRendezvous(param);
   const std::optional<wire::LayerDataHeader> h =
       wire::Decode<wire::LayerDataHeader>(header, header_length);
   if (!h) return UCS_OK;
-  std::shared_ptr<Session> session = FindSession(h->session_id);
+  std::shared_ptr<Session> session = SessionOf(h->session_id, param);
   if (session == nullptr) return UCS_OK;
   auto it = session->pushes.find(h->push_id);
   if (it == session->pushes.end()) return UCS_OK;  // failed or unknown: the sender completes
@@ -621,11 +789,13 @@ void UcxTransport::SendPushDone(const std::shared_ptr<Session>& session, uint64_
   ucx::SendAm(rt_.get(), session->ep, wire::kPushDone, std::move(msg), nullptr);
 }
 
-ucs_status_t UcxTransport::OnPushControl(bool commit, const void* header, size_t header_length) {
+ucs_status_t UcxTransport::OnPushControl(bool commit, const void* header, size_t header_length,
+                                         const ucp_am_recv_param_t* param) {
+  if (FromUnboundConnection(param, commit ? "PUSH_COMMIT" : "PUSH_ABORT")) return UCS_OK;
   const std::optional<wire::PushControlHeader> h =
       wire::Decode<wire::PushControlHeader>(header, header_length);
   if (!h) return UCS_OK;
-  std::shared_ptr<Session> session = FindSession(h->session_id);
+  std::shared_ptr<Session> session = SessionOf(h->session_id, param);
   if (session == nullptr) return UCS_OK;
   auto it = session->pushes.find(h->push_id);
   if (it == session->pushes.end()) {
@@ -651,10 +821,11 @@ ucs_status_t UcxTransport::OnPushControl(bool commit, const void* header, size_t
 
 ucs_status_t UcxTransport::OnAttend(const void* header, size_t header_length, void* data,
                                     size_t length, const ucp_am_recv_param_t* param) {
+  if (FromUnboundConnection(param, "ATTEND")) return UCS_OK;
   const std::optional<wire::AttendHeader> h =
       wire::Decode<wire::AttendHeader>(header, header_length);
   if (!h) return UCS_OK;
-  std::shared_ptr<Session> session = FindSession(h->session_id);
+  std::shared_ptr<Session> session = SessionOf(h->session_id, param);
   if (session == nullptr) return UCS_OK;
   auto payload = std::make_shared<std::string>(length, '\0');
   const wire::AttendHeader hdr = *h;
@@ -804,7 +975,10 @@ void UcxTransport::EndSession(const std::shared_ptr<Session>& session, const abs
       ReleaseChunk(r->push, r->chunk);
     }
   }
-  ucx::CloseEndpoint(rt_.get(), session->ep, force && session->peer_error_handling);
+  if (session->connection != nullptr) {
+    if (peer_gone) session->connection->failed = true;  // nothing answers a graceful close
+    CloseConnection(session->connection, force);
+  }
   session->ep = nullptr;
   session->ended = absl::Now();
   if (sessions_.erase(session->id) > 0) --sessions_count_;
@@ -817,11 +991,26 @@ void UcxTransport::OnTick() {
   while (!ended_.empty() && now - ended_.front()->ended > absl::Seconds(60)) {
     ended_.erase(ended_.begin());
   }
+  while (!retired_.empty() && now - retired_.front()->closed_at > absl::Seconds(60)) {
+    retired_.pop_front();
+  }
+  std::vector<std::shared_ptr<Connection>> silent;
+  for (auto& [ep, c] : unbound_) {
+    if (now - c->accepted > options_.hello_timeout) silent.push_back(c);
+  }
+  const std::string hello_limit =
+      absl::StrCat(absl::ToInt64Milliseconds(options_.hello_timeout), " ms");
+  for (auto& c : silent) Refuse(c, "no HELLO within " + hello_limit);
   std::vector<std::pair<std::shared_ptr<Session>, std::shared_ptr<Push>>> idle;
   std::vector<std::shared_ptr<Session>> stuck, gone;
+  std::vector<std::shared_ptr<Session>> unconnected;
   for (auto& [sid, s] : sessions_) {
     if (s->watch && ucx::ProcessGone(s->peer)) {
       gone.push_back(s);
+      continue;
+    }
+    if (s->connection == nullptr) {
+      if (now - s->created > options_.hello_timeout) unconnected.push_back(s);
       continue;
     }
     for (auto& [pid, p] : s->pushes) {
@@ -850,6 +1039,11 @@ void UcxTransport::OnTick() {
                  s->peer.pid);
     EndSession(s, absl::UnavailableError(absl::StrCat("client process ", s->peer.pid, " exited")),
                /*force=*/true, /*peer_gone=*/true);
+  }
+  for (auto& s : unconnected) {
+    ++timeouts_;
+    EndSession(s, absl::DeadlineExceededError("no UCX connection within " + hello_limit),
+               /*force=*/false);
   }
   for (auto& s : stuck) {
     ++timeouts_;

@@ -12,6 +12,14 @@
 // transaction (LayerwiseAppend) and frees the slot; when a layer is complete the client gets
 // LAYER_DONE; PUSH_COMMIT commits atomically once every layer is stored and answers PUSH_DONE.
 //
+// Connections: the transport runs a UCX listener (UCX's client-server path, a TCP address).
+// Negotiate (Accept) opens a session for a tenant and answers the listener's address, the
+// session id and a secret; the client connects and sends HELLO with both. A connection is bound
+// to its session only by a valid HELLO (secret compared in constant time); one that sends
+// anything else first, a wrong secret or nothing within hello_timeout is closed and counted
+// (Stats().connections_refused); every later message must come on the session's own connection.
+// No peer's packed UCX address ever reaches UCX.
+//
 // Faults: an endpoint error (UCX peer error handling; keepalive notices a killed process within
 // about --transport_keepalive_ms) ends the session; a push with no progress for idle_timeout is
 // rolled back (DEADLINE_EXCEEDED). Either way the transaction is dropped, so no half-written
@@ -50,6 +58,14 @@ namespace kvpool::server {
 
 struct UcxTransportOptions {
   ucx::UcxRuntimeOptions runtime;
+  // Where the listener binds ("" = every address; port 0 = a free one).
+  std::string listen_host = "127.0.0.1";
+  uint16_t listen_port = 0;
+  // A connection must send HELLO within this long after it is accepted, and a session must be
+  // connected within this long after Negotiate.
+  absl::Duration hello_timeout = absl::Seconds(10);
+  // Connections accepted and waiting for their HELLO; more are rejected.
+  int max_unbound_connections = 64;
   // Registered staging memory, split into slots of two messages of message_bytes (the largest
   // LAYER_DATA: K or V of a chunk).
   size_t staging_bytes = size_t{64} << 20;
@@ -62,7 +78,7 @@ struct UcxTransportOptions {
   int max_pushes_per_session = 256;
 };
 
-// Options from the daemon's flags (--ucx_tls, --transport_*).
+// Options from the daemon's flags (--ucx_tls, --ucx_listen, --transport_*).
 UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config);
 
 class UcxTransport final : public Transport {
@@ -83,6 +99,7 @@ class UcxTransport final : public Transport {
  private:
   struct Push;
   struct Session;
+  struct Connection;
   struct Pending;
   struct Receive;
   struct Chunk;
@@ -91,11 +108,25 @@ class UcxTransport final : public Transport {
   absl::Status Init();
 
   // Progress thread only.
+  void OnConnectionRequest(ucp_conn_request_h request);
+  ucs_status_t OnHello(const void* header, size_t header_length, size_t length,
+                       const ucp_am_recv_param_t* param);
+  // Whether a message came on a connection that has not sent its HELLO: that connection is then
+  // refused (once the handler has returned) and the message is to be dropped.
+  bool FromUnboundConnection(const ucp_am_recv_param_t* param, const char* what);
+  // The session `session_id` when it is bound to the connection the message came on; null
+  // (drop the message) otherwise.
+  std::shared_ptr<Session> SessionOf(uint64_t session_id, const ucp_am_recv_param_t* param);
+  // Closes a connection: forcefully when UCX reported its failure, or when `force` and the
+  // endpoints have peer error handling. Refuse also counts it.
+  void CloseConnection(const std::shared_ptr<Connection>& c, bool force);
+  void Refuse(const std::shared_ptr<Connection>& c, const std::string& why);
   ucs_status_t OnPushBegin(const void* header, size_t header_length, void* data, size_t length,
                            const ucp_am_recv_param_t* param);
   ucs_status_t OnLayerData(const void* header, size_t header_length, void* data, size_t length,
                            const ucp_am_recv_param_t* param);
-  ucs_status_t OnPushControl(bool commit, const void* header, size_t header_length);
+  ucs_status_t OnPushControl(bool commit, const void* header, size_t header_length,
+                             const ucp_am_recv_param_t* param);
   ucs_status_t OnAttend(const void* header, size_t header_length, void* data, size_t length,
                         const ucp_am_recv_param_t* param);
   // The chunk `h` is a half of: the one its other half opened, else (when `may_open`) a new one
@@ -135,7 +166,14 @@ class UcxTransport final : public Transport {
 
   ServiceContext* const ctx_;
   const UcxTransportOptions options_;
+  // Connections: accepted and waiting for HELLO (by endpoint), and closed ones kept a while
+  // (UCX may still call their error handlers). Declared before the runtime, which is destroyed
+  // first. Progress thread only.
+  absl::flat_hash_map<ucp_ep_h, std::shared_ptr<Connection>> unbound_;
+  std::deque<std::shared_ptr<Connection>> retired_;
   std::unique_ptr<ucx::UcxRuntime> rt_;
+  std::unique_ptr<ucx::UcxListener> listener_;  // destroyed on the progress thread (Shutdown)
+  bool peer_error_handling_ = true;             // of every endpoint; else processes are watched
   std::unique_ptr<ucx::UcxMemory> staging_;
   size_t half_bytes_ = 0;  // one message (K or V of a chunk); a slot is two halves
   size_t slot_bytes_ = 0;
@@ -163,6 +201,7 @@ class UcxTransport final : public Transport {
   std::atomic<uint64_t> timeouts_{0};
   std::atomic<uint64_t> bytes_received_{0};
   std::atomic<uint64_t> attention_calls_{0};
+  std::atomic<uint64_t> connections_refused_{0};
 };
 
 }  // namespace kvpool::server

@@ -96,7 +96,9 @@ TEST_P(UcxTransportTest, NegotiatesUcxAndReportsIt) {
   auto ch = Connect();
   ASSERT_NE(ch, nullptr);
   EXPECT_NE(ch->session().session_id(), 0u);
-  EXPECT_FALSE(ch->session().worker_address().empty());
+  EXPECT_FALSE(ch->session().listener_host().empty());
+  EXPECT_NE(ch->session().listener_port(), 0u);
+  EXPECT_EQ(ch->session().session_secret().size(), 16u);
   EXPECT_GT(ch->session().max_inflight_messages(), 0u);
   auto stats = daemon_->Stats();
   ASSERT_TRUE(stats.ok());

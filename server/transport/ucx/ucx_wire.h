@@ -3,6 +3,16 @@
 // exactly one of the structs below (fixed size, little-endian, no padding surprises: every
 // field is naturally aligned). Payload layouts are documented per message.
 //
+// A connection (UCX client-server: the client connects to the daemon's listener) belongs to no
+// session until its first message, HELLO, names a negotiated session and carries its secret:
+//   kHello       HelloHeader, no payload, eager. The daemon answers kHelloDone on success; it
+//                closes (and counts as refused) a connection whose first message is anything
+//                else, whose HELLO names an unknown, already bound or ended session or a wrong
+//                secret, or that sends nothing within its hello timeout.
+//   kHelloDone   HelloDoneHeader (daemon -> client): the connection is bound to the session.
+// Every client -> daemon message is sent with UCP_AM_SEND_FLAG_REPLY, so that the daemon knows
+// the connection it came on; one that names a session other than its connection's is dropped.
+//
 // Client -> daemon:
 //   kPushBegin   PushBeginHeader; payload: sequence id bytes, then num_token_ids uint32 ids.
 //                Sent eager (UCP_AM_SEND_FLAG_EAGER) so it is handled before later messages.
@@ -37,7 +47,8 @@
 
 namespace kvpool::ucx::wire {
 
-inline constexpr uint32_t kWireVersion = 2;  // 2: K and V in separate LAYER_DATA messages
+// 2: K and V in separate LAYER_DATA messages. 3: client-server connections bound by HELLO.
+inline constexpr uint32_t kWireVersion = 3;
 
 enum AmId : uint16_t {
   kPushBegin = 1,
@@ -45,12 +56,25 @@ enum AmId : uint16_t {
   kPushCommit = 3,
   kPushAbort = 4,
   kAttend = 5,
+  kHello = 6,
   kLayerDone = 16,
   kPushDone = 17,
   kAttendDone = 18,
+  kHelloDone = 19,
 };
 
 inline constexpr uint32_t kEndOfPrefill = 1u << 0;
+
+struct HelloHeader {
+  uint64_t session_id;
+  uint8_t secret[16];  // UcxSession.session_secret
+  uint32_t wire_version;
+  uint32_t reserved;
+};
+
+struct HelloDoneHeader {
+  uint64_t session_id;
+};
 
 struct PushBeginHeader {
   uint64_t session_id;
