@@ -104,9 +104,8 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view address) {
 }
 
 absl::Status ServerConfig::Validate() const {
-  if (listen.empty() || listen.find(':') == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--listen must be host:port, got '", listen, "'"));
+  if (absl::StatusOr<HostPort> a = ParseHostPort(listen); !a.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen: ", a.status().message()));
   }
   if (pool_bytes < slab_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -16,9 +16,8 @@
 #include <cstring>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
+#include "server/config.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
@@ -27,20 +26,6 @@ namespace {
 // Descriptors the daemon keeps for itself beside its connections (files, UCX, gRPC's pollers,
 // logs): a quarter of the limit, between 32 and 256.
 uint64_t ReservedDescriptors(uint64_t limit) { return std::clamp<uint64_t>(limit / 4, 32, 256); }
-
-absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::string& listen) {
-  const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == listen.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("listen address must be host:port, got '", listen, "'"));
-  }
-  absl::string_view host(listen.data(), colon);
-  // "[::1]:port": the brackets are URI syntax, not part of the address.
-  if (absl::ConsumePrefix(&host, "[") && !absl::ConsumeSuffix(&host, "]")) {
-    return absl::InvalidArgumentError(absl::StrCat("bad IPv6 address in '", listen, "'"));
-  }
-  return std::make_pair(std::string(host), listen.substr(colon + 1));
-}
 
 }  // namespace
 
@@ -73,9 +58,10 @@ absl::StatusOr<int> ConnectionCap(uint64_t open_file_limit, int requested) {
 
 absl::StatusOr<std::unique_ptr<ConnectionListener>> ConnectionListener::Bind(
     const std::string& listen) {
-  absl::StatusOr<std::pair<std::string, std::string>> host_port = SplitHostPort(listen);
-  if (!host_port.ok()) return host_port.status();
-  const auto& [host, port] = *host_port;
+  absl::StatusOr<HostPort> at = ParseHostPort(listen);
+  if (!at.ok()) return at.status();
+  const std::string host = at->host;
+  const std::string port = std::to_string(at->port);
   struct addrinfo hints;
   std::memset(&hints, 0, sizeof(hints));
   hints.ai_family = AF_UNSPEC;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/transport/ucx/session_secret.h"
 #include "spdlog/spdlog.h"
@@ -118,6 +119,15 @@ static_assert(sizeof(wire::HelloHeader::secret) == kSessionSecretBytes);
 
 }  // namespace
 
+namespace {
+
+// Whether `host` (as --listen or --ucx_listen name it) can only be reached from this machine.
+bool IsLoopbackHost(const std::string& host) {
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+}  // namespace
+
 UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config) {
   UcxTransportOptions o;
   o.runtime.tls = config.ucx_tls;
@@ -202,6 +212,13 @@ absl::Status UcxTransport::Init() {
       [this](ucp_conn_request_h request) { OnConnectionRequest(request); });
   if (!listener.ok()) return listener.status();
   listener_ = *std::move(listener);
+  if (!IsLoopbackHost(options_.listen_host)) {
+    spdlog::warn(
+        "ucx: the UCX listener serves '{}', beyond loopback. UCX's connection manager aborts the "
+        "process on malformed bytes (server/transport/README.md, Security): let only trusted "
+        "hosts reach it",
+        options_.listen_host);
+  }
   rt_->Start([this] { OnTick(); });
   return absl::OkStatus();
 }
