@@ -13,6 +13,7 @@
 #include "server/transport/gpu/gpu_push_checks.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/quiet_protobuf.h"
 
 namespace kvpool::server {
 namespace {
@@ -106,6 +107,8 @@ void PushRequests(fuzz::FuzzInput& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvpool::server;
+  static const bool quiet = (kvpool::fuzz::QuietProtobufLogs(), true);
+  (void)quiet;
   kvpool::fuzz::FuzzInput in(data, size);
   switch (in.Byte() % 4) {
     case 0:

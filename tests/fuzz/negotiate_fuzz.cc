@@ -8,10 +8,13 @@
 #include "kvpool/v1/transport_service.grpc.pb.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_daemon.h"
+#include "tests/fuzz/quiet_protobuf.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   namespace v1 = ::kvpool::v1;
   using kvpool::fuzz::FuzzDaemon;
+  static const bool quiet = (kvpool::fuzz::QuietProtobufLogs(), true);
+  (void)quiet;
   static auto* stub = v1::TransportService::NewStub(FuzzDaemon::Get("").channel()).release();
   v1::NegotiateRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;

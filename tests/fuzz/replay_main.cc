@@ -1,15 +1,18 @@
 // A plain driver for a fuzz target built without libFuzzer: runs every file of each directory
 // given (sorted by name, not recursive) and every file given through LLVMFuzzerTestOneInput, so
 // that CTest replays the committed corpora (label fuzz-replay). A crash or sanitizer report
-// fails the run; so does finding no input at all (a corpus path that went missing).
+// fails the run; so does finding no input at all (a corpus path that went missing), and, as
+// libFuzzer's -malloc_limit_mb does, a single C++ allocation above kMallocLimitBytes.
 //
 //   safetensors_fuzz tests/fuzz/corpus/safetensors_fuzz [more files or directories]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <new>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -19,6 +22,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 namespace {
 
 namespace fs = std::filesystem;
+
+// The limit `make fuzz` runs with (run_fuzz.sh): an allocation this large from a small input is
+// a size taken from the input without a check.
+constexpr size_t kMallocLimitBytes = size_t{256} << 20;
 
 // The files `arg` names: itself, or a directory's regular files in name order.
 std::vector<fs::path> InputsOf(const fs::path& arg) {
@@ -33,6 +40,20 @@ std::vector<fs::path> InputsOf(const fs::path& arg) {
 }
 
 }  // namespace
+
+// Every C++ allocation of the process goes through these (replaceable global allocation
+// functions); the standard operator new[] and the sized and array deletes forward to them.
+void* operator new(size_t size) {
+  if (size > kMallocLimitBytes) {
+    std::fprintf(stderr, "replay: allocation of %zu bytes exceeds the %zu-byte limit\n", size,
+                 kMallocLimitBytes);
+    std::abort();
+  }
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t /*size*/) noexcept { std::free(p); }
 
 int main(int argc, char** argv) {
   size_t runs = 0;

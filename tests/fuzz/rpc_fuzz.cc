@@ -27,6 +27,7 @@
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_daemon.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/quiet_protobuf.h"
 #include "tests/fuzz/rpc_catalog.h"
 
 namespace kvpool::fuzz {
@@ -278,6 +279,8 @@ class RpcFuzzer {
 }  // namespace kvpool::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const bool quiet = (kvpool::fuzz::QuietProtobufLogs(), true);
+  (void)quiet;
   static kvpool::fuzz::RpcFuzzer* fuzzer =
       new kvpool::fuzz::RpcFuzzer(&kvpool::fuzz::FuzzDaemon::Get());
   kvpool::fuzz::FuzzInput in(data, size);
