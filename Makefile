@@ -10,7 +10,7 @@ VENV ?= .venv
 CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run test bench-cpu bench-service bench-transport format clean venv fidelity
+.PHONY: all deps configure build run test bench-cpu bench-service bench-transport format clean venv fidelity fuzz
 
 all: build
 
@@ -79,6 +79,22 @@ fidelity: build venv
 	  --ablation "oscar_ktk_vtv_fitted=OSCAR ablation: K^T K / V^T V, fitted:$(CALIB)/ablation-ktk-vtv-fitted.safetensors" \
 	  --ablation "oscar_u_only=OSCAR ablation: U only (no H):$(CALIB)/ablation-u.safetensors" \
 	  --out bench-results/fidelity.json
+
+# Fuzz targets (tests/fuzz/README.md) under libFuzzer with ASan and UBSan, built with clang in
+# their own directory, each run for FUZZ_SECONDS one after the other; new inputs go to
+# $(FUZZ_BUILD)/fuzz-corpus/, findings to $(FUZZ_BUILD)/crashes/.
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= safetensors_fuzz rotation_file_fuzz npy_fuzz ucx_wire_fuzz gpu_channel_fuzz \
+  negotiate_fuzz rpc_fuzz
+
+fuzz: deps
+	@./scripts/install-fuzz-deps.sh
+	@if [ ! -f $(FUZZ_BUILD)/CMakeCache.txt ]; then \
+	  CC=clang-14 CXX=clang++-14 cmake -S . -B $(FUZZ_BUILD) -DKVPOOL_FUZZ=ON \
+	    -DKVPOOL_ENABLE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS); fi
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(FUZZ_TARGETS)
+	tests/fuzz/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) "$(FUZZ_TARGETS)"
 
 format:
 	find kernels server client tests calibration -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format -i

@@ -66,3 +66,23 @@ function(kvpool_cuda_library)
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xcompiler=-Wall,-Wextra --fmad=false>
     $<$<COMPILE_LANGUAGE:CXX>:${KVPOOL_CXX_WARNINGS}>)
 endfunction()
+
+#   kvpool_fuzz_target(NAME safetensors_fuzz SRCS safetensors_fuzz.cc DEPS kvpool_formats)
+# A fuzz target (tests/fuzz/README.md) defining LLVMFuzzerTestOneInput, built into bin/fuzz/.
+# With KVPOOL_FUZZ (clang) it links libFuzzer; otherwise it links the replay driver and CTest
+# replays its corpus, tests/fuzz/corpus/NAME (label fuzz-replay).
+function(kvpool_fuzz_target)
+  cmake_parse_arguments(KV "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${KV_NAME} ${KV_SRCS})
+  target_link_libraries(${KV_NAME} PRIVATE ${KV_DEPS})
+  target_compile_options(${KV_NAME} PRIVATE ${KVPOOL_CXX_WARNINGS})
+  set_target_properties(${KV_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin/fuzz)
+  if(KVPOOL_FUZZ)
+    target_link_options(${KV_NAME} PRIVATE -fsanitize=fuzzer)
+  else()
+    target_sources(${KV_NAME} PRIVATE ${PROJECT_SOURCE_DIR}/tests/fuzz/replay_main.cc)
+    add_test(NAME ${KV_NAME}_replay
+      COMMAND ${KV_NAME} ${PROJECT_SOURCE_DIR}/tests/fuzz/corpus/${KV_NAME})
+    set_tests_properties(${KV_NAME}_replay PROPERTIES LABELS fuzz-replay TIMEOUT 600)
+  endif()
+endfunction()

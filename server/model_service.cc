@@ -70,7 +70,8 @@ class RegisterReactor final : public grpc::ServerReadReactor<v1::RegisterModelRe
                                                            cfg.max_rotation_file_bytes, "], got ",
                                                            spec_.upload_size()));
           }
-          file_.reserve(spec_.upload_size());
+          // Nothing reserved up front: memory follows the bytes that arrive, not a size the
+          // client states.
           break;
         case v1::ModelSpec::kServerPath:
         case v1::ModelSpec::kDataFree:

@@ -164,6 +164,13 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
   workers_->Shutdown();
 }
 
+std::shared_ptr<grpc::Channel> KvpoolServer::InProcessChannel() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(config_.max_message_bytes));
+  return server_->InProcessChannel(args);
+}
+
 void KvpoolServer::Wait() {
   if (server_ != nullptr) server_->Wait();
 }

@@ -48,6 +48,9 @@ class KvpoolServer {
   // The bound port (useful with a :0 listen address).
   int port() const { return port_; }
   ServiceContext* context() { return &ctx_; }
+  // A channel to this server inside the process (no socket), for tests and fuzz targets. Its
+  // messages are limited to max_message_bytes like the listening port's.
+  std::shared_ptr<grpc::Channel> InProcessChannel();
 
   // Marks health NOT_SERVING, stops accepting calls, lets in-flight calls finish for up to
   // `grace` then cancels them, and drains the worker pool. Idempotent.

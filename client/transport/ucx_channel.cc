@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/transport/ucx/ucx_wire.h"
+#include "server/transport/ucx/ucx_wire_parse.h"
 
 namespace kvpool::client {
 
@@ -24,16 +25,12 @@ struct UcxLayerPush::State {
 struct UcxChannel::Call {
   bool done = false;
   absl::Status status;
+  size_t max_answer_bytes = 0;  // what the request can be answered with (or an error message)
   wire::AttendDoneHeader header{};
   std::string payload;
 };
 
 namespace {
-
-absl::Status FromWire(int32_t code, std::string message) {
-  if (code == 0) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(code), message);
-}
 
 ucx::AmMessage Message(std::string header, std::string payload = {}, uint32_t flags = 0) {
   ucx::AmMessage m;
@@ -258,7 +255,8 @@ ucs_status_t UcxChannel::OnPushDone(const void* header, size_t header_length, vo
   st.done = true;
   if (h->status_code != 0) {
     if (st.status.ok()) {
-      st.status = FromWire(h->status_code, std::string(static_cast<const char*>(data), length));
+      st.status = wire::StatusFromWire(h->status_code,
+                                       absl::string_view(static_cast<const char*>(data), length));
     }
     return UCS_OK;
   }
@@ -281,20 +279,27 @@ ucs_status_t UcxChannel::OnAttendDone(const void* header, size_t header_length, 
     auto it = calls_.find(h->call_id);
     if (it == calls_.end() || it->second->done) return UCS_OK;
     call = it->second;
+    if (length > call->max_answer_bytes) {
+      call->status = absl::InternalError(absl::StrCat("ATTEND_DONE of ", length,
+                                                      " bytes; this call is answered in at most ",
+                                                      call->max_answer_bytes));
+      call->done = true;
+      return ucx::DropAm(rt_.get(), data, ucx::IsRendezvous(param), /*in_handler=*/true);
+    }
   }
   call->header = *h;
   call->payload.resize(length);
-  return ucx::ReceiveAm(
-      rt_.get(), data, length, ucx::IsRendezvous(param), /*in_handler=*/true, call->payload.data(),
-      nullptr, [this, call](absl::Status s) {
-        absl::MutexLock lock(&mu_);
-        if (call->done) return;
-        call->status = s.ok()
-                           ? FromWire(call->header.status_code,
-                                      call->header.status_code == 0 ? std::string() : call->payload)
-                           : s;
-        call->done = true;
-      });
+  return ucx::ReceiveAm(rt_.get(), data, length, ucx::IsRendezvous(param), /*in_handler=*/true,
+                        call->payload.data(), nullptr, [this, call](absl::Status s) {
+                          absl::MutexLock lock(&mu_);
+                          if (call->done) return;
+                          call->status =
+                              s.ok() ? wire::StatusFromWire(
+                                           call->header.status_code,
+                                           call->header.status_code == 0 ? "" : call->payload)
+                                     : s;
+                          call->done = true;
+                        });
 }
 
 absl::StatusOr<std::unique_ptr<UcxLayerPush>> UcxChannel::BeginPush(UcxPushSpec spec) {
@@ -363,7 +368,10 @@ absl::Status UcxChannel::Attend(const std::string& model_id, int layer, size_t q
   for (const UcxSequenceQuery& q : batch) {
     payload.append(reinterpret_cast<const char*>(q.q), q.num_queries * query_values * 4);
   }
+  std::vector<uint32_t> num_queries(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) num_queries[i] = batch[i].num_queries;
   auto call = std::make_shared<Call>();
+  call->max_answer_bytes = wire::MaxAttendDoneBytes(num_queries, query_values);
   {
     absl::MutexLock lock(&mu_);
     if (!health_.ok()) return health_;
@@ -396,32 +404,14 @@ absl::Status UcxChannel::Attend(const std::string& model_id, int layer, size_t q
     calls_.erase(call_id);
   }
   if (!status.ok()) return status;
-  // Parse: metas, outputs, LSEs.
-  const wire::AttendDoneHeader& d = call->header;
-  const size_t per_query = size_t{d.q_heads} * d.head_dim;
-  const std::string& p = call->payload;
-  if (d.batch != batch.size() || p.size() < d.batch * sizeof(wire::SequenceResultMeta)) {
-    return absl::InternalError("malformed ATTEND_DONE");
-  }
-  std::vector<wire::SequenceResultMeta> metas(d.batch);
-  std::memcpy(metas.data(), p.data(), metas.size() * sizeof(wire::SequenceResultMeta));
-  size_t pos = metas.size() * sizeof(wire::SequenceResultMeta);
-  size_t queries = 0;
-  for (const auto& m : metas) queries += m.num_queries;
-  if (p.size() != pos + queries * (per_query + d.q_heads) * sizeof(float)) {
-    return absl::InternalError("ATTEND_DONE payload size does not match its header");
-  }
-  out->assign(d.batch, UcxAttentionResult{});
-  for (size_t i = 0; i < metas.size(); ++i) {
-    (*out)[i].attended_tokens = metas[i].attended_tokens;
-    (*out)[i].out.resize(metas[i].num_queries * per_query);
-    std::memcpy((*out)[i].out.data(), p.data() + pos, (*out)[i].out.size() * sizeof(float));
-    pos += (*out)[i].out.size() * sizeof(float);
-  }
-  for (size_t i = 0; i < metas.size(); ++i) {
-    (*out)[i].lse.resize(size_t{metas[i].num_queries} * d.q_heads);
-    std::memcpy((*out)[i].lse.data(), p.data() + pos, (*out)[i].lse.size() * sizeof(float));
-    pos += (*out)[i].lse.size() * sizeof(float);
+  absl::StatusOr<std::vector<wire::AttendResult>> results =
+      wire::ParseAttendDone(call->header, call->payload, num_queries, query_values);
+  if (!results.ok()) return results.status();
+  out->assign(batch.size(), UcxAttentionResult{});
+  for (size_t i = 0; i < batch.size(); ++i) {
+    (*out)[i].attended_tokens = (*results)[i].attended_tokens;
+    (*out)[i].out = std::move((*results)[i].out);
+    (*out)[i].lse = std::move((*results)[i].lse);
   }
   return absl::OkStatus();
 }

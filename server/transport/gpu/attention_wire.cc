@@ -152,10 +152,14 @@ absl::StatusOr<AttentionPlanShape> MakeAttentionPlanShape(int batch, int num_que
     return absl::InvalidArgumentError("q_heads and head_dim must be positive");
   }
   AttentionPlanShape s{batch, num_queries, q_heads, head_dim};
-  // rows() <= 2^20 and heads x dim of a registered model are small: no overflow in size_t.
-  if (s.query_bytes() > kMaxCallQueryBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("a call of this plan moves ", s.query_bytes(),
-                                                   " query bytes; at most ", kMaxCallQueryBytes));
+  // rows() <= 2^20 and heads x dim < 2^62: the exact size fits 128 bits (size_t could wrap).
+  const unsigned __int128 query_bytes = static_cast<unsigned __int128>(s.rows()) *
+                                        static_cast<uint64_t>(q_heads) *
+                                        static_cast<uint64_t>(head_dim) * sizeof(float);
+  if (query_bytes > kMaxCallQueryBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a call of this plan (", batch, " x ", num_queries, " query rows of ", q_heads, " x ",
+        head_dim, " values) moves more than ", kMaxCallQueryBytes, " query bytes"));
   }
   return s;
 }

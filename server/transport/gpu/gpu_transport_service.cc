@@ -21,6 +21,7 @@
 #include "proto/kvpool/v1/gpu_transport_service.grpc.pb.h"
 #include "server/proto_convert.h"
 #include "server/transport/gpu/device_slots.h"
+#include "server/transport/gpu/gpu_push_checks.h"
 #include "server/transport/gpu/join_admission.h"
 #include "server/transport/gpu/nccl_channel.h"
 #include "server/transport/layerwise_append.h"
@@ -344,13 +345,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
     if (device_ < 0) {
       return absl::FailedPreconditionError("this kvpoold keeps its pool in host memory");
     }
-    if (h.sequence_id().empty()) return absl::InvalidArgumentError("sequence_id is empty");
-    const int max_tokens = ctx_->config->max_append_tokens;
-    if (h.num_tokens() < 1 || h.num_tokens() > static_cast<uint32_t>(max_tokens) ||
-        h.token_start() > static_cast<uint32_t>(INT32_MAX - max_tokens)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("num_tokens must be in [1, ", max_tokens, "], got ", h.num_tokens()));
-    }
+    KVPOOL_RETURN_IF_ERROR(CheckGpuPushHeader(h, ctx_->config->max_append_tokens));
     std::shared_ptr<NcclChannel> channel;
     if (h.nccl_channel_id() != 0) {
       KVPOOL_ASSIGN_OR_RETURN(channel, service_->Channel(h.nccl_channel_id()));
@@ -375,16 +370,11 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
     }
     const v1::GpuPushChunk& c = request_.chunk();
     const Model& m = push_->model();
-    if (c.num_tokens() < 1 || c.num_tokens() > static_cast<uint32_t>(push_->num_tokens()) ||
-        c.token_offset() > static_cast<uint32_t>(push_->num_tokens()) - c.num_tokens()) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk [", c.token_offset(), ", +",
-                                                     c.num_tokens(), ") does not fit the push's ",
-                                                     push_->num_tokens(), " tokens"));
-    }
+    KVPOOL_ASSIGN_OR_RETURN(const size_t bytes, CheckGpuPushChunk(c, push_->num_tokens(),
+                                                                  m.row_values() * sizeof(Bf16)));
     const int layer = static_cast<int>(c.layer());
     const int offset = static_cast<int>(c.token_offset());
     const int n = static_cast<int>(c.num_tokens());
-    const size_t bytes = static_cast<size_t>(n) * m.row_values() * sizeof(Bf16);
     const int traced = trace_.AddChunk(layer, offset, n);
     trace_.Mark(traced, PushTrace::kRead);
     {
@@ -491,11 +481,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GpuPushRequest> {
   absl::StatusOr<const Bf16*> Map(const v1::CudaIpcBuffer& b, size_t bytes, const char* what) {
     KVPOOL_ASSIGN_OR_RETURN(auto mapped, service_->ipc().Open(device_, b.handle()));
     ipc_handles_.push_back(b.handle());
-    if (b.offset() % 16 != 0 || b.offset() > mapped.second || bytes > mapped.second - b.offset()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", b.offset(), " + ", bytes,
-                                                     " bytes lies outside the ", mapped.second,
-                                                     "-byte buffer (or is not 16-byte aligned)"));
-    }
+    KVPOOL_RETURN_IF_ERROR(CheckIpcRange(b.offset(), bytes, mapped.second, what));
     return reinterpret_cast<const Bf16*>(mapped.first + b.offset());
   }
 

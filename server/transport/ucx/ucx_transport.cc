@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/transport/ucx/session_secret.h"
+#include "server/transport/ucx/ucx_wire_parse.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
@@ -499,16 +500,10 @@ ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length,
   if (ucx::IsRendezvous(param)) {
     return fail(absl::InvalidArgumentError("PUSH_BEGIN must be sent eager"));
   }
-  if (length != static_cast<size_t>(h->sequence_id_bytes) + size_t{4} * h->num_token_ids ||
-      (h->num_token_ids != 0 && h->num_token_ids != h->num_tokens)) {
-    return fail(absl::InvalidArgumentError("PUSH_BEGIN payload does not match its header"));
-  }
-  const int max_tokens = ctx_->config->max_append_tokens;
-  if (h->num_tokens < 1 || h->num_tokens > static_cast<uint32_t>(max_tokens) ||
-      h->token_start > static_cast<uint32_t>(INT32_MAX - max_tokens)) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("num_tokens must be in [1, ", max_tokens, "], got ", h->num_tokens)));
-  }
+  absl::StatusOr<wire::PushBegin> begin =
+      wire::ParsePushBegin(*h, absl::string_view(static_cast<const char*>(data), length),
+                           ctx_->config->max_append_tokens);
+  if (!begin.ok()) return fail(begin.status());
   if (session->pushes.count(h->push_id) > 0) {
     return fail(absl::InvalidArgumentError(absl::StrCat("push ", h->push_id, " already open")));
   }
@@ -516,18 +511,13 @@ ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length,
     return fail(absl::ResourceExhaustedError(absl::StrCat("too many open pushes in one session (",
                                                           options_.max_pushes_per_session, ")")));
   }
-  const char* bytes = static_cast<const char*>(data);
-  const std::string sequence_id(bytes, h->sequence_id_bytes);
   AppendSpec spec;
   spec.token_start = static_cast<int>(h->token_start);
   spec.num_tokens = static_cast<int>(h->num_tokens);
   spec.kind = (h->flags & wire::kEndOfPrefill) ? AppendKind::kFinalPrefill : AppendKind::kPrefill;
-  spec.token_ids.resize(h->num_token_ids);
-  if (h->num_token_ids > 0) {
-    std::memcpy(spec.token_ids.data(), bytes + h->sequence_id_bytes, size_t{4} * h->num_token_ids);
-  }
+  spec.token_ids = std::move(begin->token_ids);
   absl::StatusOr<std::shared_ptr<LayerwiseAppend>> append =
-      LayerwiseAppend::Begin(ctx_, session->tenant, sequence_id, std::move(spec));
+      LayerwiseAppend::Begin(ctx_, session->tenant, begin->sequence_id, std::move(spec));
   if (!append.ok()) return fail(append.status());
   auto push = std::make_shared<Push>();
   push->id = h->push_id;
@@ -551,14 +541,9 @@ ucs_status_t UcxTransport::OnLayerData(const void* header, size_t header_length,
   if (it == session->pushes.end()) return UCS_OK;  // failed or unknown: the sender completes
   std::shared_ptr<Push> push = it->second;
   const Model& m = push->append->model();
-  const uint64_t expected = uint64_t{h->num_tokens} * m.row_values() * sizeof(Bf16);
-  if (h->num_tokens == 0 || h->tensor > wire::kTensorValue || length != expected ||
-      length > half_bytes_) {
-    FailPush(session, push,
-             absl::InvalidArgumentError(absl::StrCat("LAYER_DATA of layer ", h->layer, " tensor ",
-                                                     h->tensor, ": ", length, " payload bytes for ",
-                                                     h->num_tokens, " tokens; expected ", expected,
-                                                     " and at most ", half_bytes_)));
+  if (absl::Status s = wire::CheckLayerData(*h, length, m.row_values() * sizeof(Bf16), half_bytes_);
+      !s.ok()) {
+    FailPush(session, push, s);
     return UCS_OK;
   }
   if (session->queued >= max_inflight_) {
@@ -844,6 +829,14 @@ ucs_status_t UcxTransport::OnAttend(const void* header, size_t header_length, vo
   if (!h) return UCS_OK;
   std::shared_ptr<Session> session = SessionOf(h->session_id, param);
   if (session == nullptr) return UCS_OK;
+  // Checked before the payload is received: its length is the peer's claim.
+  if (absl::Status s = wire::CheckAttendHeader(
+          *h, length, static_cast<uint32_t>(ctx_->config->max_attention_batch),
+          ctx_->config->max_message_bytes);
+      !s.ok()) {
+    SendAttendError(session, h->call_id, s);
+    return ucx::DropAm(rt_.get(), data, ucx::IsRendezvous(param), /*in_handler=*/true);
+  }
   auto payload = std::make_shared<std::string>(length, '\0');
   const wire::AttendHeader hdr = *h;
   return ucx::ReceiveAm(rt_.get(), data, length, ucx::IsRendezvous(param), /*in_handler=*/true,
@@ -855,60 +848,28 @@ ucs_status_t UcxTransport::OnAttend(const void* header, size_t header_length, vo
 
 void UcxTransport::RunAttention(const std::shared_ptr<Session>& session,
                                 const wire::AttendHeader& h, const std::string& payload) {
-  auto parse = [&]()
-      -> absl::StatusOr<std::pair<std::shared_ptr<const Model>, std::vector<AttentionQuery>>> {
-    if (h.batch < 1 || h.batch > static_cast<uint32_t>(ctx_->config->max_attention_batch)) {
-      return absl::InvalidArgumentError(absl::StrCat("batch of ", h.batch,
-                                                     " sequences; must be in [1, ",
-                                                     ctx_->config->max_attention_batch, "]"));
-    }
-    size_t pos = 0;
-    auto take = [&](size_t n) -> const char* {
-      if (payload.size() - pos < n) return nullptr;
-      const char* p = payload.data() + pos;
-      pos += n;
-      return p;
-    };
-    const char* model_id = take(h.model_id_bytes);
-    const char* metas = take(sizeof(wire::SequenceQueryMeta) * size_t{h.batch});
-    if (model_id == nullptr || metas == nullptr) {
-      return absl::InvalidArgumentError("ATTEND payload too short");
-    }
-    absl::StatusOr<std::shared_ptr<const Model>> model =
-        ctx_->registry->Get(session->tenant, std::string(model_id, h.model_id_bytes));
-    if (!model.ok()) return model.status();
-    const size_t per_query = static_cast<size_t>((*model)->q_heads) * (*model)->head_dim;
-    std::vector<AttentionQuery> queries(h.batch);
-    std::vector<wire::SequenceQueryMeta> meta(h.batch);
-    std::memcpy(meta.data(), metas, sizeof(wire::SequenceQueryMeta) * meta.size());
-    for (uint32_t i = 0; i < h.batch; ++i) {
-      const char* id = take(meta[i].id_bytes);
-      if (id == nullptr) return absl::InvalidArgumentError("ATTEND payload too short");
-      if (meta[i].num_queries < 1 || meta[i].num_queries > 1024) {
-        return absl::InvalidArgumentError("num_queries must be in [1, 1024]");
-      }
-      queries[i].sequence_id.assign(id, meta[i].id_bytes);
-      queries[i].num_queries = static_cast<int>(meta[i].num_queries);
-    }
-    for (AttentionQuery& q : queries) {
-      const size_t n = per_query * q.num_queries;
-      const char* src = take(n * sizeof(float));
-      if (src == nullptr) return absl::InvalidArgumentError("ATTEND payload too short");
-      q.q.resize(n);
-      std::memcpy(q.q.data(), src, n * sizeof(float));
-    }
-    if (pos != payload.size()) return absl::InvalidArgumentError("ATTEND payload too long");
-    return std::make_pair(*std::move(model), std::move(queries));
-  };
-  auto parsed = parse();
+  std::shared_ptr<const Model> model;
+  absl::StatusOr<wire::AttendPayload> parsed =
+      wire::ParseAttend(h, payload, [&](const std::string& model_id) -> absl::StatusOr<size_t> {
+        absl::StatusOr<std::shared_ptr<const Model>> m =
+            ctx_->registry->Get(session->tenant, model_id);
+        if (!m.ok()) return m.status();
+        model = *std::move(m);
+        return static_cast<size_t>(model->q_heads) * model->head_dim;
+      });
   if (!parsed.ok()) return SendAttendError(session, h.call_id, parsed.status());
-  std::shared_ptr<const Model> model = parsed->first;
+  std::vector<AttentionQuery> queries(parsed->queries.size());
+  for (size_t i = 0; i < queries.size(); ++i) {
+    queries[i].sequence_id = std::move(parsed->queries[i].sequence_id);
+    queries[i].num_queries = static_cast<int>(parsed->queries[i].num_queries);
+    queries[i].q = std::move(parsed->queries[i].q);
+  }
   ++attention_calls_;
   ctx_->counters.attention_calls++;
   ctx_->counters.attention_sequences += h.batch;
   const uint64_t call_id = h.call_id;
   absl::Status started = ctx_->attention->Start(
-      session->tenant, model, h.layer, std::move(parsed->second),
+      session->tenant, model, h.layer, std::move(queries),
       [this, session, call_id, model](absl::StatusOr<std::vector<AttentionResult>> results) {
         if (!results.ok()) {
           absl::Status st = results.status();

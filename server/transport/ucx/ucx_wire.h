@@ -28,7 +28,8 @@
 //   kPushAbort   PushControlHeader.
 //   kAttend      AttendHeader; payload: model id bytes, then `batch` x {uint32 id_bytes,
 //                uint32 num_queries}, then the sequence ids' bytes back to back, then fp32
-//                queries [sum num_queries][q_heads][head_dim] (unrotated).
+//                queries [sum num_queries][q_heads][head_dim] (unrotated). At most kvpoold's
+//                --max_message_bytes of payload (RESOURCE_EXHAUSTED before it is received).
 // Daemon -> client:
 //   kLayerDone   LayerDoneHeader: every token of the layer is rotated and quantized.
 //   kPushDone    PushDoneHeader; payload: the error message (empty when OK).

@@ -1,0 +1,289 @@
+// Fuzz target: request validation of every kvpool.v1 RPC, end to end in one process. The
+// input's first byte picks the RPC (rpc_catalog.h); the rest is its request message (for a
+// client-streaming RPC up to 8 messages, each framed by a varint length) in protobuf bytes,
+// sent through an in-process channel to the real service handlers of a kvpoold with a small
+// pool (fuzz_daemon.h). Every input starts from the same base state (model "m", sequences "s"
+// and "e"), so a run is deterministic up to thread scheduling.
+//
+// Beyond crashes and sanitizer reports, a finding is:
+//   - a call that does not answer within kCallDeadline (the daemon wedged),
+//   - an UNKNOWN, INTERNAL or DATA_LOSS answer to a request (an unhandled case),
+//   - a request that failed, or that only reads, yet changed pool usage, models or sequences.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "google/protobuf/util/message_differencer.h"
+#include "kvpool/v1/attention_service.grpc.pb.h"
+#include "kvpool/v1/gpu_attention_service.grpc.pb.h"
+#include "kvpool/v1/model_service.grpc.pb.h"
+#include "kvpool/v1/read_service.grpc.pb.h"
+#include "kvpool/v1/sequence_service.grpc.pb.h"
+#include "kvpool/v1/stats_service.grpc.pb.h"
+#include "kvpool/v1/transport_service.grpc.pb.h"
+#include "tests/fuzz/fuzz_check.h"
+#include "tests/fuzz/fuzz_daemon.h"
+#include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/quiet_protobuf.h"
+#include "tests/fuzz/rpc_catalog.h"
+
+namespace kvpool::fuzz {
+namespace {
+
+namespace v1 = ::kvpool::v1;
+
+// Most messages of one client-streaming call.
+constexpr int kMaxStreamMessages = 8;
+
+struct Outcome {
+  bool ran = false;  // false when the input's bytes are not a request of the RPC
+  grpc::Status status;
+};
+
+template <typename Message>
+bool Parse(absl::string_view bytes, Message* m) {
+  return m->ParseFromArray(bytes.data(), static_cast<int>(bytes.size()));
+}
+
+template <typename Req, typename Call>
+Outcome Unary(absl::string_view bytes, Call call) {
+  Req req;
+  if (!Parse(bytes, &req)) return {};
+  grpc::ClientContext ctx;
+  FuzzDaemon::SetDeadline(&ctx);
+  return {true, call(&ctx, req)};
+}
+
+template <typename Req, typename Resp, typename Open>
+Outcome ServerStream(absl::string_view bytes, Open open) {
+  Req req;
+  if (!Parse(bytes, &req)) return {};
+  grpc::ClientContext ctx;
+  FuzzDaemon::SetDeadline(&ctx);
+  auto reader = open(&ctx, req);
+  Resp msg;
+  while (reader->Read(&msg)) {
+  }
+  return {true, reader->Finish()};
+}
+
+template <typename Req, typename Resp, typename Open>
+Outcome ClientStream(FuzzInput& in, Open open) {
+  std::vector<Req> messages;
+  absl::string_view piece;
+  while (messages.size() < kMaxStreamMessages && in.Framed(&piece)) {
+    if (!Parse(piece, &messages.emplace_back())) return {};
+  }
+  grpc::ClientContext ctx;
+  FuzzDaemon::SetDeadline(&ctx);
+  Resp resp;
+  auto writer = open(&ctx, &resp);
+  for (const Req& m : messages) {
+    if (!writer->Write(m)) break;  // the daemon answered already
+  }
+  writer->WritesDone();
+  return {true, writer->Finish()};
+}
+
+// Whether a successful call of `rpc` may have changed the daemon's state.
+bool Mutates(Rpc rpc) {
+  switch (rpc) {
+    case Rpc::kRegisterModel:
+    case Rpc::kDeleteModel:
+    case Rpc::kCreateSequence:
+    case Rpc::kAppendKv:
+    case Rpc::kAppendDecode:
+    case Rpc::kSealSequence:
+    case Rpc::kReleaseSequence:
+      return true;
+    default:
+      return false;
+  }
+}
+
+class RpcFuzzer {
+ public:
+  explicit RpcFuzzer(FuzzDaemon* daemon)
+      : daemon_(daemon),
+        models_(v1::ModelService::NewStub(daemon->channel())),
+        sequences_(v1::SequenceService::NewStub(daemon->channel())),
+        reads_(v1::ReadService::NewStub(daemon->channel())),
+        attention_(v1::AttentionService::NewStub(daemon->channel())),
+        stats_(v1::StatsService::NewStub(daemon->channel())),
+        transport_(v1::TransportService::NewStub(daemon->channel())),
+        gpu_attention_(v1::GpuAttentionService::NewStub(daemon->channel())) {
+    absl::StatusOr<v1::GetStatsResponse> base = daemon_->StateSnapshot();
+    FUZZ_CHECK(base.ok(), base.status().ToString());
+    base_ = *std::move(base);
+  }
+
+  void Run(FuzzInput& in) {
+    const Rpc rpc = static_cast<Rpc>(in.Byte() % kRpcCount);
+    const Outcome o = Call(rpc, in);
+    if (verbose_) {
+      std::fprintf(stderr, "rpc_fuzz: RPC %d %s: %d %s\n", static_cast<int>(rpc),
+                   o.ran ? "answered" : "not run (unparseable request)", o.status.error_code(),
+                   o.status.error_message().c_str());
+    }
+    if (!o.ran) return;
+    const grpc::StatusCode code = o.status.error_code();
+    FUZZ_CHECK(code != grpc::StatusCode::DEADLINE_EXCEEDED,
+               "the daemon did not answer within the deadline: " + o.status.error_message());
+    FUZZ_CHECK(code != grpc::StatusCode::UNKNOWN && code != grpc::StatusCode::INTERNAL &&
+                   code != grpc::StatusCode::DATA_LOSS,
+               absl::StrCat("RPC ", static_cast<int>(rpc), " answered code ", code, ": ",
+                            o.status.error_message()));
+    if (o.status.ok() && Mutates(rpc)) {
+      const absl::Status reset = daemon_->Reset();
+      FUZZ_CHECK(reset.ok(), reset.ToString());
+      return;
+    }
+    // Nothing else may have changed what the daemon holds.
+    absl::StatusOr<v1::GetStatsResponse> now = daemon_->StateSnapshot();
+    FUZZ_CHECK(now.ok(), now.status().ToString());
+    FUZZ_CHECK(google::protobuf::util::MessageDifferencer::Equals(*now, base_),
+               absl::StrCat("RPC ", static_cast<int>(rpc), " (", o.status.error_code(), ": ",
+                            o.status.error_message(), ") changed the daemon's state:\n",
+                            now->DebugString(), "\nexpected:\n", base_.DebugString()));
+  }
+
+ private:
+  Outcome Call(Rpc rpc, FuzzInput& in) {
+    using grpc::ClientContext;
+    const absl::string_view rest =
+        rpc == Rpc::kRegisterModel || rpc == Rpc::kAppendKv ? absl::string_view() : in.Rest();
+    switch (rpc) {
+      case Rpc::kRegisterModel:
+        return ClientStream<v1::RegisterModelRequest, v1::RegisterModelResponse>(
+            in, [&](ClientContext* c, v1::RegisterModelResponse* r) {
+              return models_->RegisterModel(c, r);
+            });
+      case Rpc::kListModels:
+        return Unary<v1::ListModelsRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::ListModelsResponse r;
+          return models_->ListModels(c, req, &r);
+        });
+      case Rpc::kDescribeModel:
+        return ServerStream<v1::DescribeModelRequest, v1::DescribeModelResponse>(
+            rest,
+            [&](ClientContext* c, const auto& req) { return models_->DescribeModel(c, req); });
+      case Rpc::kDeleteModel:
+        return Unary<v1::DeleteModelRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::DeleteModelResponse r;
+          return models_->DeleteModel(c, req, &r);
+        });
+      case Rpc::kCreateSequence:
+        return Unary<v1::CreateSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::CreateSequenceResponse r;
+          return sequences_->CreateSequence(c, req, &r);
+        });
+      case Rpc::kAppendKv:
+        return ClientStream<v1::AppendKvRequest, v1::AppendKvResponse>(
+            in,
+            [&](ClientContext* c, v1::AppendKvResponse* r) { return sequences_->AppendKv(c, r); });
+      case Rpc::kAppendDecode:
+        return Unary<v1::AppendDecodeRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::AppendDecodeResponse r;
+          return sequences_->AppendDecode(c, req, &r);
+        });
+      case Rpc::kSealSequence:
+        return Unary<v1::SealSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::SealSequenceResponse r;
+          return sequences_->SealSequence(c, req, &r);
+        });
+      case Rpc::kReleaseSequence:
+        return Unary<v1::ReleaseSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::ReleaseSequenceResponse r;
+          return sequences_->ReleaseSequence(c, req, &r);
+        });
+      case Rpc::kDescribeSequence:
+        return Unary<v1::DescribeSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::SequenceInfo r;
+          return sequences_->DescribeSequence(c, req, &r);
+        });
+      case Rpc::kLookupPrefix:
+        return Unary<v1::LookupPrefixRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::LookupPrefixResponse r;
+          return sequences_->LookupPrefix(c, req, &r);
+        });
+      case Rpc::kReadBlocks:
+        return ServerStream<v1::ReadBlocksRequest, v1::ReadBlocksResponse>(
+            rest, [&](ClientContext* c, const auto& req) { return reads_->ReadBlocks(c, req); });
+      case Rpc::kReadKv:
+        return ServerStream<v1::ReadKvRequest, v1::ReadKvResponse>(
+            rest, [&](ClientContext* c, const auto& req) { return reads_->ReadKv(c, req); });
+      case Rpc::kAttend:
+        return Unary<v1::AttendRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::AttendResponse r;
+          return attention_->Attend(c, req, &r);
+        });
+      case Rpc::kGetStats:
+        return Unary<v1::GetStatsRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::GetStatsResponse r;
+          return stats_->GetStats(c, req, &r);
+        });
+      case Rpc::kNegotiate:
+        return Unary<v1::NegotiateRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::NegotiateResponse r;
+          return transport_->Negotiate(c, req, &r);
+        });
+      case Rpc::kCloseSession:
+        return Unary<v1::CloseSessionRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::CloseSessionResponse r;
+          return transport_->CloseSession(c, req, &r);
+        });
+      case Rpc::kSetAttentionPlan:
+        return Unary<v1::SetAttentionPlanRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::SetAttentionPlanResponse r;
+          return gpu_attention_->SetAttentionPlan(c, req, &r);
+        });
+      case Rpc::kDropAttentionPlan:
+        return Unary<v1::DropAttentionPlanRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::DropAttentionPlanResponse r;
+          return gpu_attention_->DropAttentionPlan(c, req, &r);
+        });
+      case Rpc::kCloseAttentionChannel:
+        return Unary<v1::CloseAttentionChannelRequest>(
+            rest, [&](ClientContext* c, const auto& req) {
+              v1::CloseAttentionChannelResponse r;
+              return gpu_attention_->CloseAttentionChannel(c, req, &r);
+            });
+      case Rpc::kOpenAttentionChannel:
+        return ServerStream<v1::OpenAttentionChannelRequest, v1::OpenAttentionChannelResponse>(
+            rest, [&](ClientContext* c, const auto& req) {
+              return gpu_attention_->OpenAttentionChannel(c, req);
+            });
+      case Rpc::kRpcCount:
+        break;
+    }
+    return {};
+  }
+
+  FuzzDaemon* const daemon_;
+  std::unique_ptr<v1::ModelService::Stub> models_;
+  std::unique_ptr<v1::SequenceService::Stub> sequences_;
+  std::unique_ptr<v1::ReadService::Stub> reads_;
+  std::unique_ptr<v1::AttentionService::Stub> attention_;
+  std::unique_ptr<v1::StatsService::Stub> stats_;
+  std::unique_ptr<v1::TransportService::Stub> transport_;
+  std::unique_ptr<v1::GpuAttentionService::Stub> gpu_attention_;
+  v1::GetStatsResponse base_;  // the state every input starts from
+  // KVPOOL_FUZZ_VERBOSE=1 prints each input's RPC and answer (for triage).
+  const bool verbose_ = std::getenv("KVPOOL_FUZZ_VERBOSE") != nullptr;
+};
+
+}  // namespace
+}  // namespace kvpool::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const bool quiet = (kvpool::fuzz::QuietProtobufLogs(), true);
+  (void)quiet;
+  static kvpool::fuzz::RpcFuzzer* fuzzer =
+      new kvpool::fuzz::RpcFuzzer(&kvpool::fuzz::FuzzDaemon::Get());
+  kvpool::fuzz::FuzzInput in(data, size);
+  fuzzer->Run(in);
+  return 0;
+}
