@@ -277,7 +277,7 @@ void NegotiateSeeds(SeedWriter& w) {
   v1::NegotiateRequest ucx;
   v1::TransportOffer* o = ucx.add_offers();
   o->set_kind(v1::TRANSPORT_KIND_UCX);
-  o->set_ucx_worker_address(std::string(32, '\x01'));
+  o->set_wire_version(ucx::wire::kWireVersion);
   o->set_ucx_transports("posix,tcp");
   o->set_pid(1234);
   o->set_process_start_time(99);
