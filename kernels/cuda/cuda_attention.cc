@@ -24,8 +24,8 @@ using internal::AttentionParams;
 using internal::CudaStatus;
 using internal::MakeGeometry;
 
-constexpr int kChunkQuantum = 64;  // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)
-constexpr int kV2Quantum = 128;    // int2_history_v2.cuh kV2Quantum (4 warps x 32 tokens)
+constexpr int kChunkQuantum = 64;     // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)
+constexpr int kHistoryQuantum = 128;  // int2_history.cuh kHistoryQuantum (4 warps x 32 tokens)
 constexpr int kMaxGroup = 16;
 constexpr int kMaxParts = 256;     // decode_attention.cuh kMaxParts (merge kernel)
 constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
@@ -266,7 +266,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
                                      kChunkQuantum));
       p.history_chunk_tokens = std::max(
           min_chunk, RoundUp((s.max_history_tokens + per_seq - 1) / per_seq, kChunkQuantum));
-      if (p.hist_v2) p.history_chunk_tokens = RoundUp(p.history_chunk_tokens, kV2Quantum);
+      if (p.hist_v2) p.history_chunk_tokens = RoundUp(p.history_chunk_tokens, kHistoryQuantum);
       p.history_chunks =
           (s.max_history_tokens + p.history_chunk_tokens - 1) / p.history_chunk_tokens;
     }
@@ -284,9 +284,10 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
                                                           p.hist_narrow ? 3
                                                           : p.hist_v2   ? 2
                                                                         : 0));
-      const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                  2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
-                                  p.hist_v2 ? kV2Quantum : kChunkQuantum, MaxHistoryChunkTokens());
+      const Split h =
+          ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+                      2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
+                      p.hist_v2 ? kHistoryQuantum : kChunkQuantum, MaxHistoryChunkTokens());
       p.history_chunks = h.chunks;
       p.history_chunk_tokens = h.chunk_tokens;
     }

@@ -4,9 +4,9 @@
 //   1. RotateQueriesKernel   q' = q * M_K for each (sequence, KV head group); also the sum and
 //                            a power-of-two scale of every rotated query.
 //   2. Bf16TierKernel        attention over the BF16 sink + recent tokens, split in chunks.
-//   3. Int2HistoryKernel     attention over the INT2 history, split-K in chunks.
+//   3. Int2HistoryLargeGroupKernel     attention over the INT2 history, split-K in chunks.
 //   4. MergeKernel           exact log-sum-exp merge of all chunks, o = o' * M_V^T (version 2:
-//                            a CTA per query head; version 3, merge_v3.cuh: a CTA per group).
+//                            a CTA per query head; version 3, merge_group.cuh: a CTA per group).
 // Every chunk CTA writes a normalized partial output and its log2-sum-exp (-inf when empty),
 // so no scratch needs clearing.
 //
@@ -368,7 +368,8 @@ __device__ __forceinline__ void WritePartial(WarpState<kD, kNT>& st, const Atten
 // ---------------------------------------------------------------------------------------------
 // 3. INT2 history. Grid (history_chunks, kv_heads, num_seqs).
 template <int kD, int kNT>
-__global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kAttnThreads)
+    Int2HistoryLargeGroupKernel(const AttentionParams p) {
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
   constexpr int kKWords = kD / 64;  // 32-bit K code words per token per lane
@@ -641,7 +642,7 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
 
 }  // namespace kvpool::cuda::internal
 
-#include "kernels/cuda/merge_v3.cuh"  // IWYU pragma: keep
+#include "kernels/cuda/merge_group.cuh"  // IWYU pragma: keep
 
 namespace kvpool::cuda::internal {
 
@@ -832,7 +833,7 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
 
 }  // namespace kvpool::cuda::internal
 
-#include "kernels/cuda/int2_history_v2.cuh"  // IWYU pragma: keep
+#include "kernels/cuda/int2_history.cuh"  // IWYU pragma: keep
 
 namespace kvpool::cuda::internal {
 
@@ -946,7 +947,7 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionPara
 }
 
 // 4'. Merge, version 2 (the default; KVPOOL_ATTN_MERGE=v1 selects the one above). Grid
-// (q_heads, num_seqs), kMergeV2Threads threads: one query head per CTA (group times the CTAs of
+// (q_heads, num_seqs), kMergeHeadThreads threads: one query head per CTA (group times the CTAs of
 // version 1) and each phase's loads issued together, so that a small batch pays a few L2 round
 // trips instead of version 1's chains of them (28 us at batch 1 on the H200, under ncu):
 //   a. thread k < parts loads lse_k; block max and sum; w_k = exp2(lse_k - max) / sum;
@@ -956,16 +957,16 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionPara
 //      rows of M_V, every row's load in flight at once), a shuffle sum per row.
 // (Several heads per CTA, to read M_V fewer times at large batches, was slower: 168 us against
 // 125 us at batch 32 x 8K, the heads' latency chains in series.)
-inline constexpr int kMergeV2Threads = 256;
+inline constexpr int kMergeHeadThreads = 256;
 
 template <int kD>
-__global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const AttentionParams p) {
+__global__ void __launch_bounds__(kMergeHeadThreads) MergeHeadKernel(const AttentionParams p) {
   constexpr int kVec = kD / 4;  // float4 columns of a row
-  constexpr int kSlices = kMergeV2Threads / kVec;
-  constexpr int kWarps = kMergeV2Threads / kWarpSize;
+  constexpr int kSlices = kMergeHeadThreads / kVec;
+  constexpr int kWarps = kMergeHeadThreads / kWarpSize;
   constexpr int kRowsPerPass = kWarpSize / kVec;  // rows of M_V one warp load covers
   constexpr int kPasses = kD / kWarps / kRowsPerPass;
-  static_assert(kMaxParts <= kMergeV2Threads, "one part per thread in phase a");
+  static_assert(kMaxParts <= kMergeHeadThreads, "one part per thread in phase a");
   __shared__ float wts[kMaxParts];
   __shared__ float red[kWarps];
   __shared__ float4 part_acc[kSlices][kVec];
@@ -1098,14 +1099,15 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
     const dim3 grid(p.history_chunks, p.kv_heads, p.num_seqs);
     if (kGroupTiles == 1 && p.hist_v2 != 0) {
       auto kernel = p.hist_narrow != 0
-                        ? (p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true, true>
-                                                : Int2HistoryKernelV2<kD, false, true>)
-                        : (p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true, false>
-                                                : Int2HistoryKernelV2<kD, false, false>);
-      err = LaunchAttentionKernel(kernel, grid, kAttnThreads, pdl, p, stream, kV2SmemBytes<kD>);
+                        ? (p.scale_is_bf16 != 0 ? Int2HistoryKernel<kD, true, true>
+                                                : Int2HistoryKernel<kD, false, true>)
+                        : (p.scale_is_bf16 != 0 ? Int2HistoryKernel<kD, true, false>
+                                                : Int2HistoryKernel<kD, false, false>);
+      err =
+          LaunchAttentionKernel(kernel, grid, kAttnThreads, pdl, p, stream, kHistorySmemBytes<kD>);
     } else {
-      err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>, grid, kAttnThreads, pdl, p,
-                                  stream);
+      err = LaunchAttentionKernel(Int2HistoryLargeGroupKernel<kD, kGroupTiles>, grid, kAttnThreads,
+                                  pdl, p, stream);
     }
   }
   if (p.bf16_after_history != 0) bf16_tiers();
@@ -1113,12 +1115,12 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
     if (p.merge_counters != nullptr) {
       // Tail merge: the attention kernels merged every pair.
     } else if (kGroupTiles == 1 && p.merge_version == 3) {
-      err = LaunchAttentionKernel(MergeKernelV3<kD>, groups, kMergeV3Threads, pdl, p, stream);
+      err = LaunchAttentionKernel(MergeGroupKernel<kD>, groups, kMergeGroupThreads, pdl, p, stream);
     } else if (p.merge_version == 1) {
       err = LaunchAttentionKernel(MergeKernel<kD>, groups, kMergeThreads, pdl, p, stream);
     } else {
-      err = LaunchAttentionKernel(MergeKernelV2<kD>, dim3(p.q_heads, p.num_seqs), kMergeV2Threads,
-                                  pdl, p, stream);
+      err = LaunchAttentionKernel(MergeHeadKernel<kD>, dim3(p.q_heads, p.num_seqs),
+                                  kMergeHeadThreads, pdl, p, stream);
     }
   }
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -1130,16 +1132,15 @@ int AttentionCtasPerSm(int which) {
   int n = 0;
   cudaError_t err = cudaSuccess;
   if (which == 0) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernel<kD, kGroupTiles>,
-                                                        kAttnThreads, 0);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, Int2HistoryLargeGroupKernel<kD, kGroupTiles>, kAttnThreads, 0);
   } else if (which == 1) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Bf16TierKernel<kD, kGroupTiles>,
                                                         kAttnThreads, 0);
   } else {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n,
-        which == 3 ? Int2HistoryKernelV2<kD, false, true> : Int2HistoryKernelV2<kD, false, false>,
-        kAttnThreads, kV2SmemBytes<kD>);
+        &n, which == 3 ? Int2HistoryKernel<kD, false, true> : Int2HistoryKernel<kD, false, false>,
+        kAttnThreads, kHistorySmemBytes<kD>);
   }
   return err == cudaSuccess ? n : -static_cast<int>(err);
 }

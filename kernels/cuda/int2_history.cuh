@@ -1,10 +1,10 @@
 // INT2 history attention, version 2 (included by decode_attention.cuh; GQA groups of up to 8).
 //
-// What changed against Int2HistoryKernel (version 1), and why (kernels/cuda/NOTES.md):
-// - Loads leave the dependent chains and most issue slots. Each warp owns a ring of kV2Stages
+// What changed against Int2HistoryLargeGroupKernel (version 1), and why (kernels/cuda/NOTES.md):
+// - Loads leave the dependent chains and most issue slots. Each warp owns a ring of kHistoryStages
 //   16-token tiles in shared memory, filled by asynchronous 16-byte copies (cp.async.cg, three
-//   per lane and tile at D = 128, one commit group per pair of tiles); kV2Stages / 2 pairs are in
-//   flight while a pair computes. With blocks of 16 tokens a head segment is laid out exactly
+//   per lane and tile at D = 128, one commit group per pair of tiles); kHistoryStages / 2 pairs are
+//   in flight while a pair computes. With blocks of 16 tokens a head segment is laid out exactly
 //   like a stage, so a copy is the segment base plus an immediate offset. Block-table entries
 //   are loaded one pair ahead, so no warp waits on a table load before a copy. (cp.async.bulk
 //   was tried first: its per-copy cost in SASS, a uniform-register loop around each UBLKCP plus
@@ -37,16 +37,17 @@
 
 namespace kvpool::cuda::internal {
 
-inline constexpr int kV2Stages = 8;                   // 16-token tiles per warp ring (even)
-inline constexpr int kV2PairTokens = 32;              // tokens per warp iteration
-inline constexpr int kV2Quantum = 4 * kV2PairTokens;  // history chunk sizes are multiples
-inline constexpr float kLazyMargin = 6.f;             // log2 units a logit may exceed mo by
+inline constexpr int kHistoryStages = 8;       // 16-token tiles per warp ring (even)
+inline constexpr int kHistoryPairTokens = 32;  // tokens per warp iteration
+inline constexpr int kHistoryQuantum = 4 * kHistoryPairTokens;  // history chunk sizes are multiples
+inline constexpr float kLazyMargin = 6.f;  // log2 units a logit may exceed mo by
 
 template <int kD>
-inline constexpr int kV2TileBytes = 2 * 16 * (kD / 4) + 2 * 64;  // K, V codes + K, V meta
-inline constexpr int kV2EntrySlots = 8;  // pairs of block-table entries per warp ring
+inline constexpr int kHistoryTileBytes = 2 * 16 * (kD / 4) + 2 * 64;  // K, V codes + K, V meta
+inline constexpr int kHistoryEntrySlots = 8;  // pairs of block-table entries per warp ring
 template <int kD>
-inline constexpr int kV2SmemBytes = 4 * kV2Stages* kV2TileBytes<kD> + 4 * kV2EntrySlots * 8;
+inline constexpr int kHistorySmemBytes =
+    4 * kHistoryStages* kHistoryTileBytes<kD> + 4 * kHistoryEntrySlots * 8;
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -126,21 +127,21 @@ __device__ __forceinline__ float MetaHi(uint32_t w) {
 }
 
 // 3. INT2 history, version 2. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk sizes
-// are multiples of kV2Quantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
+// are multiples of kHistoryQuantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
 // kNarrow (groups of up to 4): tokens on the MMA M dimension instead of the queries, so that no
 // MMA row and no lane's softmax work is empty for small groups (see "Narrow layout" above).
 template <int kD, bool kBf16, bool kNarrow>
-__global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const AttentionParams p) {
+__global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const AttentionParams p) {
   constexpr int kRow = kD / 4;  // code bytes per row
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
   constexpr int kKWords = kD / 64;  // K code words per token per lane
-  constexpr int kTile = kV2TileBytes<kD>;
-  constexpr int kS = kV2Stages;
+  constexpr int kTile = kHistoryTileBytes<kD>;
+  constexpr int kS = kHistoryStages;
   constexpr int kVOff = 16 * kRow;        // V codes in a stage
   constexpr int kKmOff = 32 * kRow;       // K meta
   constexpr int kVmOff = 32 * kRow + 64;  // V meta
-  extern __shared__ __align__(128) uint8_t v2_smem[];
+  extern __shared__ __align__(128) uint8_t history_smem[];
 
   const int chunk = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -158,31 +159,31 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   const int c1 = min(count, c0 + p.history_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
   const bool bulk = p.hist_bulk != 0 && (first & 15) == 0;
-  const int w0 = c0 + kV2PairTokens * warp;
-  const int n_pairs = c1 > w0 ? (c1 - w0 + kV2Quantum - 1) / kV2Quantum : 0;
-  auto pair_start = [&](int k) { return w0 + kV2Quantum * k; };
+  const int w0 = c0 + kHistoryPairTokens * warp;
+  const int n_pairs = c1 > w0 ? (c1 - w0 + kHistoryQuantum - 1) / kHistoryQuantum : 0;
+  auto pair_start = [&](int k) { return w0 + kHistoryQuantum * k; };
 
-  uint8_t* ring = v2_smem + warp * (kS * kTile);
+  uint8_t* ring = history_smem + warp * (kS * kTile);
   const uint32_t ring_addr = SmemAddress(ring);
 
   // Asynchronous copies (hist_bulk: blocks of 16 tokens whose head segment is laid out like a
   // stage): 16-byte chunk c = lane + 32 j of tile e of pair k is byte 16 c of the segment of
   // block E[k][e] = table[(first + w0) / 16 + 8 k + e]. Every copy is a predicated instruction
   // (no branches in the loop). The entries themselves also arrive by asynchronous copies, into a
-  // per-warp ring of kV2EntrySlots pairs in shared memory: E[k + kS] travels in the commit group
-  // of pair k + kS / 2, which the loop waits for before it needs E[k + kS]. (Loading them into
-  // registers one pair ahead, as before, made ptxas wait for that load at the top of the next
+  // per-warp ring of kHistoryEntrySlots pairs in shared memory: E[k + kS] travels in the commit
+  // group of pair k + kS / 2, which the loop waits for before it needs E[k + kS]. (Loading them
+  // into registers one pair ahead, as before, made ptxas wait for that load at the top of the next
   // iteration: 16 % of the stall samples at batch 32 x 128K, ncu.)
   constexpr int kChunks = kTile / 16;
   constexpr int kChunksPerLane = (kChunks + kWarpSize - 1) / kWarpSize;
-  constexpr int kER = kV2EntrySlots;
+  constexpr int kER = kHistoryEntrySlots;
   static_assert(kER >= kS / 2 + 1 && kER >= kS - kS / 2, "entry ring too small");
   const uint8_t* seg_lane =
       p.int2_pool + static_cast<int64_t>(kv_head) * geo.head_segment_bytes + 16 * lane;
   uint32_t dst_lane = ring_addr + 16 * lane;
   const int32_t* pair_table = table + ((first + w0) >> 4);
   const int32_t* entries =
-      reinterpret_cast<const int32_t*>(v2_smem + 4 * kS * kTile) + warp * 2 * kER;
+      reinterpret_cast<const int32_t*>(history_smem + 4 * kS * kTile) + warp * 2 * kER;
   const uint32_t entries_addr = SmemAddress(entries);
   const uint64_t policy = EvictFirstPolicy();
   // Kept in registers (ptxas otherwise recomputes them from the thread index every tile).
@@ -588,7 +589,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     // Full pairs: no masks, no branches but the loop's. Groups of pairs 0 .. k + kS/2 - 1 are
     // committed: all but the kS/2 - 1 newest are done, so pair k and E[k + kS/2] are in.
     const int n_full =
-        c1 > w0 ? min(n_pairs, (c1 - w0 + kV2Quantum - kV2PairTokens) / kV2Quantum) : 0;
+        c1 > w0 ? min(n_pairs, (c1 - w0 + kHistoryQuantum - kHistoryPairTokens) / kHistoryQuantum)
+                : 0;
 #pragma unroll 1
     for (int k = 0; k < n_full; ++k) {
       CpAsyncWait<kS / 2 - 1>();
@@ -630,8 +632,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     pm_part += __shfl_xor_sync(kFullMask, pm_part, o);
   }
   __syncthreads();
-  float* sm_o = reinterpret_cast<float*>(v2_smem);  // [warps][8][kD]
-  float* sm_m = sm_o + kAttnWarps * 8 * kD;         // [warps][8]
+  float* sm_o = reinterpret_cast<float*>(history_smem);  // [warps][8][kD]
+  float* sm_m = sm_o + kAttnWarps * 8 * kD;              // [warps][8]
   float* sm_l = sm_m + kAttnWarps * 8;
   float* sm_pm = sm_l + kAttnWarps * 8;
   const int sq = kNarrow ? t : g;
@@ -684,8 +686,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
   }
   if (p.merge_counters != nullptr) {
-    static_assert(sizeof(MergeGroupSmem<kD, kAttnThreads>) <= kV2SmemBytes<kD>);
-    MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, v2_smem);  // the ring is free
+    static_assert(sizeof(MergeGroupSmem<kD, kAttnThreads>) <= kHistorySmemBytes<kD>);
+    MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, history_smem);  // the ring is free
   }
 }
 

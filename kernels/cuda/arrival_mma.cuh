@@ -144,7 +144,7 @@ __device__ __forceinline__ float CodeThresholdY(int k, float s) {
 }
 
 template <int kD>
-__global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const ArrivalJobsParams jobs) {
+__global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const ArrivalJobsParams jobs) {
   const ArrivalParams& p = jobs.job[blockIdx.y];
   constexpr int kKSteps = kD / 16;
   constexpr int kNT = kD / 8;       // n-tiles of the rotated row
