@@ -1,6 +1,8 @@
 // The codec kernels: fused rotate + clip + quantize + pack on arrival, and dequantize to BF16.
-// One warp per (token, KV head) row; a CTA holds kWarpsPerCta rows. Templated on the head dim
-// (kD = 0: the generic path, D read at run time); codec_d*.cu instantiate them.
+// Arrival takes ArrivalMmaKernel (arrival_mma.cuh: 16-row tiles per warp, rotation on the tensor
+// cores) where it fits (ArrivalMmaFits), else ArrivalRowKernel; ArrivalRowKernel and
+// DequantKernel take one warp per (token, KV head) row, kCodecWarpsPerCta rows per CTA. Templated
+// on the head dim (kD = 0: the generic path, D read at run time); codec_d*.cu instantiate them.
 //
 //   LaunchArrival<128>(params, stream);   // defined here, instantiated in codec_d128.cu
 #pragma once
@@ -216,7 +218,7 @@ int ArrivalMmaCtas() {
   return ctas;
 }
 
-// Whether the version 2 kernel takes `p`: INT2 with one group per row, or BF16 bypass pages
+// Whether ArrivalMmaKernel takes `p`: INT2 with one group per row, or BF16 bypass pages
 // whose rows take 8-byte stores; 16-byte aligned rows.
 template <int kD>
 bool ArrivalMmaFits(const ArrivalParams& p) {
@@ -233,7 +235,7 @@ bool ArrivalMmaFits(const ArrivalParams& p) {
             : reinterpret_cast<uintptr_t>(src.pool) % 16 == 0 && src.geo.bits == 16 &&
                   src.geo.code_bytes_per_row == 2 * kD && src.geo.block_bytes % 16 == 0 &&
                   src.geo.head_segment_bytes % 16 == 0 && src.geo.codes_offset[p.tensor] % 16 == 0;
-    return p.arrival_v2 != 0 && (int2 || bypass) && rows_aligned &&
+    return p.use_mma_kernel != 0 && (int2 || bypass) && rows_aligned &&
            reinterpret_cast<uintptr_t>(p.pool) % 8 == 0 &&
            reinterpret_cast<uintptr_t>(p.rotated_rows) % 16 == 0;
   } else {

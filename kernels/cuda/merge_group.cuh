@@ -1,11 +1,12 @@
-// Merge, version 3 (included by decode_attention.cuh before the attention kernels, which also
-// call it as their tail merge; GQA groups of up to 8).
+// Merge of a KV head group's parts (included by decode_attention.cuh before the attention
+// kernels, which also call it as their tail merge; GQA groups of up to 8).
 //
 // One CTA per (KV head, sequence) merges all of the group's query heads, so each CTA reads the
-// output rotation M_V once for up to 8 heads. Version 2 (a CTA per query head) read its 64 KB
-// M_V per head: at batch 32 that is 134 MB through L2 for a merge that moves ~2 MB of partial
-// results, and the merge took 25 us there (ncu; 11.5 us at batch 8 x 32K). Every phase keeps
-// its loads independent (no chains of L2 round trips):
+// output rotation M_V once for up to 8 heads (MergeHeadKernel reads it once per query head, far
+// more L2 traffic than the partial results at large batches; NOTES.md, run 7). It runs as the
+// merge kernel (MergeGroupKernel) or as the tail merge (MergeIfLastPart) from as many
+// (sequence, KV head) groups as SMs; with fewer, MergeHeadKernel's additional CTAs win (runs 7
+// and 8). Every phase keeps its loads independent (no chains of L2 round trips):
 //   a. warp n < group: weights w_k = exp2(lse_k - max) / sum of query n's parts (parts spread
 //      over the lanes, warp shuffles), and the merged LSE;
 //   b. thread (slice, query, float4 column) sums w_k * part_k over parts k = slice, slice +
