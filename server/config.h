@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/cuda/kernel_tuning.h"
 
 namespace kvpool::server {
 
@@ -54,6 +55,9 @@ struct ServerConfig {
   size_t transport_message_bytes = 4u << 20;
   int transport_idle_timeout_ms = 30000;
   int transport_keepalive_ms = 1000;
+  // Kernels of the CUDA backend (--device=cuda:N): the measured defaults with
+  // --cuda_programmatic_launch and --cuda_history_chunk_tokens applied.
+  cuda::KernelTuning cuda_tuning;
 
   // InvalidArgument naming the first bad setting.
   absl::Status Validate() const;
