@@ -16,7 +16,7 @@ struct AttentionEngine::Batch {
   int layer = 0;
   std::vector<AttentionQuery> queries;
   std::vector<std::unique_ptr<SequenceSnapshot>> snapshots;
-  std::vector<size_t> row_offset;  // first query row of each sequence in `rotated_q`
+  std::vector<size_t> row_offset;  // first query row of each sequence in `q`
   std::vector<float> q;            // all queries [rows][head_dim]: rotated unless batched
   std::vector<float> out;          // all outputs, same shape: rotated basis unless batched
   std::vector<AttentionResult> results;

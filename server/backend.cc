@@ -8,7 +8,8 @@
 
 namespace kvpool::server {
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateBackend(absl::string_view name) {
+absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateBackend(
+    absl::string_view name, const cuda::KernelTuning& cuda_tuning) {
   if (name == "cpu") return NewCpuBackend();
   if (absl::StartsWith(name, "cuda:")) {
     int device = -1;
@@ -16,7 +17,7 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateBackend(absl::string_view 
       return absl::InvalidArgumentError(
           absl::StrCat("bad device '", name, "' (expected cpu or cuda:N with N >= 0)"));
     }
-    return NewCudaBackend(device);
+    return NewCudaBackend(device, cuda_tuning);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown device '", name, "' (expected cpu or cuda:N)"));

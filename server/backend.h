@@ -31,6 +31,7 @@
 #include "kernels/bf16.h"
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
+#include "kernels/cuda/kernel_tuning.h"
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"
 
@@ -169,8 +170,10 @@ class ComputeBackend {
                                                         absl::Span<const float> q) = 0;
 };
 
-// The backend of `name`: "cpu", or "cuda:N" (GPU N) in a build with CUDA. InvalidArgument for an
-// unknown name, Unavailable for a known one this build or machine cannot provide.
-absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateBackend(absl::string_view name);
+// The backend of `name`: "cpu", or "cuda:N" (GPU N) in a build with CUDA, whose kernels run with
+// `cuda_tuning` (kvpoold's --cuda_* flags). InvalidArgument for an unknown name, Unavailable for
+// a known one this build or machine cannot provide.
+absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateBackend(
+    absl::string_view name, const cuda::KernelTuning& cuda_tuning = {});
 
 }  // namespace kvpool::server

@@ -79,6 +79,15 @@ ABSL_FLAG(int32_t, transport_idle_timeout_ms, 30000,
           "A UCX push with no progress for this long is rolled back");
 ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
           "UCX keepalive interval: how fast a vanished peer is noticed");
+ABSL_FLAG(bool, cuda_programmatic_launch, kvpool::cuda::AttentionTuning{}.programmatic_launch,
+          "CUDA backend: the attention kernels after the query rotation start while their "
+          "predecessor finishes (programmatic dependent launch); false launches them in plain "
+          "stream order (for a driver or tool that mishandles such launches)");
+ABSL_FLAG(int32_t, cuda_history_chunk_tokens,
+          kvpool::cuda::AttentionTuning{}.max_history_chunk_tokens,
+          "CUDA backend: most INT2 history tokens one attention CTA reads (0 = no cap). Longer "
+          "chunks carry more tensor-core rounding bias into the output at long contexts; shorter "
+          "ones add merge work");
 
 namespace kvpool::server {
 
@@ -148,6 +157,9 @@ absl::Status ServerConfig::Validate() const {
     if (absl::StatusOr<HostPort> a = ParseHostPort(ucx_listen); !a.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--ucx_listen: ", a.status().message()));
     }
+  }
+  if (cuda_tuning.attention.max_history_chunk_tokens < 0) {
+    return absl::InvalidArgumentError("--cuda_history_chunk_tokens must be >= 0 (0 = no cap)");
   }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error"};
   bool level_ok = false;
@@ -287,6 +299,8 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);
   c.transport_keepalive_ms = absl::GetFlag(FLAGS_transport_keepalive_ms);
+  c.cuda_tuning.attention.programmatic_launch = absl::GetFlag(FLAGS_cuda_programmatic_launch);
+  c.cuda_tuning.attention.max_history_chunk_tokens = absl::GetFlag(FLAGS_cuda_history_chunk_tokens);
   if (absl::Status s = c.Validate(); !s.ok()) return s;
   return c;
 }

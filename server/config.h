@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/cuda/kernel_tuning.h"
 
 namespace kvpool::server {
 
@@ -60,6 +61,9 @@ struct ServerConfig {
   int transport_idle_timeout_ms = 30000;
   int transport_keepalive_ms = 1000;
   int transport_hello_timeout_ms = 10000;
+  // Kernels of the CUDA backend (--device=cuda:N): the measured defaults with
+  // --cuda_programmatic_launch and --cuda_history_chunk_tokens applied.
+  cuda::KernelTuning cuda_tuning;
 
   // InvalidArgument naming the first bad setting.
   absl::Status Validate() const;

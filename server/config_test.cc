@@ -8,6 +8,8 @@ ABSL_DECLARE_FLAG(uint64_t, pool_bytes);
 ABSL_DECLARE_FLAG(std::string, listen);
 ABSL_DECLARE_FLAG(int32_t, worker_threads);
 ABSL_DECLARE_FLAG(std::string, ucx_listen);
+ABSL_DECLARE_FLAG(bool, cuda_programmatic_launch);
+ABSL_DECLARE_FLAG(int32_t, cuda_history_chunk_tokens);
 
 namespace kvpool::server {
 namespace {
@@ -68,6 +70,29 @@ TEST(ConfigTest, HostPortSplitsAndRejectsMalformedAddresses) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->ucx_listen, "10.0.0.1:7000");
   absl::SetFlag(&FLAGS_ucx_listen, "");
+}
+
+TEST(ConfigTest, CudaFlagsSetTheKernelTuningAndDefaultToTheMeasuredOnes) {
+  auto c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->cuda_tuning.attention.programmatic_launch);
+  EXPECT_EQ(c->cuda_tuning.attention.max_history_chunk_tokens,
+            cuda::AttentionTuning{}.max_history_chunk_tokens);
+  ASSERT_TRUE(
+      ApplyConfigText("cuda_programmatic_launch = false\ncuda_history_chunk_tokens = 8192\n",
+                      "test.conf")
+          .ok());
+  c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->cuda_tuning.attention.programmatic_launch);
+  EXPECT_EQ(c->cuda_tuning.attention.max_history_chunk_tokens, 8192);
+  // The fields without a flag keep their defaults.
+  EXPECT_TRUE(c->cuda_tuning.attention.narrow_layout);
+  EXPECT_TRUE(c->cuda_tuning.arrival.mma_kernel);
+  absl::SetFlag(&FLAGS_cuda_history_chunk_tokens, -1);
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  absl::SetFlag(&FLAGS_cuda_history_chunk_tokens, cuda::AttentionTuning{}.max_history_chunk_tokens);
+  absl::SetFlag(&FLAGS_cuda_programmatic_launch, true);
 }
 
 TEST(ConfigTest, AutoPoolIsAFractionCappedAndAligned) {

@@ -127,7 +127,8 @@ size_t Append(std::vector<uint8_t>* bytes, const T* v, size_t n) {
 
 class CudaBackend final : public ComputeBackend {
  public:
-  explicit CudaBackend(int device) : device_(device), name_(absl::StrCat("cuda:", device)) {}
+  CudaBackend(int device, const cuda::KernelTuning& tuning)
+      : device_(device), name_(absl::StrCat("cuda:", device)), tuning_(tuning) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -223,7 +224,8 @@ class CudaBackend final : public ComputeBackend {
     const cuda::PagedRows from = PagesOf(m, batch[0]);
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(m.codec.quant, View(m, /*history=*/true), batch[1],
-                                                 from, lane->error_word, lane->stream));
+                                                 from, lane->error_word, lane->stream,
+                                                 tuning_.arrival));
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "demotion"));
     AddTime(*lane, &BackendTimes::arrival_seconds);
@@ -282,6 +284,7 @@ class CudaBackend final : public ComputeBackend {
     shape.history_pool = View(m, /*history=*/true);
     shape.bf16_pool = View(m, /*history=*/false);
     shape.num_seqs = n;
+    shape.tuning = tuning_.attention;
     if (m.block_layout.bits == 2 && m.block_layout.group_size == m.head_dim) {
       KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::sink, &sink));
       KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::history, &hist));
@@ -588,8 +591,8 @@ class CudaBackend final : public ComputeBackend {
     for (const RunTable& t : tables) table_ptrs.push_back(&t);
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, table_ptrs));
-    // Every run's K and V in one launch where the kernels allow (a launch costs ~17 us of GPU
-    // time however few its rows: the chunk's two to six launches were most of its staging).
+    // Every run's K and V in one launch where the kernels allow (a launch has a fixed cost however
+    // few its rows: kernels/cuda/NOTES.md, run 6).
     std::vector<cuda::ArrivalJob> jobs;
     for (size_t r = 0; r < tables.size(); ++r) {
       const RowWrite& w = writes[first_write[r]];
@@ -597,7 +600,8 @@ class CudaBackend final : public ComputeBackend {
       jobs.push_back(ArrivalJobOf(m, w.history, batch[r], k_rows + from, rot_k, KvTensor::kKey));
       jobs.push_back(ArrivalJobOf(m, w.history, batch[r], v_rows + from, rot_v, KvTensor::kValue));
     }
-    KVPOOL_RETURN_IF_ERROR(cuda::QuantizeOnArrivalJobs(jobs, lane->error_word, lane->stream));
+    KVPOOL_RETURN_IF_ERROR(
+        cuda::QuantizeOnArrivalJobs(jobs, lane->error_word, lane->stream, tuning_.arrival));
     KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
     AddTime(*lane, &BackendTimes::arrival_seconds);
@@ -701,7 +705,8 @@ class CudaBackend final : public ComputeBackend {
           in.paged = &pages;
         }
         KVPOOL_RETURN_IF_ERROR(cuda::QuantizeOnArrival(m.bf16_codec.config(), *view, batch[1], t,
-                                                       in, lane.error_word, lane.stream));
+                                                       in, lane.error_word, lane.stream,
+                                                       tuning_.arrival));
       }
     }
     return absl::OkStatus();
@@ -728,6 +733,7 @@ class CudaBackend final : public ComputeBackend {
 
   const int device_;
   const std::string name_;
+  const cuda::KernelTuning tuning_;
   mutable absl::Mutex mu_;
   // Set once by AllocateArena, before any other call; read lock-free (BlockId runs per block).
   std::atomic<uint8_t*> arena_{nullptr};
@@ -739,13 +745,14 @@ class CudaBackend final : public ComputeBackend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device) {
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device,
+                                                               const cuda::KernelTuning& tuning) {
   const int count = cuda::CudaDeviceCount();
   if (device >= count) {
     return absl::UnavailableError(absl::StrCat("device cuda:", device, " is not available (", count,
                                                " CUDA device(s) on this machine)"));
   }
-  return std::unique_ptr<ComputeBackend>(new CudaBackend(device));
+  return std::unique_ptr<ComputeBackend>(new CudaBackend(device, tuning));
 }
 
 }  // namespace kvpool::server

@@ -4,7 +4,8 @@
 
 namespace kvpool::server {
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device) {
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device,
+                                                               const cuda::KernelTuning&) {
   return absl::UnavailableError(
       absl::StrCat("device cuda:", device, " is not available: this build has no CUDA"));
 }

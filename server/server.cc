@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   TuneMalloc(config.malloc_retain_bytes);
   auto s = std::unique_ptr<KvpoolServer>(new KvpoolServer());
   s->config_ = config;
-  KVPOOL_ASSIGN_OR_RETURN(s->backend_, CreateBackend(config.device));
+  KVPOOL_ASSIGN_OR_RETURN(s->backend_, CreateBackend(config.device, config.cuda_tuning));
   if (config.pool_auto && s->backend_->device_free_bytes() > 0) {
     // Sized from host memory by default; a GPU pool takes its share of the GPU's free memory.
     s->config_.pool_bytes = PoolBytesOf(

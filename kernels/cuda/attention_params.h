@@ -43,21 +43,28 @@ struct AttentionParams {
   float* part_lse;          // workspace [num_seqs][q_heads][num_parts], log2 domain
   int32_t num_parts;        // history_chunks + bf16_chunks
   int32_t history_chunks;
-  int32_t history_chunk_tokens;  // multiple of 64
+  int32_t history_chunk_tokens;  // multiple of 64 (of 128 for Int2HistoryKernel)
   int32_t bf16_chunks;
-  int32_t bf16_chunk_tokens;   // multiple of 64
-  float* out;                  // [num_seqs][q_heads][D] fp32, original basis
-  float* lse;                  // [num_seqs][q_heads], natural log
-  int32_t use_pdl;             // 1: kernels 2-4 are programmatic dependent launches
-  int32_t hist_v2;             // 1: INT2 history kernel version 2 (groups <= 8), chunks of 128
-  int32_t hist_bulk;           // 1: version 2 fills its ring with asynchronous copies
-  int32_t hist_narrow;         // 1: version 2 in the narrow layout (groups of up to 4)
-  int32_t merge_version;       // 1, 2 (a CTA per query head) or 3 (a CTA per KV head group)
+  int32_t bf16_chunk_tokens;  // multiple of 64
+  float* out;                 // [num_seqs][q_heads][D] fp32, original basis
+  float* lse;                 // [num_seqs][q_heads], natural log
+  int32_t use_pdl;  // 1: every kernel after the query rotation is a programmatic dependent launch
+  int32_t history_async_copies;  // 1: Int2HistoryKernel fills its ring with asynchronous copies
+  int32_t history_narrow;        // 1: Int2HistoryKernel in the narrow layout (groups of up to 4)
+  int32_t merge_per_group;     // 1: MergeGroupKernel (a CTA per KV head group), 0: MergeHeadKernel
   int32_t bf16_after_history;  // 1: the BF16 tier kernel runs beside the INT2 history (PDL)
   // Workspace [num_seqs][kv_heads]: parts written per (sequence, KV head), for the tail merge
   // (the attention CTA that writes a pair's last part merges it; no merge kernel). nullptr: the
-  // merge kernel of merge_version.
+  // merge kernel that merge_per_group names.
   int32_t* merge_counters;
+};
+
+// The attention kernels whose occupancy decides the split of the work.
+enum class AttentionKernelKind : int32_t {
+  kHistory = 0,            // Int2HistoryKernel, wide layout (kGroupTiles = 1)
+  kHistoryNarrow = 1,      // Int2HistoryKernel, narrow layout (kGroupTiles = 1)
+  kHistoryLargeGroup = 2,  // Int2HistoryLargeGroupKernel (kGroupTiles = 2)
+  kBf16Tiers = 3,          // Bf16TierKernel
 };
 
 // Enqueues the whole decode step (query rotation, BF16 tiers, INT2 history, merge and output
@@ -66,10 +73,9 @@ struct AttentionParams {
 template <int kD, int kGroupTiles>
 int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream);
 
-// Resident CTAs per SM of the INT2 history kernel (which = 0), the BF16 tier kernel (1) or the
-// INT2 history kernel version 2 (2; 3 in the narrow layout; kGroupTiles = 1 only), from the
-// occupancy calculator; a negative cudaError_t value on failure.
+// Resident CTAs per SM of one attention kernel, from the occupancy calculator; a negative
+// cudaError_t value on failure (also for a kind that kGroupTiles does not launch).
 template <int kD, int kGroupTiles>
-int AttentionCtasPerSm(int which);
+int AttentionCtasPerSm(AttentionKernelKind kind);
 
 }  // namespace kvpool::cuda::internal

@@ -1,6 +1,8 @@
 // The codec kernels: fused rotate + clip + quantize + pack on arrival, and dequantize to BF16.
-// One warp per (token, KV head) row; a CTA holds kWarpsPerCta rows. Templated on the head dim
-// (kD = 0: the generic path, D read at run time); codec_d*.cu instantiate them.
+// Arrival takes ArrivalMmaKernel (arrival_mma.cuh: 16-row tiles per warp, rotation on the tensor
+// cores) where it fits (ArrivalMmaFits), else ArrivalRowKernel; ArrivalRowKernel and
+// DequantKernel take one warp per (token, KV head) row, kCodecWarpsPerCta rows per CTA. Templated
+// on the head dim (kD = 0: the generic path, D read at run time); codec_d*.cu instantiate them.
 //
 //   LaunchArrival<128>(params, stream);   // defined here, instantiated in codec_d128.cu
 #pragma once
@@ -11,7 +13,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "kernels/cuda/arrival_v2.cuh"
+#include "kernels/cuda/arrival_mma.cuh"
 #include "kernels/cuda/codec_params.h"
 #include "kernels/cuda/device_common.cuh"
 #include "kernels/cuda/warp_row_codec.cuh"
@@ -70,7 +72,7 @@ __device__ __forceinline__ void WarpRowTimesMatrix(const float* xs, const float*
 
 template <int kD>
 __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
-    ArrivalKernel(const ArrivalParams p) {
+    ArrivalRowKernel(const ArrivalParams p) {
   constexpr int kMaxE = kMaxElemsPerLane<kD>;
   constexpr bool kStatic = kD != 0;
   __shared__ float row_smem[kCodecWarpsPerCta][kMaxE * kWarpSize];
@@ -192,10 +194,10 @@ inline unsigned CodecGrid(int total_rows, int kv_heads) {
   return static_cast<unsigned>((rows + kCodecWarpsPerCta - 1) / kCodecWarpsPerCta);
 }
 
-// Resident CTAs of ArrivalKernelV2<kD> on the current device (with its shared-memory limit
+// Resident CTAs of ArrivalMmaKernel<kD> on the current device (with its shared-memory limit
 // raised); cached per device.
 template <int kD>
-int ArrivalV2Ctas() {
+int ArrivalMmaCtas() {
   static std::atomic<int> cache[16] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return -1;
@@ -204,10 +206,10 @@ int ArrivalV2Ctas() {
   }
   int sms = 0;
   int per_sm = 0;
-  if (cudaFuncSetAttribute(ArrivalKernelV2<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (cudaFuncSetAttribute(ArrivalMmaKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kArrivalSmemBytes<kD>) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ArrivalKernelV2<kD>, kArrivalThreads,
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ArrivalMmaKernel<kD>, kArrivalThreads,
                                                     kArrivalSmemBytes<kD>) != cudaSuccess) {
     return -1;
   }
@@ -216,10 +218,10 @@ int ArrivalV2Ctas() {
   return ctas;
 }
 
-// Whether the version 2 kernel takes `p`: INT2 with one group per row, or BF16 bypass pages
+// Whether ArrivalMmaKernel takes `p`: INT2 with one group per row, or BF16 bypass pages
 // whose rows take 8-byte stores; 16-byte aligned rows.
 template <int kD>
-bool ArrivalV2Fits(const ArrivalParams& p) {
+bool ArrivalMmaFits(const ArrivalParams& p) {
   if constexpr (kD == 64 || kD == 128) {
     const bool int2 = p.geo.bits == 2 && p.geo.group_size == kD && p.lloyd_max == 0;
     const bool bypass = p.geo.bits == 16 && p.geo.code_bytes_per_row == 2 * kD &&
@@ -233,7 +235,7 @@ bool ArrivalV2Fits(const ArrivalParams& p) {
             : reinterpret_cast<uintptr_t>(src.pool) % 16 == 0 && src.geo.bits == 16 &&
                   src.geo.code_bytes_per_row == 2 * kD && src.geo.block_bytes % 16 == 0 &&
                   src.geo.head_segment_bytes % 16 == 0 && src.geo.codes_offset[p.tensor] % 16 == 0;
-    return p.arrival_v2 != 0 && (int2 || bypass) && rows_aligned &&
+    return p.use_mma_kernel != 0 && (int2 || bypass) && rows_aligned &&
            reinterpret_cast<uintptr_t>(p.pool) % 8 == 0 &&
            reinterpret_cast<uintptr_t>(p.rotated_rows) % 16 == 0;
   } else {
@@ -247,7 +249,7 @@ int LaunchArrivalJobs(const ArrivalJobsParams& p, CUstream_st* stream) {
   bool rotate = false;
   int64_t most_tiles = 0;
   for (int i = 0; i < p.count; ++i) {
-    if (!ArrivalV2Fits<kD>(p.job[i])) return kArrivalNotFused;
+    if (!ArrivalMmaFits<kD>(p.job[i])) return kArrivalNotFused;
     rotate = rotate || p.job[i].rotation != nullptr;
     most_tiles = std::max<int64_t>(
         most_tiles,
@@ -255,12 +257,12 @@ int LaunchArrivalJobs(const ArrivalJobsParams& p, CUstream_st* stream) {
   }
   if constexpr (kD == 64 || kD == 128) {
     if (most_tiles == 0) return 0;
-    const int ctas = ArrivalV2Ctas<kD>();
+    const int ctas = ArrivalMmaCtas<kD>();
     if (ctas < 0) return static_cast<int>(cudaGetLastError());
     // Persistent in x (each warp strides over its job's tiles), one job per y.
     const int64_t grid = std::min<int64_t>(ctas, (most_tiles + kArrivalWarps - 1) / kArrivalWarps);
-    ArrivalKernelV2<kD><<<dim3(static_cast<unsigned>(grid), static_cast<unsigned>(p.count)),
-                          kArrivalThreads, rotate ? kArrivalSmemBytes<kD> : 0, stream>>>(p);
+    ArrivalMmaKernel<kD><<<dim3(static_cast<unsigned>(grid), static_cast<unsigned>(p.count)),
+                           kArrivalThreads, rotate ? kArrivalSmemBytes<kD> : 0, stream>>>(p);
     return static_cast<int>(cudaGetLastError());
   }
   return kArrivalNotFused;
@@ -274,7 +276,7 @@ int LaunchArrival(const ArrivalParams& p, CUstream_st* stream) {
   one.count = 1;
   const int fused = LaunchArrivalJobs<kD>(one, stream);
   if (fused != kArrivalNotFused) return fused;
-  ArrivalKernel<kD>
+  ArrivalRowKernel<kD>
       <<<CodecGrid(p.batch.total_rows, p.geo.kv_heads), kCodecWarpsPerCta * kWarpSize, 0, stream>>>(
           p);
   return static_cast<int>(cudaGetLastError());

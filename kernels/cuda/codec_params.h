@@ -62,15 +62,15 @@ struct ArrivalParams {
   uint16_t* rotated_rows;  // optional BF16 out, same shape as rows
   uint8_t* pool;
   uint32_t* error_word;
-  int32_t tensor;         // 0 = K, 1 = V
-  int32_t clip_rank;      // c of the clip order statistic, -1 = no clip
-  int32_t scale_is_bf16;  // 0 = fp16 scale/min, 1 = bf16
-  int32_t lloyd_max;      // 1 = Lloyd-Max quantizer (INT2, G = D)
-  int32_t arrival_v2;     // 1 = version 2 where it applies (INT2 uniform, G = D, D 64 / 128)
+  int32_t tensor;          // 0 = K, 1 = V
+  int32_t clip_rank;       // c of the clip order statistic, -1 = no clip
+  int32_t scale_is_bf16;   // 0 = fp16 scale/min, 1 = bf16
+  int32_t lloyd_max;       // 1 = Lloyd-Max quantizer (INT2, G = D)
+  int32_t use_mma_kernel;  // 1 = ArrivalMmaKernel where it applies (ArrivalMmaFits)
 };
 
 // Several arrival jobs (a chunk's K and V of its sink, history and recent runs) for one launch
-// of the version 2 kernel: job blockIdx.y. The jobs must write disjoint rows.
+// of ArrivalMmaKernel: job blockIdx.y. The jobs must write disjoint rows.
 inline constexpr int kMaxArrivalJobs = 6;
 struct ArrivalJobsParams {
   ArrivalParams job[kMaxArrivalJobs];
@@ -92,8 +92,8 @@ struct DequantParams {
 // kD = 0 is the generic path (any supported head_dim at run time).
 template <int kD>
 int LaunchArrival(const ArrivalParams& p, CUstream_st* stream);
-// One launch for every job when all of them take the version 2 kernel; else launches nothing
-// and returns kArrivalNotFused.
+// One launch for every job when all of them take ArrivalMmaKernel; else launches nothing and
+// returns kArrivalNotFused.
 inline constexpr int kArrivalNotFused = -1;
 template <int kD>
 int LaunchArrivalJobs(const ArrivalJobsParams& p, CUstream_st* stream);

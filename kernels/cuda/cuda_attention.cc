@@ -8,8 +8,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -24,18 +22,24 @@ using internal::AttentionParams;
 using internal::CudaStatus;
 using internal::MakeGeometry;
 
-constexpr int kChunkQuantum = 64;  // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)
-constexpr int kV2Quantum = 128;    // int2_history_v2.cuh kV2Quantum (4 warps x 32 tokens)
+constexpr int kChunkQuantum = 64;     // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)
+constexpr int kHistoryQuantum = 128;  // int2_history.cuh kHistoryQuantum (4 warps x 32 tokens)
 constexpr int kMaxGroup = 16;
-constexpr int kMaxParts = 256;     // decode_attention.cuh kMaxParts (merge kernel)
-constexpr int kMaxBf16Parts = 32;  // at most this many chunks of the BF16 tiers
+constexpr int kMaxHistoryGroup = 8;  // int2_history.cuh and merge_group.cuh: groups of up to 8
+constexpr int kMaxNarrowGroup = 4;   // the INT2 history kernel's narrow layout
+constexpr int kMaxParts = 256;       // decode_attention.cuh kMaxParts (merge kernels)
+constexpr int kMaxBf16Parts = 32;    // at most this many chunks of the BF16 tiers
+
+using internal::AttentionKernelKind;
 
 struct Plan {
   int group = 0;
-  bool hist_v2 = false;      // INT2 history kernel version 2
-  bool hist_narrow = false;  // version 2 in the narrow layout (groups of up to 4)
-  int merge_version = 2;     // MergeVersion
-  bool tail_merge = false;   // the attention CTAs merge (TailMerge), no merge kernel
+  // Groups of 9 to 16 query heads: Int2HistoryLargeGroupKernel, and the merge kernel with a
+  // CTA per query head. Smaller groups: Int2HistoryKernel, either merge kernel, the tail merge.
+  bool large_group = false;
+  bool history_narrow = false;   // Int2HistoryKernel in the narrow layout (groups of up to 4)
+  bool merge_per_group = false;  // MergeGroupKernel (else MergeHeadKernel)
+  bool tail_merge = false;       // the attention CTAs merge (MergeIfLastPart), no merge kernel
   int history_chunks = 0;
   int history_chunk_tokens = kChunkQuantum;
   int bf16_chunks = 0;
@@ -77,6 +81,9 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
       s.history_pool.block_stride < 0 || s.bf16_pool.block_stride < 0) {
     return absl::InvalidArgumentError("block strides must be 0 or a multiple of 16");
   }
+  if (s.tuning.max_history_chunk_tokens < 0) {
+    return absl::InvalidArgumentError("tuning.max_history_chunk_tokens must be >= 0");
+  }
   if (s.num_seqs < 1 || s.max_history_tokens < 0 || s.max_bf16_tokens < 0) {
     return absl::InvalidArgumentError("need num_seqs >= 1 and non-negative token bounds");
   }
@@ -99,19 +106,18 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
   return absl::OkStatus();
 }
 
-// Resident CTAs per SM of one attention kernel (0: INT2 history, 1: BF16 tiers, 2: INT2 history
-// version 2, 3: version 2 in the narrow layout), cached.
-absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, int which) {
+// Resident CTAs per SM of one attention kernel, cached.
+absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, AttentionKernelKind kind) {
   static std::atomic<int> cache[2][2][4] = {};
-  std::atomic<int>& slot = cache[d == 128 ? 1 : 0][two_tiles ? 1 : 0][which];
+  std::atomic<int>& slot = cache[d == 128 ? 1 : 0][two_tiles ? 1 : 0][static_cast<int>(kind)];
   int n = slot.load(std::memory_order_relaxed);
   if (n > 0) return n;
   if (d == 64) {
-    n = two_tiles ? internal::AttentionCtasPerSm<64, 2>(which)
-                  : internal::AttentionCtasPerSm<64, 1>(which);
+    n = two_tiles ? internal::AttentionCtasPerSm<64, 2>(kind)
+                  : internal::AttentionCtasPerSm<64, 1>(kind);
   } else {
-    n = two_tiles ? internal::AttentionCtasPerSm<128, 2>(which)
-                  : internal::AttentionCtasPerSm<128, 1>(which);
+    n = two_tiles ? internal::AttentionCtasPerSm<128, 2>(kind)
+                  : internal::AttentionCtasPerSm<128, 1>(kind);
   }
   if (n < 0) return CudaStatus(-n, "occupancy");
   n = std::max(n, 1);
@@ -119,11 +125,11 @@ absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, int which) {
   return n;
 }
 
-// Split of `tokens` per (sequence, KV head) pair into chunks (multiples of kChunkQuantum, at
-// least min_chunk, at most max_chunks of them) for `pairs` pairs on `cap` resident CTA slots:
+// Split of `tokens` per (sequence, KV head) pair into chunks (multiples of `quantum`, at least
+// min_chunk, at most max_chunks of them) for `pairs` pairs on `cap` resident CTA slots:
 // minimizes waves * (chunk + per-CTA overhead) + a small cost per part for the merge, i.e. the
-// length of the longest CTA queue, so that the last wave is not a partial one (the first H200
-// run had 1.45 waves at batch 32: every SM ran two rounds for 1.45 rounds of work).
+// length of the longest CTA queue, so that the last wave is not a partial one (NOTES.md, run 1;
+// run 8 checked the choice against forced smaller chunks).
 struct Split {
   int chunks = 0;
   int chunk_tokens = kChunkQuantum;
@@ -156,83 +162,17 @@ Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int
   return best;
 }
 
-// Longest INT2 history chunk (tokens per CTA; KVPOOL_ATTN_MAX_CHUNK overrides, 0 = none). The
-// tensor cores add each MMA's products into the fp32 accumulator with truncation below the
-// accumulator's ulp, so sum (P s) c is biased low by ~2^-24 x (tokens per accumulator) per
-// product, and the output, where sum p min and sum (P s) c nearly cancel, amplifies that: at batch
-// 32 x 128K (65K tokens per CTA, 16K per warp) the worst sampled output error was 0.0096-0.0121
-// against the 1e-2 bound, 0.0010 with chunks of ~7K tokens (H200, cuda_attention_test).
-int MaxHistoryChunkTokens() {
-  const char* v = std::getenv("KVPOOL_ATTN_MAX_CHUNK");
-  return v != nullptr ? std::max(0, std::atoi(v)) : 16384;
-}
-
-bool LegacySplit() {
-  const char* v = std::getenv("KVPOOL_ATTN_SPLIT");
-  return v != nullptr && std::string_view(v) == "legacy";
-}
-
-// KVPOOL_ATTN_HIST=v1 selects the first INT2 history kernel for every group size.
-bool HistoryV1() {
-  const char* v = std::getenv("KVPOOL_ATTN_HIST");
-  return v != nullptr && std::string_view(v) == "v1";
-}
-
-// KVPOOL_ATTN_BULK=0 makes the version 2 history kernel fill its shared-memory ring with
-// ordinary loads instead of asynchronous copies (for A/B runs).
-bool UseBulkCopies() {
-  const char* v = std::getenv("KVPOOL_ATTN_BULK");
-  return v == nullptr || std::string_view(v) != "0";
-}
-
-// The merge kernel: version 3 (a CTA per KV head group, reading M_V once per group; groups of
-// up to 8) once there are at least as many groups as SMs, else version 2 (a CTA per query head:
-// more CTAs for small batches). H200 A/B: batch 32 x 8K 108.0 -> 98.7 us and 32 x 128K 859 ->
-// 844 with version 3, but batch 1 x 8K 30.0 -> 35.6 and batch 8 x 32K 85.9 -> 87.4.
-// KVPOOL_ATTN_MERGE=v1|v2|v3 forces one (for A/B runs).
-int MergeVersion(int group, int64_t groups, int sms) {
-  const char* v = std::getenv("KVPOOL_ATTN_MERGE");
-  if (v != nullptr && std::string_view(v) == "v1") return 1;
-  if (v != nullptr && std::string_view(v) == "v2") return 2;
-  if (group > 8) return 2;
-  if (v != nullptr && std::string_view(v) == "v3") return 3;
-  return groups >= sms ? 3 : 2;
-}
-
-// KVPOOL_ATTN_OVERLAP=0 runs the BF16 tier kernel before the INT2 history kernel, as it was,
-// instead of beside it (for A/B runs).
-bool OverlapTiers() {
-  const char* v = std::getenv("KVPOOL_ATTN_OVERLAP");
-  return v == nullptr || std::string_view(v) != "0";
-}
-
-// Groups of up to 4 take the version 2 history kernel's narrow layout (tokens on the MMA M
-// dimension: no empty MMA rows or softmax lanes); KVPOOL_ATTN_NARROW=0 keeps the wide one (for A/B
-// runs).
-bool NarrowLayout() {
-  const char* v = std::getenv("KVPOOL_ATTN_NARROW");
-  return v == nullptr || std::string_view(v) != "0";
-}
-
-// The tail merge (version 2 history kernel, groups of up to 8, at least as many groups as SMs):
-// the CTA that writes the last part of a (sequence, KV head) merges its parts and un-rotates the
-// output, so the decode step is three kernels instead of four and each group's merge starts as
-// soon as its own parts are done. H200 A/B against the merge kernel (two runs each): batch 32 x
-// 8K 79.3-80.4 vs 81.9-84.0 us (hq32), 96.4 vs 98.2-98.8 (llama70b), 32 x 32K 245.0-245.2 vs
-// 246.5-249.2. With fewer groups it is slower: one 128-thread CTA merges a whole group where
-// the merge kernel spreads a group over CTAs that are resident and waiting (batch 1 x 8K 39.3
-// vs 29.9 us, 8 x 32K 91.9 vs 86.3). KVPOOL_ATTN_TAIL_MERGE=0 keeps the merge kernel, =1 takes
-// the tail merge for any number of groups (tests, A/B runs).
-bool TailMerge(int64_t groups, int sms) {
-  const char* v = std::getenv("KVPOOL_ATTN_TAIL_MERGE");
-  if (v != nullptr && std::string_view(v) == "0") return false;
-  if (v != nullptr && std::string_view(v) == "1") return true;
-  return groups >= sms;
-}
-
-bool UsePdl() {
-  const char* v = std::getenv("KVPOOL_ATTN_PDL");
-  return v == nullptr || std::string_view(v) != "0";
+// Whether a path under `choice` runs, `by_shape` being the measured rule.
+bool Takes(PathChoice choice, bool by_shape) {
+  switch (choice) {
+    case PathChoice::kAlways:
+      return true;
+    case PathChoice::kNever:
+      return false;
+    case PathChoice::kByShape:
+      break;
+  }
+  return by_shape;
 }
 
 absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
@@ -242,57 +182,40 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
   KVPOOL_RETURN_IF_ERROR(
       CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count"));
+  const AttentionTuning& tuning = s.tuning;
   const int kv_heads = s.history_pool.layout.kv_heads;
   const int head_dim = s.history_pool.layout.head_dim;
   Plan p;
   p.group = s.q_heads / kv_heads;
-  p.hist_v2 = p.group <= 8 && !HistoryV1();
-  p.hist_narrow = p.hist_v2 && p.group <= 4 && NarrowLayout();
+  p.large_group = p.group > kMaxHistoryGroup;
+  p.history_narrow = !p.large_group && p.group <= kMaxNarrowGroup && tuning.narrow_layout;
   const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
-  p.merge_version = MergeVersion(p.group, pairs, sms);
-  if (LegacySplit()) {
-    // The first version: about four CTAs per SM; chunks of at least 128 tokens.
-    const int64_t per_seq =
-        std::max<int64_t>(1, (4 * static_cast<int64_t>(sms) + pairs - 1) / pairs);
-    if (s.max_bf16_tokens > 0) {
-      p.bf16_chunk_tokens = std::max(
-          kChunkQuantum, RoundUp((s.max_bf16_tokens + per_seq - 1) / per_seq, kChunkQuantum));
-      p.bf16_chunks = (s.max_bf16_tokens + p.bf16_chunk_tokens - 1) / p.bf16_chunk_tokens;
-    }
-    if (s.max_history_tokens > 0) {
-      const int min_chunk = std::max<int>(
-          2 * kChunkQuantum, RoundUp((s.max_history_tokens + kMaxParts - p.bf16_chunks - 1) /
-                                         (kMaxParts - p.bf16_chunks),
-                                     kChunkQuantum));
-      p.history_chunk_tokens = std::max(
-          min_chunk, RoundUp((s.max_history_tokens + per_seq - 1) / per_seq, kChunkQuantum));
-      if (p.hist_v2) p.history_chunk_tokens = RoundUp(p.history_chunk_tokens, kV2Quantum);
-      p.history_chunks =
-          (s.max_history_tokens + p.history_chunk_tokens - 1) / p.history_chunk_tokens;
-    }
-  } else {
-    const bool two_tiles = p.group > 8;
-    if (s.max_bf16_tokens > 0) {
-      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles, 1));
-      const Split b = ChooseSplit(s.max_bf16_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                  kChunkQuantum, kMaxBf16Parts);
-      p.bf16_chunks = b.chunks;
-      p.bf16_chunk_tokens = b.chunk_tokens;
-    }
-    if (s.max_history_tokens > 0) {
-      KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, two_tiles,
-                                                          p.hist_narrow ? 3
-                                                          : p.hist_v2   ? 2
-                                                                        : 0));
-      const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                  2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
-                                  p.hist_v2 ? kV2Quantum : kChunkQuantum, MaxHistoryChunkTokens());
-      p.history_chunks = h.chunks;
-      p.history_chunk_tokens = h.chunk_tokens;
-    }
+  // A CTA per (sequence, KV head) group merges faster than the kernels that spread the merge
+  // over more CTAs only once those groups alone fill the SMs (NOTES.md, runs 7 and 8).
+  const bool groups_fill_sms = pairs >= sms;
+  p.merge_per_group = !p.large_group && Takes(tuning.group_merge, groups_fill_sms);
+  if (s.max_bf16_tokens > 0) {
+    KVPOOL_ASSIGN_OR_RETURN(const int per_sm,
+                            CtasPerSm(head_dim, p.large_group, AttentionKernelKind::kBf16Tiers));
+    const Split b = ChooseSplit(s.max_bf16_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+                                kChunkQuantum, kMaxBf16Parts);
+    p.bf16_chunks = b.chunks;
+    p.bf16_chunk_tokens = b.chunk_tokens;
+  }
+  if (s.max_history_tokens > 0) {
+    const AttentionKernelKind kind = p.large_group      ? AttentionKernelKind::kHistoryLargeGroup
+                                     : p.history_narrow ? AttentionKernelKind::kHistoryNarrow
+                                                        : AttentionKernelKind::kHistory;
+    KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, p.large_group, kind));
+    const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+                                2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
+                                p.large_group ? kChunkQuantum : kHistoryQuantum,
+                                tuning.max_history_chunk_tokens);
+    p.history_chunks = h.chunks;
+    p.history_chunk_tokens = h.chunk_tokens;
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
-  p.tail_merge = p.hist_v2 && p.group <= 8 && p.num_parts > 0 && TailMerge(pairs, sms);
+  p.tail_merge = !p.large_group && p.num_parts > 0 && Takes(tuning.tail_merge, groups_fill_sms);
   const size_t rows = static_cast<size_t>(s.num_seqs) * s.q_heads;
   const size_t d = s.history_pool.layout.head_dim;
   auto take = [&](size_t bytes) {
@@ -385,12 +308,13 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
   p.bf16_chunk_tokens = plan.bf16_chunk_tokens;
   p.out = io.out;
   p.lse = io.lse;
-  p.use_pdl = UsePdl() ? 1 : 0;
-  p.merge_version = plan.merge_version;
-  p.bf16_after_history =
-      p.use_pdl != 0 && plan.history_chunks > 0 && plan.bf16_chunks > 0 && OverlapTiers() ? 1 : 0;
-  p.hist_v2 = plan.hist_v2 ? 1 : 0;
-  p.hist_narrow = plan.hist_narrow ? 1 : 0;
+  p.use_pdl = shape.tuning.programmatic_launch ? 1 : 0;
+  p.merge_per_group = plan.merge_per_group ? 1 : 0;
+  p.bf16_after_history = p.use_pdl != 0 && plan.history_chunks > 0 && plan.bf16_chunks > 0 &&
+                                 shape.tuning.tiers_beside_history
+                             ? 1
+                             : 0;
+  p.history_narrow = plan.history_narrow ? 1 : 0;
   {
     // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment
     // (K codes, V codes, K meta, V meta) is laid out exactly like a stage, 16-byte aligned.
@@ -399,11 +323,12 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
     const bool stage_layout = g.tokens == 16 && g.head_segment_bytes == 32 * row + 128 &&
                               g.codes_offset[0] == 0 && g.codes_offset[1] == 16 * row &&
                               g.meta_offset[0] == 32 * row && g.meta_offset[1] == 32 * row + 64;
-    p.hist_bulk =
-        stage_layout && Aligned16(p.int2_pool) && g.block_bytes % 16 == 0 && UseBulkCopies() ? 1
-                                                                                             : 0;
+    p.history_async_copies = stage_layout && Aligned16(p.int2_pool) && g.block_bytes % 16 == 0 &&
+                                     shape.tuning.history_async_copies
+                                 ? 1
+                                 : 0;
   }
-  const bool two_tiles = plan.group > 8;
+  const bool two_tiles = plan.large_group;
   int err = 0;
   if (d == 64) {
     err = two_tiles ? internal::LaunchDecodeAttention<64, 2>(p, stream)

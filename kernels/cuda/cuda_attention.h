@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/codec_config.h"
 #include "kernels/cuda/cuda_codec.h"
+#include "kernels/cuda/kernel_tuning.h"
 
 namespace kvpool::cuda {
 
@@ -43,8 +44,8 @@ struct DecodeTier {
   const int32_t* num_tokens = nullptr;   // [num_seqs]
 };
 
-// What stays fixed between decode steps of a model and batch size: it decides the split of the
-// work and the workspace size.
+// What stays fixed between decode steps of a model and batch size: it decides the kernels, the
+// split of the work and the workspace size.
 struct DecodeAttentionShape {
   QuantConfig cfg;
   int q_heads = 0;
@@ -53,6 +54,7 @@ struct DecodeAttentionShape {
   int num_seqs = 0;
   int max_history_tokens = 0;  // upper bound of any sequence's history length
   int max_bf16_tokens = 0;     // upper bound of any sequence's sink + recent length
+  AttentionTuning tuning;      // the measured defaults unless a caller chooses otherwise
 };
 
 struct DecodeBatch {
@@ -74,7 +76,9 @@ struct DecodeIo {
 [[nodiscard]] absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(
     const DecodeAttentionShape& shape);
 
-// Enqueues the decode step on `stream` (4 kernel launches; capturable in a CUDA graph).
+// Enqueues the decode step on `stream` (two to four kernel launches: the query rotation, the
+// INT2 history and BF16 tier kernels of the tiers with work, and a merge kernel unless the
+// attention kernels merge; capturable in a CUDA graph).
 // InvalidArgument for inconsistent shapes or null pointers, Unimplemented for unsupported
 // settings, FailedPrecondition if `workspace_bytes` is too small. Token counts above the
 // shape's maxima are not detected (the excess tokens are ignored).

@@ -6,9 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -111,13 +109,6 @@ int ClipRank(float ratio, int head_dim) {
   return static_cast<int>(c);
 }
 
-// KVPOOL_ARRIVAL=v1 selects the first arrival kernel (one warp per row, CUDA-core rotation)
-// for every configuration.
-bool ArrivalV1() {
-  const char* v = std::getenv("KVPOOL_ARRIVAL");
-  return v != nullptr && std::string_view(v) == "v1";
-}
-
 // Paged input rows: BF16 pages of the destination's shape, and tables for a non-empty batch.
 absl::Status CheckPagedRows(const PagedRows& src, const BlockLayout& dst, const SequenceBatch& b) {
   const BlockLayout& l = src.kv.layout;
@@ -136,7 +127,8 @@ absl::Status CheckPagedRows(const PagedRows& src, const BlockLayout& dst, const 
 // The kernel parameters of one arrival call, after checking its arguments.
 absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const PagedKvView& kv,
                                               const SequenceBatch& batch, KvTensor tensor,
-                                              const ArrivalRows& in, uint32_t* error_word) {
+                                              const ArrivalRows& in, uint32_t* error_word,
+                                              const ArrivalTuning& tuning) {
   KVPOOL_RETURN_IF_ERROR(CheckModel(cfg, kv));
   KVPOOL_RETURN_IF_ERROR(CheckBatch(batch));
   if (error_word == nullptr) return absl::InvalidArgumentError("error_word is null");
@@ -171,7 +163,7 @@ absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const Page
   p.clip_rank = ClipRank(cfg.ClipRatio(tensor), kv.layout.head_dim);
   p.scale_is_bf16 = cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
   p.lloyd_max = cfg.method == QuantMethod::kLloydMax ? 1 : 0;
-  p.arrival_v2 = ArrivalV1() ? 0 : 1;
+  p.use_mma_kernel = tuning.mma_kernel ? 1 : 0;
   return p;
 }
 
@@ -186,36 +178,30 @@ int LaunchOne(const ArrivalParams& p, int head_dim, Stream stream) {
   }
 }
 
-// KVPOOL_ARRIVAL_FUSE=0 makes QuantizeOnArrivalJobs launch once per job (for A/B runs).
-bool FuseArrivalJobs() {
-  const char* v = std::getenv("KVPOOL_ARRIVAL_FUSE");
-  return v == nullptr || std::string_view(v) != "0";
-}
-
 }  // namespace
 
 absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
                                const SequenceBatch& batch, KvTensor tensor, const ArrivalRows& in,
-                               uint32_t* error_word, Stream stream) {
+                               uint32_t* error_word, Stream stream, const ArrivalTuning& tuning) {
   KVPOOL_ASSIGN_OR_RETURN(const ArrivalParams p,
-                          ArrivalParamsOf(cfg, kv, batch, tensor, in, error_word));
+                          ArrivalParamsOf(cfg, kv, batch, tensor, in, error_word, tuning));
   if (batch.total_rows == 0) return absl::OkStatus();
   return CudaStatus(LaunchOne(p, kv.layout.head_dim, stream), "QuantizeOnArrival launch");
 }
 
 absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* error_word,
-                                   Stream stream) {
+                                   Stream stream, const ArrivalTuning& tuning) {
   // Every job is checked before anything launches (bad input changes nothing).
   std::vector<std::pair<ArrivalParams, int>> all;  // (params, head_dim) of non-empty jobs
   for (const ArrivalJob& j : jobs) {
-    KVPOOL_ASSIGN_OR_RETURN(const ArrivalParams p,
-                            ArrivalParamsOf(j.cfg, j.kv, j.batch, j.tensor, j.in, error_word));
+    KVPOOL_ASSIGN_OR_RETURN(const ArrivalParams p, ArrivalParamsOf(j.cfg, j.kv, j.batch, j.tensor,
+                                                                   j.in, error_word, tuning));
     if (j.batch.total_rows > 0) all.emplace_back(p, j.kv.layout.head_dim);
   }
   if (all.empty()) return absl::OkStatus();
   const int d = all.front().second;
   bool fusable = (d == 64 || d == 128) &&
-                 all.size() <= static_cast<size_t>(internal::kMaxArrivalJobs) && FuseArrivalJobs();
+                 all.size() <= static_cast<size_t>(internal::kMaxArrivalJobs) && tuning.fuse_jobs;
   for (const auto& [p, dim] : all) fusable = fusable && dim == d;
   if (fusable) {
     internal::ArrivalJobsParams fused{};
@@ -234,7 +220,7 @@ absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* 
 
 absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
                              const SequenceBatch& to, const PagedRows& from, uint32_t* error_word,
-                             Stream stream) {
+                             Stream stream, const ArrivalTuning& tuning) {
   ArrivalJob jobs[2];
   for (int t = 0; t < 2; ++t) {
     jobs[t].cfg = cfg;
@@ -243,7 +229,7 @@ absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
     jobs[t].tensor = static_cast<KvTensor>(t);
     jobs[t].in.paged = &from;  // rotated already: identity rotation
   }
-  return QuantizeOnArrivalJobs(jobs, error_word, stream);
+  return QuantizeOnArrivalJobs(jobs, error_word, stream, tuning);
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include "absl/types/span.h"
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
+#include "kernels/cuda/kernel_tuning.h"
 
 struct CUstream_st;
 
@@ -81,11 +82,12 @@ struct ArrivalRows {
 // InvalidArgument at once for bad shapes or settings (then nothing is enqueued). Data errors found
 // by the kernel (a non-finite rotated row, a scale or min overflowing the 16-bit type, a block id
 // outside [0, num_blocks)) are ORed into the device word `error_word` and reported by
-// TakeCodecErrors; such a row's slot is left unwritten, all other rows are written.
+// TakeCodecErrors; such a row's slot is left unwritten, all other rows are written. `tuning`
+// chooses between kernels with equal results (kernel_tuning.h).
 [[nodiscard]] absl::Status QuantizeOnArrival(const QuantConfig& cfg, const PagedKvView& kv,
                                              const SequenceBatch& batch, KvTensor tensor,
                                              const ArrivalRows& in, uint32_t* error_word,
-                                             Stream stream);
+                                             Stream stream, const ArrivalTuning& tuning = {});
 
 // One QuantizeOnArrival call's arguments.
 struct ArrivalJob {
@@ -96,22 +98,25 @@ struct ArrivalJob {
   ArrivalRows in;
 };
 
-// QuantizeOnArrival for every job, in one launch when they all take the version 2 kernel at
-// one head dim (at most 6 jobs: a chunk's K and V of its sink, history and recent runs), else
-// one launch per job. Each launch has a fixed cost of ~17 us on the H200 (most of a small
-// chunk's time before). The jobs must write disjoint rows; the results equal per-job calls.
+// QuantizeOnArrival for every job, in one launch when they all take the tensor-core arrival
+// kernel at one head dim (at most 6 jobs: a chunk's K and V of its sink, history and recent
+// runs), else one launch per job: a launch has a fixed cost that is most of a small chunk's
+// arrival time (kernels/cuda/NOTES.md, run 6). The jobs must write disjoint rows; the results
+// equal per-job calls.
 [[nodiscard]] absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs,
-                                                 uint32_t* error_word, Stream stream);
+                                                 uint32_t* error_word, Stream stream,
+                                                 const ArrivalTuning& tuning = {});
 
 // Demotion of recent-window tokens: re-quantizes the BF16 rows `from` (already rotated, so no
 // rotation) into their history slots named by `to`, K and V, in one launch for any number of
 // sequences and layers (a layer's blocks are just other block ids; two launches for the
-// configurations that the version 2 arrival kernel does not take). Codes equal QuantizeOnArrival
-// of the same rows with the identity rotation. Errors as for QuantizeOnArrival; a block id of
-// `from` outside its pool is reported like one of `to`.
+// configurations that the tensor-core arrival kernel does not take). Codes equal
+// QuantizeOnArrival of the same rows with the identity rotation. Errors as for QuantizeOnArrival;
+// a block id of `from` outside its pool is reported like one of `to`.
 [[nodiscard]] absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
                                            const SequenceBatch& to, const PagedRows& from,
-                                           uint32_t* error_word, Stream stream);
+                                           uint32_t* error_word, Stream stream,
+                                           const ArrivalTuning& tuning = {});
 
 // Dequantizes the stored rows named by `batch` (tokens first_token[i] + r, r in
 // [0, row_offsets[i+1] - row_offsets[i])) to BF16 [total_rows][Hkv][D] in the rotated basis:

@@ -81,13 +81,14 @@ struct Case {
   bool rotate;
   bool sparse;              // rows mostly (signed) zeros: ties in clip and min/max
   bool long_batch = false;  // add a 6000-token sequence (many row tiles per warp)
+  bool row_kernel = false;  // every configuration through ArrivalRowKernel (no mma_kernel)
 };
 
 std::string Name(const Case& c) {
   return absl::StrCat("D", c.head_dim, "_H", c.kv_heads, "_b", c.bits, "_G", c.group_size, "_",
                       ScaleDtypeName(c.scale), "_", QuantMethodName(c.method),
                       c.rotate ? "_rot" : "_id", c.sparse ? "_sparse" : "",
-                      c.long_batch ? "_long" : "");
+                      c.long_batch ? "_long" : "", c.row_kernel ? "_row_kernel" : "");
 }
 
 // Three sequences with lengths that are not multiples of the block size, first tokens inside a
@@ -209,7 +210,9 @@ void RunCase(const Case& c) {
     // Poison the pool so that unwritten bytes are visible.
     CUDA_ASSERT(cudaMemset(pool.get(), 0xa5, pool.size()));
     const ArrivalRows in{d_rows.get(), c.rotate ? d_rotation.get() : nullptr, d_rotated.get()};
-    ASSERT_TRUE(QuantizeOnArrival(cfg, kv, batch, t, in, d_err.get(), nullptr).ok());
+    ArrivalTuning tuning;
+    tuning.mma_kernel = !c.row_kernel;
+    ASSERT_TRUE(QuantizeOnArrival(cfg, kv, batch, t, in, d_err.get(), nullptr, tuning).ok());
     const absl::Status arrival = TakeCodecErrors(d_err.get(), nullptr);
     ASSERT_TRUE(arrival.ok()) << arrival;
     ASSERT_TRUE(DequantizeToBf16(cfg, kv, batch, t, d_dequant.get(), d_err.get(), nullptr).ok());
@@ -313,22 +316,13 @@ TEST_F(CudaCodecTest, Int2Head128MatchesCpuBitForBit) {
   RunCase({128, 2, 2, 0, ScaleDtype::kBf16, QuantMethod::kUniform, false, false});
 }
 
-// Selects the first arrival kernel (KVPOOL_ARRIVAL=v1) for the scope.
-class ScopedArrivalV1 {
- public:
-  ScopedArrivalV1() { setenv("KVPOOL_ARRIVAL", "v1", 1); }
-  ~ScopedArrivalV1() { unsetenv("KVPOOL_ARRIVAL"); }
-  ScopedArrivalV1(const ScopedArrivalV1&) = delete;
-  ScopedArrivalV1& operator=(const ScopedArrivalV1&) = delete;
-};
-
-// Version 2 over many row tiles per warp (persistent grid), and version 1 kept selectable.
-TEST_F(CudaCodecTest, Int2LongBatchAndArrivalVersion1) {
+// The tensor-core arrival kernel over many row tiles per warp (persistent grid), and the
+// warp-per-row kernel on configurations that the tensor-core kernel takes by default.
+TEST_F(CudaCodecTest, Int2LongBatchAndRowKernel) {
   RunCase({128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false, true});
   RunCase({64, 3, 2, 0, ScaleDtype::kBf16, QuantMethod::kUniform, true, false, true});
-  ScopedArrivalV1 v1;
-  RunCase({128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false});
-  RunCase({128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, false, true});
+  RunCase({128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false, false, true});
+  RunCase({128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, false, true, false, true});
 }
 
 TEST_F(CudaCodecTest, Int2Head64MatchesCpuBitForBit) {
@@ -474,8 +468,9 @@ struct DevicePlan {
 
 // DemoteToHistory (K and V of every sequence in one call, read straight from BF16 pages) writes
 // exactly what QuantizeOnArrival writes from the same rows as flat input with the identity
-// rotation (checked against the CPU codec above), for the version 2 kernel (INT2, G = D) and the
-// version 1 paths; source and destination slots differ (other first tokens, other blocks).
+// rotation (checked against the CPU codec above), for the tensor-core kernel (INT2, G = D) and
+// the warp-per-row kernel (smaller groups, INT4); source and destination slots differ (other
+// first tokens, other blocks).
 TEST_F(CudaCodecTest, DemotionFromBf16PagesEqualsArrivalOfTheSameRows) {
   struct DemotionCase {
     int d, kv_heads, bits, group;

@@ -1,18 +1,24 @@
 // INT2 paged decode attention on tensor cores (docs/oscar-method.md section 11, attention.h).
 //
-// One decode step of one layer is four launches on one stream:
+// One decode step of one layer is up to four launches on one stream:
 //   1. RotateQueriesKernel   q' = q * M_K for each (sequence, KV head group); also the sum and
 //                            a power-of-two scale of every rotated query.
 //   2. Bf16TierKernel        attention over the BF16 sink + recent tokens, split in chunks.
-//   3. Int2HistoryKernel     attention over the INT2 history, split-K in chunks.
-//   4. MergeKernel           exact log-sum-exp merge of all chunks, o = o' * M_V^T (version 2:
-//                            a CTA per query head; version 3, merge_v3.cuh: a CTA per group).
-// Every chunk CTA writes a normalized partial output and its log2-sum-exp (-inf when empty),
-// so no scratch needs clearing.
+//   3. INT2 history          attention over the INT2 history, split-K in chunks:
+//                            Int2HistoryKernel (int2_history.cuh) for GQA groups of up to 8,
+//                            Int2HistoryLargeGroupKernel (below) for groups of 9 to 16.
+//   4. Merge                 exact log-sum-exp merge of all chunks, o = o' * M_V^T:
+//                            MergeHeadKernel (a CTA per query head, below) or MergeGroupKernel
+//                            (a CTA per KV head group, merge_group.cuh); none when the attention
+//                            CTAs merge (the tail merge, MergeIfLastPart).
+// Kernels 2 and 3 run only for tiers with work; cuda_attention.cc chooses the kernels and the
+// split. Every chunk CTA writes a normalized partial output and its log2-sum-exp (-inf when
+// empty), so no scratch needs clearing.
 //
-// The attention CTAs (4 warps) work on 16-token tiles with mma.m16n8k16 (fp16 in, fp32 acc):
-//   S^T[16 tokens x 8 queries] = K[16 x D] * Q^T          (tokens are the M dimension, the GQA
-//   O^T[D x 8 queries]       += V^T[D x 16] * (P * s)^T    group of up to 8 queries is N)
+// Bf16TierKernel and Int2HistoryLargeGroupKernel (4 warps) work on 16-token tiles with
+// mma.m16n8k16 (fp16 in, fp32 acc):
+//   S^T[16 tokens x 8 queries] = K[16 x D] * Q^T          (tokens are the M dimension, up to 8
+//   O^T[D x 8 queries]       += V^T[D x 16] * (P * s)^T    queries of the group are N)
 // INT2 tier: the 2-bit codes become fp16 subnormals with one AND (mma.cuh ExtractCodes), the
 // scale and minimum stay out of the inner loop:
 //   q . k_t = s_t (q . c_t) + m_t sum(q)        sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t m_t
@@ -107,11 +113,11 @@ struct VCodeOperands {
   }
 };
 
-// Programmatic dependent launch (PDL): kernels 2-4 are launched with programmatic stream
-// serialization, so each can be scheduled while its predecessor still runs. Every CTA of every
-// kernel executes GridDependencyWait() before it touches anything a predecessor writes (and
-// before it exits), which keeps the chain transitive: kernel k+1 waits for kernel k, which
-// waited for kernel k-1. Both are no-ops when the kernel was launched without the attribute.
+// Programmatic dependent launch (PDL): the kernels after the query rotation are launched with
+// programmatic stream serialization, so each can be scheduled while its predecessor still runs.
+// Every CTA of every kernel executes GridDependencyWait() before it touches anything a predecessor
+// writes (and before it exits), which keeps the chain transitive: kernel k+1 waits for kernel k,
+// which waited for kernel k-1. Both are no-ops when the kernel was launched without the attribute.
 // One exception (bf16_after_history, the default when both tiers have work): the BF16 tier
 // kernel is launched after the INT2 history kernel and runs beside it, waiting for it only
 // before it exits (Bf16TierKernel says why that is safe).
@@ -366,9 +372,12 @@ __device__ __forceinline__ void WritePartial(WarpState<kD, kNT>& st, const Atten
 }
 
 // ---------------------------------------------------------------------------------------------
-// 3. INT2 history. Grid (history_chunks, kv_heads, num_seqs).
+// 3. INT2 history for GQA groups of 9 to 16 (kNT = 2 n-tiles of 8 queries; smaller groups take
+// Int2HistoryKernel). Grid (history_chunks, kv_heads, num_seqs); a register double buffer of one
+// tile per warp plus an L2 prefetch kPrefetchTiles tiles ahead.
 template <int kD, int kNT>
-__global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kAttnThreads)
+    Int2HistoryLargeGroupKernel(const AttentionParams p) {
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
   constexpr int kKWords = kD / 64;  // 32-bit K code words per token per lane
@@ -641,7 +650,7 @@ __global__ void __launch_bounds__(kAttnThreads) Int2HistoryKernel(const Attentio
 
 }  // namespace kvpool::cuda::internal
 
-#include "kernels/cuda/merge_v3.cuh"  // IWYU pragma: keep
+#include "kernels/cuda/merge_group.cuh"  // IWYU pragma: keep
 
 namespace kvpool::cuda::internal {
 
@@ -832,140 +841,31 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
 
 }  // namespace kvpool::cuda::internal
 
-#include "kernels/cuda/int2_history_v2.cuh"  // IWYU pragma: keep
+#include "kernels/cuda/int2_history.cuh"  // IWYU pragma: keep
 
 namespace kvpool::cuda::internal {
 
 // ---------------------------------------------------------------------------------------------
-// 4. Merge of all parts and un-rotation. Grid (kv_heads, num_seqs), kMergeThreads threads.
-//   a. warp n < group: max and weights w_k = exp2(lse_k - max) / sum of query n's parts;
-//   b. thread (slice, item): item = (query, 4 dims), sums w_k * part_k over parts
-//      k = slice, slice + slices, ... (independent 16-byte loads), slices added in order;
-//   c. thread (sub, j): out[n][j] = sum_i o'[n][i] * M_V[j][i] for queries n = sub + k * subs.
-inline constexpr int kMergeThreads = 512;
-
-template <int kD>
-__global__ void __launch_bounds__(kMergeThreads) MergeKernel(const AttentionParams p) {
-  constexpr int kVec = kD / 4;  // float4 columns per query
-  constexpr int kSubs = kMergeThreads / kD;
-  constexpr int kQPerThread = 16 / kSubs;
-  __shared__ float wts[16][kMaxParts];
-  __shared__ float4 part_acc[kMergeThreads];
-  __shared__ __align__(16) float o_rot[16][kD];
-  const int b = blockIdx.y;
-  const int head0 = blockIdx.x * p.group;
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  const int parts = p.num_parts;
-  const int64_t row0 = static_cast<int64_t>(b) * p.q_heads + head0;
-  GridDependencyWait();
-  if (warp < p.group) {
-    const float* lse = p.part_lse + (row0 + warp) * parts;
-    float m_all = kNegInf;
-    for (int k = lane; k < parts; k += kWarpSize) m_all = fmaxf(m_all, lse[k]);
-    for (int o = 16; o >= 1; o >>= 1) m_all = fmaxf(m_all, __shfl_xor_sync(kFullMask, m_all, o));
-    float l = 0.f;
-    for (int k = lane; k < parts; k += kWarpSize) {
-      const float e = m_all == kNegInf ? 0.f : exp2f(lse[k] - m_all);
-      wts[warp][k] = e;
-      l += e;
-    }
-    for (int o = 16; o >= 1; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    __syncwarp();
-    for (int k = lane; k < parts; k += kWarpSize) wts[warp][k] *= inv;
-    if (lane == 0) {
-      p.lse[row0 + warp] = m_all == kNegInf ? kNegInf : (m_all + log2f(l)) * 0.69314718055994531f;
-    }
-  }
-  __syncthreads();
-  const int items = p.group * kVec;
-  const int slices = kMergeThreads / items;
-  const int slice = threadIdx.x / items;
-  const int item = threadIdx.x % items;
-  if (slice < slices) {
-    const int n = item / kVec;
-    const float4* src =
-        reinterpret_cast<const float4*>(p.part_out + (row0 + n) * parts * kD) + item % kVec;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int k = slice; k < parts; k += slices) {
-      const float w = wts[n][k];
-      const float4 v = __ldg(src + static_cast<int64_t>(k) * kVec);
-      FmaFloat4(acc, w, v);
-    }
-    part_acc[threadIdx.x] = acc;
-  }
-  __syncthreads();
-  if (threadIdx.x < items) {
-    float4 o = part_acc[threadIdx.x];
-    for (int s = 1; s < slices; ++s) {
-      const float4 v = part_acc[s * items + threadIdx.x];
-      AddFloat4(o, v);
-    }
-    *reinterpret_cast<float4*>(&o_rot[item / kVec][4 * (item % kVec)]) = o;
-  }
-  __syncthreads();
-  const int sub = threadIdx.x / kD;
-  const int j = threadIdx.x % kD;
-  float acc[kQPerThread];
-#pragma unroll
-  for (int q = 0; q < kQPerThread; ++q) acc[q] = 0.f;
-  if (p.rotation_v != nullptr) {
-    // o = o' * M_V^T: o[j] = sum_i o'[i] * M_V[j][i].
-    const float* mrow = p.rotation_v + static_cast<int64_t>(j) * kD;
-#pragma unroll 8
-    for (int i = 0; i < kD; i += 4) {
-      const float4 m = __ldg(reinterpret_cast<const float4*>(mrow + i));
-#pragma unroll
-      for (int q = 0; q < kQPerThread; ++q) {
-        const int n = sub + q * kSubs;
-        if (n < p.group) {
-          const float4 o = *reinterpret_cast<const float4*>(&o_rot[n][i]);
-          float a = acc[q];
-          a = __fmaf_rn(o.x, m.x, a);
-          a = __fmaf_rn(o.y, m.y, a);
-          a = __fmaf_rn(o.z, m.z, a);
-          a = __fmaf_rn(o.w, m.w, a);
-          acc[q] = a;
-        }
-      }
-    }
-  } else {
-#pragma unroll
-    for (int q = 0; q < kQPerThread; ++q) {
-      const int n = sub + q * kSubs;
-      if (n < p.group) acc[q] = o_rot[n][j];
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < kQPerThread; ++q) {
-    const int n = sub + q * kSubs;
-    if (n < p.group) p.out[(row0 + n) * kD + j] = acc[q];
-  }
-}
-
-// 4'. Merge, version 2 (the default; KVPOOL_ATTN_MERGE=v1 selects the one above). Grid
-// (q_heads, num_seqs), kMergeV2Threads threads: one query head per CTA (group times the CTAs of
-// version 1) and each phase's loads issued together, so that a small batch pays a few L2 round
-// trips instead of version 1's chains of them (28 us at batch 1 on the H200, under ncu):
+// 4. Merge of all parts and un-rotation, a CTA per query head: the merge kernel for groups of 9
+// to 16 and, for smaller groups, while there are fewer (sequence, KV head) groups than SMs
+// (more CTAs than MergeGroupKernel; NOTES.md, run 7). Grid (q_heads, num_seqs),
+// kMergeHeadThreads threads; each phase's loads are issued together, so that a small batch pays
+// a few L2 round trips instead of chains of them (NOTES.md, run 5):
 //   a. thread k < parts loads lse_k; block max and sum; w_k = exp2(lse_k - max) / sum;
 //   b. thread (slice, c) sums w_k * part_k[4c .. 4c + 3] over k = slice, slice + slices, ...,
 //      the slices are added in a fixed order;
 //   c. out[j] = sum_i o'[i] * M_V[j][i]: a warp takes rows j, its lanes run along i (coalesced
 //      rows of M_V, every row's load in flight at once), a shuffle sum per row.
-// (Several heads per CTA, to read M_V fewer times at large batches, was slower: 168 us against
-// 125 us at batch 32 x 8K, the heads' latency chains in series.)
-inline constexpr int kMergeV2Threads = 256;
+inline constexpr int kMergeHeadThreads = 256;
 
 template <int kD>
-__global__ void __launch_bounds__(kMergeV2Threads) MergeKernelV2(const AttentionParams p) {
+__global__ void __launch_bounds__(kMergeHeadThreads) MergeHeadKernel(const AttentionParams p) {
   constexpr int kVec = kD / 4;  // float4 columns of a row
-  constexpr int kSlices = kMergeV2Threads / kVec;
-  constexpr int kWarps = kMergeV2Threads / kWarpSize;
+  constexpr int kSlices = kMergeHeadThreads / kVec;
+  constexpr int kWarps = kMergeHeadThreads / kWarpSize;
   constexpr int kRowsPerPass = kWarpSize / kVec;  // rows of M_V one warp load covers
   constexpr int kPasses = kD / kWarps / kRowsPerPass;
-  static_assert(kMaxParts <= kMergeV2Threads, "one part per thread in phase a");
+  static_assert(kMaxParts <= kMergeHeadThreads, "one part per thread in phase a");
   __shared__ float wts[kMaxParts];
   __shared__ float red[kWarps];
   __shared__ float4 part_acc[kSlices][kVec];
@@ -1096,29 +996,28 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
   if (p.bf16_after_history == 0) bf16_tiers();
   if (err == cudaSuccess && p.history_chunks > 0) {
     const dim3 grid(p.history_chunks, p.kv_heads, p.num_seqs);
-    if (kGroupTiles == 1 && p.hist_v2 != 0) {
-      auto kernel = p.hist_narrow != 0
-                        ? (p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true, true>
-                                                : Int2HistoryKernelV2<kD, false, true>)
-                        : (p.scale_is_bf16 != 0 ? Int2HistoryKernelV2<kD, true, false>
-                                                : Int2HistoryKernelV2<kD, false, false>);
-      err = LaunchAttentionKernel(kernel, grid, kAttnThreads, pdl, p, stream, kV2SmemBytes<kD>);
+    if constexpr (kGroupTiles == 1) {
+      auto kernel = p.history_narrow != 0
+                        ? (p.scale_is_bf16 != 0 ? Int2HistoryKernel<kD, true, true>
+                                                : Int2HistoryKernel<kD, false, true>)
+                        : (p.scale_is_bf16 != 0 ? Int2HistoryKernel<kD, true, false>
+                                                : Int2HistoryKernel<kD, false, false>);
+      err =
+          LaunchAttentionKernel(kernel, grid, kAttnThreads, pdl, p, stream, kHistorySmemBytes<kD>);
     } else {
-      err = LaunchAttentionKernel(Int2HistoryKernel<kD, kGroupTiles>, grid, kAttnThreads, pdl, p,
-                                  stream);
+      err = LaunchAttentionKernel(Int2HistoryLargeGroupKernel<kD, kGroupTiles>, grid, kAttnThreads,
+                                  pdl, p, stream);
     }
   }
   if (p.bf16_after_history != 0) bf16_tiers();
   if (err == cudaSuccess) {
     if (p.merge_counters != nullptr) {
       // Tail merge: the attention kernels merged every pair.
-    } else if (kGroupTiles == 1 && p.merge_version == 3) {
-      err = LaunchAttentionKernel(MergeKernelV3<kD>, groups, kMergeV3Threads, pdl, p, stream);
-    } else if (p.merge_version == 1) {
-      err = LaunchAttentionKernel(MergeKernel<kD>, groups, kMergeThreads, pdl, p, stream);
+    } else if (kGroupTiles == 1 && p.merge_per_group != 0) {
+      err = LaunchAttentionKernel(MergeGroupKernel<kD>, groups, kMergeGroupThreads, pdl, p, stream);
     } else {
-      err = LaunchAttentionKernel(MergeKernelV2<kD>, dim3(p.q_heads, p.num_seqs), kMergeV2Threads,
-                                  pdl, p, stream);
+      err = LaunchAttentionKernel(MergeHeadKernel<kD>, dim3(p.q_heads, p.num_seqs),
+                                  kMergeHeadThreads, pdl, p, stream);
     }
   }
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -1126,20 +1025,25 @@ int LaunchDecodeAttention(const AttentionParams& p, CUstream_st* stream) {
 }
 
 template <int kD, int kGroupTiles>
-int AttentionCtasPerSm(int which) {
+int AttentionCtasPerSm(AttentionKernelKind kind) {
   int n = 0;
-  cudaError_t err = cudaSuccess;
-  if (which == 0) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Int2HistoryKernel<kD, kGroupTiles>,
-                                                        kAttnThreads, 0);
-  } else if (which == 1) {
+  cudaError_t err = cudaErrorInvalidValue;
+  if (kind == AttentionKernelKind::kBf16Tiers) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Bf16TierKernel<kD, kGroupTiles>,
                                                         kAttnThreads, 0);
+  } else if constexpr (kGroupTiles == 1) {
+    if (kind != AttentionKernelKind::kHistoryLargeGroup) {
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &n,
+          kind == AttentionKernelKind::kHistoryNarrow ? Int2HistoryKernel<kD, false, true>
+                                                      : Int2HistoryKernel<kD, false, false>,
+          kAttnThreads, kHistorySmemBytes<kD>);
+    }
   } else {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n,
-        which == 3 ? Int2HistoryKernelV2<kD, false, true> : Int2HistoryKernelV2<kD, false, false>,
-        kAttnThreads, kV2SmemBytes<kD>);
+    if (kind == AttentionKernelKind::kHistoryLargeGroup) {
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &n, Int2HistoryLargeGroupKernel<kD, kGroupTiles>, kAttnThreads, 0);
+    }
   }
   return err == cudaSuccess ? n : -static_cast<int>(err);
 }

@@ -5,7 +5,7 @@ namespace kvpool::cuda::internal {
 
 template int LaunchDecodeAttention<128, 1>(const AttentionParams& p, CUstream_st* stream);
 template int LaunchDecodeAttention<128, 2>(const AttentionParams& p, CUstream_st* stream);
-template int AttentionCtasPerSm<128, 1>(int which);
-template int AttentionCtasPerSm<128, 2>(int which);
+template int AttentionCtasPerSm<128, 1>(AttentionKernelKind kind);
+template int AttentionCtasPerSm<128, 2>(AttentionKernelKind kind);
 
 }  // namespace kvpool::cuda::internal

@@ -7,6 +7,12 @@
 //   gpu_bench --out bench-results/gpu-kernels.json [--quick]
 //       [--skip-codec] [--model NAME] [--batch B]... [--context TOKENS]...   (a subset, e.g. for
 //       ncu)
+//       [--programmatic_launch=0|1] [--history_chunk_tokens=N] [--tiers_beside_history=0|1]
+//       [--history_async_copies=0|1] [--narrow_layout=0|1] [--group_merge=by_shape|always|never]
+//       [--tail_merge=by_shape|always|never] [--arrival_mma_kernel=0|1] [--arrival_fuse_jobs=0|1]
+//
+// The tuning flags set the fields of kernels/cuda/kernel_tuning.h for every row (tests/gpu/run.sh
+// ab passes them for its A/B variants); the variant rows below change one field on top of them.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -16,10 +22,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
-#include <optional>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -27,6 +31,7 @@
 #include "kernels/codec_config.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
+#include "kernels/cuda/kernel_tuning.h"
 #include "kernels/cuda/testing_fill.h"
 #include "kernels/rotation.h"
 
@@ -115,7 +120,7 @@ double CopyBandwidthGBs(cudaStream_t stream) {
 }
 
 // Rotate + clip + quantize on arrival, and dequantize, for Hkv = 8, D = 128.
-void BenchCodec(cudaStream_t stream, double copy_gbs) {
+void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base) {
   constexpr int kHkv = 8, kD = 128, kTokens = 64 * 1024, kSets = 4;
   QuantConfig cfg;
   const BlockLayout layout = BlockLayout::ForModel(cfg, kHkv, kD);
@@ -149,24 +154,25 @@ void BenchCodec(cudaStream_t stream, double copy_gbs) {
   const double in_bytes = rows_per_set * 2.0;
   const double out_bytes = static_cast<double>(kTokens) * kHkv *
                            (layout.code_bytes_per_row() + layout.meta_bytes_per_row());
-  // Version 2 (default), then the first arrival kernel (KVPOOL_ARRIVAL=v1) as an A/B row.
+  // Rotated and identity with the given tuning, then rotated on the warp-per-row kernel (the
+  // tensor-core kernel off) as an A/B row.
   for (const int variant : {0, 1, 2}) {
     const bool rotate = variant != 1;
-    const bool v1 = variant == 2;
-    if (v1) setenv("KVPOOL_ARRIVAL", "v1", 1);
+    const bool row_kernel = variant == 2;
+    ArrivalTuning tuning = base;
+    if (row_kernel) tuning.mma_kernel = false;
     const double us = TimeUs(stream, 5, 40, [&](int i) {
       const int s = i % kSets;
       Check(QuantizeOnArrival(
                 cfg, kv, batch_for(s), KvTensor::kKey,
                 ArrivalRows{rows + s * rows_per_set, rotate ? rotation : nullptr, nullptr}, err,
-                stream),
+                stream, tuning),
             "quantize");
     });
     const double floor_us = (in_bytes + out_bytes) / (copy_gbs * 1e9) * 1e6;
-    unsetenv("KVPOOL_ARRIVAL");
-    g_results.push_back({v1       ? "quantize_on_arrival_rotated_v1"
-                         : rotate ? "quantize_on_arrival_rotated"
-                                  : "quantize_on_arrival_identity",
+    g_results.push_back({row_kernel ? "quantize_on_arrival_rotated_row_kernel"
+                         : rotate   ? "quantize_on_arrival_rotated"
+                                    : "quantize_on_arrival_identity",
                          "{\"Hkv\": 8, \"D\": 128, \"tokens\": 65536, \"bits\": 2}",
                          in_bytes / (us * 1e-6) / 1e9, "GB/s of BF16 input", "copy_bandwidth_GBs",
                          copy_gbs, in_bytes / (us * 1e-6) / 1e9 / copy_gbs});
@@ -208,7 +214,7 @@ void BenchCodec(cudaStream_t stream, double copy_gbs) {
 // BF16 page into an INT2 history block (32 sequences x 80 layers, Hkv = 8, D = 128, shuffled
 // blocks), K and V. One DemoteToHistory launch against the path it replaced in the same run:
 // dequantize the pages to a staging buffer, then quantize it, per tensor (four launches).
-void BenchDemotion(cudaStream_t stream, double copy_gbs) {
+void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tuning) {
   constexpr int kHkv = 8, kD = 128, kRuns = 32 * 80, kTokens = 16;
   QuantConfig cfg;
   QuantConfig bypass = cfg;
@@ -244,13 +250,14 @@ void BenchDemotion(cudaStream_t stream, double copy_gbs) {
   }
   const PagedRows from{page_view, d_first, d_src, 1};
   const double fused_us = TimeUs(stream, 5, 40, [&](int) {
-    Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream), "demote");
+    Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning), "demote");
   });
   const double staged_us = TimeUs(stream, 5, 40, [&](int) {
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       Check(DequantizeToBf16(bypass, page_view, from_batch, t, staging, err, stream), "dequant");
-      Check(QuantizeOnArrival(cfg, hist_view, to_batch, t, ArrivalRows{staging}, err, stream),
-            "quantize");
+      Check(
+          QuantizeOnArrival(cfg, hist_view, to_batch, t, ArrivalRows{staging}, err, stream, tuning),
+          "quantize");
     }
   });
   Check(TakeCodecErrors(err, stream), "codec errors");
@@ -277,19 +284,16 @@ struct Model {
 };
 
 // One model's pools, filled once (32 sequences of 128K history tokens of capacity), shared by
-// all batch sizes and contexts of that model.
-// With `ab`, batch 1 x 8K and batch 32 x 128K also run as A/B variants (environment knobs of
-// cuda_attention.cc): "no_pdl" (no programmatic dependent launch), "legacy_split" (the first
-// version's split of the work) and "ordinary_loads" (the version 2 history kernel without
-// asynchronous copies); every model runs "hist_v1" (the first INT2 history kernel) at batch 32 x
-// 128K and batch 8 x 32K, "merge_kernel" (a merge kernel after the attention kernels instead of
-// the tail merge, the default from as many KV head groups as SMs) at batch 32, and
-// "tiers_in_sequence" (the BF16
-// tier kernel before the INT2 history instead of beside it) at batch 1 and at batch 8 x 32K.
-// Those results are named int2_decode_attention_variant.
+// all batch sizes and contexts of that model. Every row runs with `base`; some shapes also run
+// variants that change one field of it (results named int2_decode_attention_variant):
+// "tiers_in_sequence" (the BF16 tier kernel before the INT2 history instead of beside it) at
+// batch 1 and at batch 8 x 32K, "merge_kernel" (a merge kernel after the attention kernels
+// instead of the tail merge, which runs from as many KV head groups as SMs) at batch 32, and,
+// with `ab`, at batch 1 x 8K and batch 32 x 128K: "no_pdl" (no programmatic dependent launch)
+// and "ordinary_loads" (the INT2 history kernel without asynchronous copies).
 void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
                     const std::vector<int>& batches, const std::vector<int>& contexts,
-                    bool ab = false) {
+                    const AttentionTuning& base, bool ab) {
   constexpr int kSink = 64, kRecent = 256, kT = 16;
   constexpr int64_t kCapacityTokens = int64_t{32} * 128 * 1024;
   constexpr int kMaxSets = 32;
@@ -397,31 +401,16 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       std::vector<std::string> variants{""};
       if (ab && ((b == 1 && ctx == 8192) || (b == 32 && ctx == 131072))) {
         variants.push_back("no_pdl");
-        variants.push_back("legacy_split");
         variants.push_back("ordinary_loads");
-      }
-      if ((b == 32 && ctx == 131072) || (b == 8 && ctx == 32768) || (ab && b == 1 && ctx == 8192)) {
-        variants.push_back("hist_v1");
       }
       if (b == 32) variants.push_back("merge_kernel");
       if (b == 1 || (b == 8 && ctx == 32768)) variants.push_back("tiers_in_sequence");
       for (const std::string& variant : variants) {
-        // A variant sets one knob for its own row; the caller's environment (an A/B run's
-        // setting) is back for the next row.
-        const std::pair<const char*, const char*> knob =
-            variant == "no_pdl"           ? std::pair{"KVPOOL_ATTN_PDL", "0"}
-            : variant == "legacy_split"   ? std::pair{"KVPOOL_ATTN_SPLIT", "legacy"}
-            : variant == "hist_v1"        ? std::pair{"KVPOOL_ATTN_HIST", "v1"}
-            : variant == "ordinary_loads" ? std::pair{"KVPOOL_ATTN_BULK", "0"}
-            : variant == "merge_kernel"   ? std::pair{"KVPOOL_ATTN_TAIL_MERGE", "0"}
-            : variant == "tiers_in_sequence"
-                ? std::pair{"KVPOOL_ATTN_OVERLAP", "0"}
-                : std::pair<const char*, const char*>{nullptr, nullptr};
-        std::optional<std::string> saved;
-        if (knob.first != nullptr) {
-          if (const char* v = std::getenv(knob.first)) saved = v;
-          setenv(knob.first, knob.second, 1);
-        }
+        shape.tuning = base;
+        if (variant == "no_pdl") shape.tuning.programmatic_launch = false;
+        if (variant == "ordinary_loads") shape.tuning.history_async_copies = false;
+        if (variant == "merge_kernel") shape.tuning.tail_merge = PathChoice::kNever;
+        if (variant == "tiers_in_sequence") shape.tuning.tiers_beside_history = false;
         auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
         Check(ws_bytes.status(), "workspace");
         uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
@@ -464,13 +453,6 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         std::fflush(stdout);
         for (auto g : graphs) cudaGraphExecDestroy(g);
         cudaFree(ws);
-        if (knob.first != nullptr) {
-          if (saved) {
-            setenv(knob.first, saved->c_str(), 1);
-          } else {
-            unsetenv(knob.first);
-          }
-        }
       }
       for (void* p : std::vector<void*>{d_hist, d_sink, d_recent, d_zero, d_hist_n, d_sink_n,
                                         d_recent_n, q, out, lse}) {
@@ -481,8 +463,60 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
   for (void* p : std::vector<void*>{int2_pool, bf16_pool, mk, mv}) cudaFree(p);
 }
 
+// The value of `arg` if it is `--name=VALUE`, else nullptr.
+const char* FlagValue(const char* arg, const char* name) {
+  const size_t n = std::strlen(name);
+  if (std::strncmp(arg, "--", 2) != 0 || std::strncmp(arg + 2, name, n) != 0 || arg[2 + n] != '=') {
+    return nullptr;
+  }
+  return arg + 3 + n;
+}
+
+bool ParseBool(const char* name, const char* v) {
+  if (std::strcmp(v, "1") == 0 || std::strcmp(v, "true") == 0) return true;
+  if (std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0) return false;
+  Die(std::string("--") + name + " takes 0 or 1, not " + v);
+  return false;
+}
+
+PathChoice ParseChoice(const char* name, const char* v) {
+  if (std::strcmp(v, "by_shape") == 0) return PathChoice::kByShape;
+  if (std::strcmp(v, "always") == 0) return PathChoice::kAlways;
+  if (std::strcmp(v, "never") == 0) return PathChoice::kNever;
+  Die(std::string("--") + name + " takes by_shape, always or never, not " + v);
+  return PathChoice::kByShape;
+}
+
+// Applies `arg` to `t` if it is one of the tuning flags; false if it is none.
+bool ApplyTuningFlag(const char* arg, KernelTuning& t) {
+  const char* v = nullptr;
+  if ((v = FlagValue(arg, "programmatic_launch"))) {
+    t.attention.programmatic_launch = ParseBool("programmatic_launch", v);
+  } else if ((v = FlagValue(arg, "history_chunk_tokens"))) {
+    t.attention.max_history_chunk_tokens = std::atoi(v);
+  } else if ((v = FlagValue(arg, "tiers_beside_history"))) {
+    t.attention.tiers_beside_history = ParseBool("tiers_beside_history", v);
+  } else if ((v = FlagValue(arg, "history_async_copies"))) {
+    t.attention.history_async_copies = ParseBool("history_async_copies", v);
+  } else if ((v = FlagValue(arg, "narrow_layout"))) {
+    t.attention.narrow_layout = ParseBool("narrow_layout", v);
+  } else if ((v = FlagValue(arg, "group_merge"))) {
+    t.attention.group_merge = ParseChoice("group_merge", v);
+  } else if ((v = FlagValue(arg, "tail_merge"))) {
+    t.attention.tail_merge = ParseChoice("tail_merge", v);
+  } else if ((v = FlagValue(arg, "arrival_mma_kernel"))) {
+    t.arrival.mma_kernel = ParseBool("arrival_mma_kernel", v);
+  } else if ((v = FlagValue(arg, "arrival_fuse_jobs"))) {
+    t.arrival.fuse_jobs = ParseBool("arrival_fuse_jobs", v);
+  } else {
+    return false;
+  }
+  return true;
+}
+
 int Main(int argc, char** argv) {
   std::string out_path = "bench-results/gpu-kernels.json";
+  KernelTuning tuning;
   bool quick = false;
   bool codec = true;
   std::string only_model;
@@ -500,6 +534,8 @@ int Main(int argc, char** argv) {
       only_batches.push_back(std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--context") == 0 && i + 1 < argc) {
       only_contexts.push_back(std::atoi(argv[++i]));
+    } else if (ApplyTuningFlag(argv[i], tuning)) {
+      continue;
     } else {
       Die(std::string("unknown argument ") + argv[i]);
     }
@@ -513,8 +549,8 @@ int Main(int argc, char** argv) {
   std::printf("device %s, %d SMs, L2 %.0f MB, copy bandwidth %.0f GB/s (read + write)\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize / 1e6, copy_gbs);
   if (codec) {
-    BenchCodec(stream, copy_gbs);
-    BenchDemotion(stream, copy_gbs);
+    BenchCodec(stream, copy_gbs, tuning.arrival);
+    BenchDemotion(stream, copy_gbs, tuning.arrival);
   }
   std::vector<int> batches = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
   std::vector<int> contexts =
@@ -524,7 +560,7 @@ int Main(int argc, char** argv) {
   for (const Model& m :
        {Model{"llama70b", 64, 8, 128}, Model{"hq32", 32, 8, 128}, Model{"smollm2", 9, 3, 64}}) {
     if (!only_model.empty() && only_model != m.name) continue;
-    BenchAttention(stream, copy_gbs, m, batches, contexts,
+    BenchAttention(stream, copy_gbs, m, batches, contexts, tuning.attention,
                    /*ab=*/std::strcmp(m.name, "llama70b") == 0);
   }
   FILE* f = std::fopen(out_path.c_str(), "w");

@@ -10,7 +10,9 @@
 #                          ab|profile]
 #
 # (default: all). `ab` compares the decode attention of this bundle with a base bundle
-# (.gpu-carry-base, carried too); `profile` runs Nsight Compute on the attention kernels. `transport` needs the two-GPU kind (nvidia-h200-x2): the GPU data plane
+# (.gpu-carry-base, carried too) and with this bundle under the tuning variants of AB_VARIANTS
+# (kvpool-gpu-bench flags, see below); `profile` runs Nsight Compute on the attention kernels.
+# `transport` needs the two-GPU kind (nvidia-h200-x2): the GPU data plane
 # (NCCL and CUDA IPC ingest beside raw NCCL and a peer copy, the three-transport check, the
 # killed-prefill fault test, and remote attention over NCCL beside gRPC and the kernel, which
 # `attention` runs alone); neither is part of `all`.
@@ -85,7 +87,7 @@ if [ "$MODE" = all ] || [ "$MODE" = sanitize ]; then
   step "memcheck attention test" "$OUT/sanitize.log" $CS --tool memcheck \
     "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="-$SLOW:*OneHot*"
   step "racecheck attention test" "$OUT/sanitize.log" $CS --tool racecheck \
-    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="*MixedBatch*:*Group16*:*Empty*:*HistoryVersion1*:*TailMerge*:*TiersInSequence*"
+    "$BIN/cuda_attention_test" --gtest_color=no --gtest_filter="*MixedBatch*:*Group16And*:*Empty*:*OrdinaryLoads*:*TailMerge*:*TiersInSequence*"
   step "racecheck codec test" "$OUT/sanitize.log" $CS --tool racecheck "$BIN/cuda_codec_test" \
     --gtest_color=no --gtest_filter="*Int2Head128*:*LloydMax*"
 fi
@@ -156,22 +158,30 @@ fi
 if [ "$MODE" = ab ]; then
   # Same-machine A/B of the decode attention: the benchmark of this bundle and of a base bundle
   # (.gpu-carry-base/bundle.tar.xz, packed from the commit to compare against), and of this
-  # bundle under each AB_VARIANTS setting (space separated VAR=VALUE), AB_ROUNDS (2) times each,
-  # interleaved; the mean of the rounds is printed per shape.
+  # bundle under each variant of AB_VARIANTS, AB_ROUNDS (2) times each, interleaved; the mean of
+  # the rounds is printed per shape. A variant is one or more tuning flags of kvpool-gpu-bench
+  # joined by commas (kernels/cuda/kernel_tuning.h), variants are separated by spaces, e.g.
+  #   AB_VARIANTS="--tail_merge=never --programmatic_launch=0,--tiers_beside_history=0"
   BASE=${TMPDIR:-/tmp}/kvpool-gpu-base
   rm -rf "$BASE" && mkdir -p "$BASE" && tar -C "$BASE" -xJf .gpu-carry-base/bundle.tar.xz
   ROUNDS=$(seq 1 "${AB_ROUNDS:-2}")
+  tag_of() {  # file-name tag of a variant: --a=1,--b=0 -> a=1+b=0
+    printf '%s' "$1" | sed -e 's/^--//' -e 's/,--/+/g' -e 's/[^A-Za-z0-9_.=+-]/_/g'
+  }
+  TAGS=()
+  for v in ${AB_VARIANTS:-}; do TAGS+=("$(tag_of "$v")"); done
   for r in $ROUNDS; do
     step "benchmark new ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-bench" --skip-codec \
       --out "$OUT/ab-new-$r.json"
     step "benchmark base ($r)" "$OUT/ab.log" env LD_LIBRARY_PATH="$BASE/lib:$LD_LIBRARY_PATH" \
       "$BASE/bin/kvpool-gpu-bench" --skip-codec --out "$OUT/ab-base-$r.json"
     for v in ${AB_VARIANTS:-}; do
-      step "benchmark $v ($r)" "$OUT/ab.log" env "$v" "$BIN/kvpool-gpu-bench" --skip-codec \
-        --out "$OUT/ab-$v-$r.json"
+      # shellcheck disable=SC2086
+      step "benchmark $v ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-bench" --skip-codec ${v//,/ } \
+        --out "$OUT/ab-$(tag_of "$v")-$r.json"
     done
   done
-  python3 - "$OUT" "${AB_ROUNDS:-2}" base new ${AB_VARIANTS:-} <<'PY'
+  python3 - "$OUT" "${AB_ROUNDS:-2}" base new "${TAGS[@]}" <<'PY'
 import json, sys, statistics
 out, rounds, tags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def load(tag):
@@ -196,7 +206,7 @@ if [ "$MODE" = profile ]; then
   # Nsight Compute on one decode step's kernels at each shape of PROFILE_SHAPES (model:batch:ctx,
   # space separated), clocks left alone: per-kernel details (speed of light, warp states,
   # scheduler, occupancy, memory) and the INT2 history kernel's per-instruction stall samples.
-  KERNELS='regex:RotateQueries|Bf16Tier|Int2History|MergeKernel'
+  KERNELS='regex:RotateQueries|Bf16Tier|Int2History|Merge'
   for shape in ${PROFILE_SHAPES:-llama70b:32:131072 llama70b:8:32768 llama70b:1:131072 smollm2:8:32768}; do
     IFS=: read -r model batch ctx <<<"$shape"
     rep=$OUT/prof${PROFILE_TAG:+-$PROFILE_TAG}-$model-$batch-$ctx

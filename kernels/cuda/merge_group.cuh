@@ -1,11 +1,12 @@
-// Merge, version 3 (included by decode_attention.cuh before the attention kernels, which also
-// call it as their tail merge; GQA groups of up to 8).
+// Merge of a KV head group's parts (included by decode_attention.cuh before the attention
+// kernels, which also call it as their tail merge; GQA groups of up to 8).
 //
 // One CTA per (KV head, sequence) merges all of the group's query heads, so each CTA reads the
-// output rotation M_V once for up to 8 heads. Version 2 (a CTA per query head) read its 64 KB
-// M_V per head: at batch 32 that is 134 MB through L2 for a merge that moves ~2 MB of partial
-// results, and the merge took 25 us there (ncu; 11.5 us at batch 8 x 32K). Every phase keeps
-// its loads independent (no chains of L2 round trips):
+// output rotation M_V once for up to 8 heads (MergeHeadKernel reads it once per query head, far
+// more L2 traffic than the partial results at large batches; NOTES.md, run 7). It runs as the
+// merge kernel (MergeGroupKernel) or as the tail merge (MergeIfLastPart) from as many
+// (sequence, KV head) groups as SMs; with fewer, MergeHeadKernel's additional CTAs win (runs 7
+// and 8). Every phase keeps its loads independent (no chains of L2 round trips):
 //   a. warp n < group: weights w_k = exp2(lse_k - max) / sum of query n's parts (parts spread
 //      over the lanes, warp shuffles), and the merged LSE;
 //   b. thread (slice, query, float4 column) sums w_k * part_k over parts k = slice, slice +
@@ -24,15 +25,15 @@
 
 namespace kvpool::cuda::internal {
 
-inline constexpr int kMergeV3Threads = 256;
-inline constexpr int kMergeV3MaxGroup = 8;
+inline constexpr int kMergeGroupThreads = 256;
+inline constexpr int kMergeMaxGroup = 8;
 
 // Halving butterfly: lane l holds partial sums d[0..7] of 8 queries; afterwards d[0] of lane l
 // is the warp's total for query (l >> 2) & 7 (each step keeps half of the queries and adds the
 // partner lane's sums of the same half).
-__device__ __forceinline__ float ReduceEightOverWarp(float (&d)[kMergeV3MaxGroup], int lane) {
+__device__ __forceinline__ float ReduceEightOverWarp(float (&d)[kMergeMaxGroup], int lane) {
 #pragma unroll
-  for (int width = kMergeV3MaxGroup / 2, mask = 16; width >= 1; width /= 2, mask /= 2) {
+  for (int width = kMergeMaxGroup / 2, mask = 16; width >= 1; width /= 2, mask /= 2) {
     const bool upper = (lane & mask) != 0;
 #pragma unroll
     for (int q = 0; q < width; ++q) {
@@ -49,11 +50,11 @@ __device__ __forceinline__ float ReduceEightOverWarp(float (&d)[kMergeV3MaxGroup
 // Shared memory of MergeGroup for a CTA of kThreads threads.
 template <int kD, int kThreads>
 struct MergeGroupSmem {
-  static constexpr int kItems = kMergeV3MaxGroup * kD / 4;  // (query, float4 column) items
-  float wts[kMergeV3MaxGroup][kMaxParts];
-  __align__(16) float o_rot[kMergeV3MaxGroup][kD];
+  static constexpr int kItems = kMergeMaxGroup * kD / 4;  // (query, float4 column) items
+  float wts[kMergeMaxGroup][kMaxParts];
+  __align__(16) float o_rot[kMergeMaxGroup][kD];
   __align__(16) float4 slice_acc[kThreads > kItems ? kThreads : kItems];
-  float out_s[kMergeV3MaxGroup][kD];
+  float out_s[kMergeMaxGroup][kD];
 };
 
 // The rows of M_V that warp `warp` of a kThreads CTA reads in MergeGroup's phase c, into L1
@@ -71,7 +72,7 @@ __device__ __forceinline__ void PrefetchMergeRows(const AttentionParams& p) {
 }
 
 // Merges every part of the query heads of (KV head `kv_head`, sequence `b`) and un-rotates the
-// output, with all kThreads threads of the CTA (p.group <= kMergeV3MaxGroup). The parts may have
+// output, with all kThreads threads of the CTA (p.group <= kMergeMaxGroup). The parts may have
 // been written by other CTAs of a kernel still running (the tail merge), so they are read
 // through L2 (ld.global.cg), never through the non-coherent path.
 template <int kD, int kThreads>
@@ -158,9 +159,9 @@ __device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head
   // coalesced row per load), its lanes dims i = kPerLane * lane + [0, kPerLane), and the 8
   // queries' partial dots are reduced by a halving butterfly.
   const float* mv_rows = p.rotation_v + static_cast<int64_t>(warp) * kRowsPerWarp * kD;
-  float o[kMergeV3MaxGroup][kPerLane];
+  float o[kMergeMaxGroup][kPerLane];
 #pragma unroll
-  for (int n = 0; n < kMergeV3MaxGroup; ++n) {
+  for (int n = 0; n < kMergeMaxGroup; ++n) {
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) {
       o[n][e] = n < group ? sm.o_rot[n][kPerLane * lane + e] : 0.f;
@@ -181,9 +182,9 @@ __device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head
       mv[0] = x.x;
       mv[1] = x.y;
     }
-    float d[kMergeV3MaxGroup];
+    float d[kMergeMaxGroup];
 #pragma unroll
-    for (int n = 0; n < kMergeV3MaxGroup; ++n) {
+    for (int n = 0; n < kMergeMaxGroup; ++n) {
       d[n] = o[n][0] * mv[0];
 #pragma unroll
       for (int e = 1; e < kPerLane; ++e) d[n] = __fmaf_rn(o[n][e], mv[e], d[n]);
@@ -195,13 +196,13 @@ __device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head
   for (int idx = tid; idx < group * kD; idx += kThreads) out[idx] = sm.out_s[idx / kD][idx % kD];
 }
 
-// Grid (kv_heads, num_seqs), kMergeV3Threads threads; p.group <= kMergeV3MaxGroup.
+// Grid (kv_heads, num_seqs), kMergeGroupThreads threads; p.group <= kMergeMaxGroup.
 template <int kD>
-__global__ void __launch_bounds__(kMergeV3Threads) MergeKernelV3(const AttentionParams p) {
-  __shared__ MergeGroupSmem<kD, kMergeV3Threads> sm;
-  PrefetchMergeRows<kD, kMergeV3Threads>(p);
+__global__ void __launch_bounds__(kMergeGroupThreads) MergeGroupKernel(const AttentionParams p) {
+  __shared__ MergeGroupSmem<kD, kMergeGroupThreads> sm;
+  PrefetchMergeRows<kD, kMergeGroupThreads>(p);
   GridDependencyWait();
-  MergeGroup<kD, kMergeV3Threads>(p, blockIdx.x, blockIdx.y, sm);
+  MergeGroup<kD, kMergeGroupThreads>(p, blockIdx.x, blockIdx.y, sm);
 }
 
 // Tail merge (p.merge_counters set): called by every CTA of the attention kernels after it wrote

@@ -1,28 +1,32 @@
-// INT2 history attention, version 2 (included by decode_attention.cuh; GQA groups of up to 8).
+// INT2 history attention for GQA groups of up to 8 (included by decode_attention.cuh; groups of
+// 9 to 16 take Int2HistoryLargeGroupKernel there). kernels/cuda/NOTES.md (runs 3, 7 and 8) has
+// the measurements behind each choice below.
 //
-// What changed against Int2HistoryKernel (version 1), and why (kernels/cuda/NOTES.md):
-// - Loads leave the dependent chains and most issue slots. Each warp owns a ring of kV2Stages
-//   16-token tiles in shared memory, filled by asynchronous 16-byte copies (cp.async.cg, three
-//   per lane and tile at D = 128, one commit group per pair of tiles); kV2Stages / 2 pairs are in
-//   flight while a pair computes. With blocks of 16 tokens a head segment is laid out exactly
-//   like a stage, so a copy is the segment base plus an immediate offset. Block-table entries
-//   are loaded one pair ahead, so no warp waits on a table load before a copy. (cp.async.bulk
-//   was tried first: its per-copy cost in SASS, a uniform-register loop around each UBLKCP plus
-//   the mbarrier expect/wait, came to ~55 instructions per tile against ~10 here.) Other
-//   sequences (history start not a multiple of 16, blocks of other sizes, or
-//   KVPOOL_ATTN_BULK=0) fill the same ring with ordinary loads instead.
-// - Queries on the M dimension: S[16 rows x 8 tokens] = Q * K^T with rows 0..7 the fp16 high
-//   parts of the group's 8 queries and rows 8..15 the low parts, so the hi/lo split costs no
-//   extra MMA; the accumulator layout of S (row = query g, columns 2t, 2t+1) is exactly the B
-//   operand layout of O^T += V^T * (P s)^T, so P needs no transpose (version 1: movmatrix).
-// - A lane's softmax state is one query (g); the max over tokens needs no shuffle in the common
+// - Loads leave the dependent chains and most issue slots. Each warp owns a ring of
+//   kHistoryStages 16-token tiles in shared memory, filled by asynchronous 16-byte copies
+//   (cp.async.cg, three per lane and tile at D = 128, one commit group per pair of tiles);
+//   kHistoryStages / 2 pairs are in flight while a pair computes. With blocks of 16 tokens a head
+//   segment is laid out exactly like a stage, so a copy is the segment base plus an immediate
+//   offset. Block-table entries travel by asynchronous copies too, in the commit group of an
+//   earlier pair, so no warp waits on a table load before a copy. (cp.async.bulk with an
+//   mbarrier costs several times the instructions per tile in SASS.) Other sequences (history
+//   start not a multiple of 16, blocks of other sizes, or AttentionTuning::history_async_copies
+//   off) fill the same ring with ordinary loads instead.
+// - Wide layout (groups of 5 to 8): queries on the M dimension, S[16 rows x 8 tokens] = Q * K^T
+//   with rows 0..7 the fp16 high parts of the group's 8 queries and rows 8..15 the low parts, so
+//   the hi/lo split costs no extra MMA; the accumulator layout of S (row = query g, columns 2t,
+//   2t+1) is exactly the B operand layout of O^T += V^T * (P s)^T, so P needs no transpose.
+// - Narrow layout (groups of up to 4, AttentionTuning::narrow_layout): tokens on the M dimension,
+//   S^T[16 tokens x 8] = K Q^T with columns 2t, 2t+1 the high and low part of query t, so no MMA
+//   row and no lane's softmax work is empty for small groups; P s enters the PV product as fp16
+//   high + low part after one movmatrix per 8-token block.
+// - A lane's softmax state is one query; the max over tokens needs no shuffle in the common
 //   case: the reference `mo` (the max when it last moved) only moves when a logit exceeds it by
 //   more than kLazyMargin, so p = exp2(logit - mo) <= 2^kLazyMargin (P s stays far from the fp16
 //   limit for stored fp16 scales below 65504 / 2^kLazyMargin = 1023).
 // - Two tiles (32 tokens) per iteration: four independent MMA chains for QK, one vote for both.
-// - P in fp32, P * s_v rounded to fp16 once, the sum of p * min_v in fp32 FMA (as version 1).
-//   (fp16 P, an HMUL2 by s and the min sum on the tensor cores lost ~1-2 % of the output at 128K
-//   tokens: kernels/cuda/NOTES.md, run 3.)
+// - P in fp32, P * s_v rounded to fp16 once, the sum of p * min_v in fp32 FMA: on the tensor
+//   cores (fp16 P, an HMUL2 by s) the output lost accuracy at long contexts (NOTES.md, run 3).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -37,16 +41,17 @@
 
 namespace kvpool::cuda::internal {
 
-inline constexpr int kV2Stages = 8;                   // 16-token tiles per warp ring (even)
-inline constexpr int kV2PairTokens = 32;              // tokens per warp iteration
-inline constexpr int kV2Quantum = 4 * kV2PairTokens;  // history chunk sizes are multiples
-inline constexpr float kLazyMargin = 6.f;             // log2 units a logit may exceed mo by
+inline constexpr int kHistoryStages = 8;       // 16-token tiles per warp ring (even)
+inline constexpr int kHistoryPairTokens = 32;  // tokens per warp iteration
+inline constexpr int kHistoryQuantum = 4 * kHistoryPairTokens;  // history chunk sizes are multiples
+inline constexpr float kLazyMargin = 6.f;  // log2 units a logit may exceed mo by
 
 template <int kD>
-inline constexpr int kV2TileBytes = 2 * 16 * (kD / 4) + 2 * 64;  // K, V codes + K, V meta
-inline constexpr int kV2EntrySlots = 8;  // pairs of block-table entries per warp ring
+inline constexpr int kHistoryTileBytes = 2 * 16 * (kD / 4) + 2 * 64;  // K, V codes + K, V meta
+inline constexpr int kHistoryEntrySlots = 8;  // pairs of block-table entries per warp ring
 template <int kD>
-inline constexpr int kV2SmemBytes = 4 * kV2Stages* kV2TileBytes<kD> + 4 * kV2EntrySlots * 8;
+inline constexpr int kHistorySmemBytes =
+    4 * kHistoryStages* kHistoryTileBytes<kD> + 4 * kHistoryEntrySlots * 8;
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -125,22 +130,21 @@ __device__ __forceinline__ float MetaHi(uint32_t w) {
   }
 }
 
-// 3. INT2 history, version 2. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk sizes
-// are multiples of kV2Quantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
-// kNarrow (groups of up to 4): tokens on the MMA M dimension instead of the queries, so that no
-// MMA row and no lane's softmax work is empty for small groups (see "Narrow layout" above).
+// 3. INT2 history, groups of up to 8. Grid (history_chunks, kv_heads, num_seqs), 4 warps; chunk
+// sizes are multiples of kHistoryQuantum. Warp w takes the token pairs [c0 + 32 (w + 4k), +32).
+// kNarrow: the narrow layout (groups of up to 4); kBf16: bf16 scale and minimum words.
 template <int kD, bool kBf16, bool kNarrow>
-__global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const AttentionParams p) {
+__global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const AttentionParams p) {
   constexpr int kRow = kD / 4;  // code bytes per row
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
   constexpr int kKWords = kD / 64;  // K code words per token per lane
-  constexpr int kTile = kV2TileBytes<kD>;
-  constexpr int kS = kV2Stages;
+  constexpr int kTile = kHistoryTileBytes<kD>;
+  constexpr int kS = kHistoryStages;
   constexpr int kVOff = 16 * kRow;        // V codes in a stage
   constexpr int kKmOff = 32 * kRow;       // K meta
   constexpr int kVmOff = 32 * kRow + 64;  // V meta
-  extern __shared__ __align__(128) uint8_t v2_smem[];
+  extern __shared__ __align__(128) uint8_t history_smem[];
 
   const int chunk = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -157,32 +161,32 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
   const int c0 = chunk * p.history_chunk_tokens;
   const int c1 = min(count, c0 + p.history_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
-  const bool bulk = p.hist_bulk != 0 && (first & 15) == 0;
-  const int w0 = c0 + kV2PairTokens * warp;
-  const int n_pairs = c1 > w0 ? (c1 - w0 + kV2Quantum - 1) / kV2Quantum : 0;
-  auto pair_start = [&](int k) { return w0 + kV2Quantum * k; };
+  const bool bulk = p.history_async_copies != 0 && (first & 15) == 0;
+  const int w0 = c0 + kHistoryPairTokens * warp;
+  const int n_pairs = c1 > w0 ? (c1 - w0 + kHistoryQuantum - 1) / kHistoryQuantum : 0;
+  auto pair_start = [&](int k) { return w0 + kHistoryQuantum * k; };
 
-  uint8_t* ring = v2_smem + warp * (kS * kTile);
+  uint8_t* ring = history_smem + warp * (kS * kTile);
   const uint32_t ring_addr = SmemAddress(ring);
 
-  // Asynchronous copies (hist_bulk: blocks of 16 tokens whose head segment is laid out like a
-  // stage): 16-byte chunk c = lane + 32 j of tile e of pair k is byte 16 c of the segment of
-  // block E[k][e] = table[(first + w0) / 16 + 8 k + e]. Every copy is a predicated instruction
-  // (no branches in the loop). The entries themselves also arrive by asynchronous copies, into a
-  // per-warp ring of kV2EntrySlots pairs in shared memory: E[k + kS] travels in the commit group
-  // of pair k + kS / 2, which the loop waits for before it needs E[k + kS]. (Loading them into
-  // registers one pair ahead, as before, made ptxas wait for that load at the top of the next
-  // iteration: 16 % of the stall samples at batch 32 x 128K, ncu.)
+  // Asynchronous copies (history_async_copies: blocks of 16 tokens whose head segment is laid
+  // out like a stage): 16-byte chunk c = lane + 32 j of tile e of pair k is byte 16 c of the
+  // segment of block E[k][e] = table[(first + w0) / 16 + 8 k + e]. Every copy is a predicated
+  // instruction (no branches in the loop). The entries themselves also arrive by asynchronous
+  // copies, into a per-warp ring of kHistoryEntrySlots pairs in shared memory: E[k + kS] travels in
+  // the commit group of pair k + kS / 2, which the loop waits for before it needs E[k + kS].
+  // (Loaded into registers one pair ahead, ptxas placed the wait for them at the top of the next
+  // iteration: NOTES.md, run 7.)
   constexpr int kChunks = kTile / 16;
   constexpr int kChunksPerLane = (kChunks + kWarpSize - 1) / kWarpSize;
-  constexpr int kER = kV2EntrySlots;
+  constexpr int kER = kHistoryEntrySlots;
   static_assert(kER >= kS / 2 + 1 && kER >= kS - kS / 2, "entry ring too small");
   const uint8_t* seg_lane =
       p.int2_pool + static_cast<int64_t>(kv_head) * geo.head_segment_bytes + 16 * lane;
   uint32_t dst_lane = ring_addr + 16 * lane;
   const int32_t* pair_table = table + ((first + w0) >> 4);
   const int32_t* entries =
-      reinterpret_cast<const int32_t*>(v2_smem + 4 * kS * kTile) + warp * 2 * kER;
+      reinterpret_cast<const int32_t*>(history_smem + 4 * kS * kTile) + warp * 2 * kER;
   const uint32_t entries_addr = SmemAddress(entries);
   const uint64_t policy = EvictFirstPolicy();
   // Kept in registers (ptxas otherwise recomputes them from the thread index every tile).
@@ -240,10 +244,9 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
 
   // Prologue: the first pair on its way before waiting for the query rotation (the pool was
   // written by earlier, completed stream work), the other kS / 2 - 1 right after the rotated
-  // queries' loads: loads queue behind the copies already in flight, and with all kS / 2 pairs
-  // ahead of them the queries' first use was 7-11 % of the stall samples (ncu, B = 8 x 32K and
-  // 1 x 128K). Entries E[0 .. kS/2 - 1] are loaded directly; E[kS/2 .. kS - 1] travel with pair
-  // 0 (lanes 0 .. kS - 1).
+  // queries' loads, which would otherwise queue behind all kS / 2 pairs of copies (NOTES.md,
+  // run 5, "Split prologue"). Entries E[0 .. kS/2 - 1] are loaded directly; E[kS/2 .. kS - 1]
+  // travel with pair 0 (lanes 0 .. kS - 1).
   int blk[kS / 2][2];
   if (bulk) {
 #pragma unroll
@@ -277,8 +280,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     const float qs_f = f_valid ? p.q_scale[qrow0 + fq] : 0.f;
     const float qs = kNarrow ? (s_valid ? p.q_scale[qrow0 + sq] : 0.f) : qs_f;
     const float q_sum = s_valid ? p.q_sum[qrow0 + sq] : 0.f;
-    // The lane's dims are t * kD/4 + [0, kD/4): kD/16 16-byte loads (32 scalar loads per lane
-    // were 37 % of this kernel's stall samples at batch 1 x 8K, waiting on L1 misses).
+    // The lane's dims are t * kD/4 + [0, kD/4): kD/16 16-byte loads, not scalar ones (NOTES.md,
+    // run 5, "Vectorized query loads").
     float q[kD / 4];
     const float4* q4 = reinterpret_cast<const float4*>(p.q_rot + (qrow0 + fq) * kD + t * (kD / 4));
 #pragma unroll
@@ -313,7 +316,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         }
       }
     }
-    // logit (log2) = gamma * v2 with v2 = s_k * (q'.c) + m_k * beta_g.
+    // logit (log2) = gamma * unscaled with unscaled = s_k * (q'.c) + m_k * beta_g.
     gamma = s_valid ? 16777216.f * p.softmax_scale_log2 / qs : 1.f;
     beta_g = s_valid ? q_sum * qs * (1.f / 16777216.f) : 0.f;
   }
@@ -421,8 +424,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         }
       }
     }
-    // v2 per token [tile][n-tile][cc] (token 16 e + 8 nt + 2t + cc of the pair).
-    float v2[2][2][2];
+    // unscaled logit per token [tile][n-tile][cc] (token 16 e + 8 nt + 2t + cc of the pair).
+    float unscaled[2][2][2];
     float mx = kNegInf;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -438,7 +441,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
             v = ok ? v : kNegInf;
             vm[e][nt][cc] = ok ? vm[e][nt][cc] : 0u;
           }
-          v2[e][nt][cc] = v;
+          unscaled[e][nt][cc] = v;
           mx = fmaxf(mx, v);
         }
       }
@@ -463,18 +466,18 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
       }
     }
     // P, its sums, and the B operand (P s)^T: b[nt] holds tokens 8 nt + 2t, +1 for query g.
-    // Both scale dtypes: p in fp32, P s rounded to fp16 once, and sum p * min_v in fp32 FMA (as
-    // version 1). fp16 P with an HMUL2 by s and sum p * min_v on the tensor cores lost ~1-2 % of
-    // the output at 128K tokens (run 3): the tensor-core fp32 accumulation truncates each
+    // Both scale dtypes: p in fp32, P s rounded to fp16 once, and sum p * min_v in fp32 FMA. On
+    // the tensor cores sum p * min_v would be biased: their fp32 accumulation truncates each
     // product to the accumulator's ulp, a bias that grows with the tokens per accumulator, and
-    // sum p * min_v nearly cancels sum (P s) c, so its relative error is amplified ~sqrt(N).
+    // sum p * min_v nearly cancels sum (P s) c, which amplifies its relative error (NOTES.md,
+    // run 3).
     uint32_t pb[2][2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const float p0 = FastExp2(__fmaf_rn(v2[e][nt][0], gamma, -mo));
-        const float p1 = FastExp2(__fmaf_rn(v2[e][nt][1], gamma, -mo));
+        const float p0 = FastExp2(__fmaf_rn(unscaled[e][nt][0], gamma, -mo));
+        const float p1 = FastExp2(__fmaf_rn(unscaled[e][nt][1], gamma, -mo));
         l_part += p0 + p1;
         pm_part = __fmaf_rn(p0, MetaHi<kBf16>(vm[e][nt][0]),
                             __fmaf_rn(p1, MetaHi<kBf16>(vm[e][nt][1]), pm_part));
@@ -525,8 +528,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
         if constexpr (kNarrow) MmaF16(s[e], ak, qf[j]);
       }
     }
-    // v2 per token [tile][r]: token 16 e + g + 8 r of the pair, query t.
-    float v2[2][2];
+    // unscaled logit per token [tile][r]: token 16 e + g + 8 r of the pair, query t.
+    float unscaled[2][2];
     float mx = kNegInf;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -539,7 +542,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
           v = ok ? v : kNegInf;
           vm[e][r] = ok ? vm[e][r] : 0u;
         }
-        v2[e][r] = v;
+        unscaled[e][r] = v;
         mx = fmaxf(mx, v);
       }
     }
@@ -564,7 +567,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     for (int e = 0; e < 2; ++e) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float pr = FastExp2(__fmaf_rn(v2[e][r], gamma, -mo));
+        const float pr = FastExp2(__fmaf_rn(unscaled[e][r], gamma, -mo));
         l_part += pr;
         pm_part = __fmaf_rn(pr, MetaHi<kBf16>(vm[e][r]), pm_part);
         const float ps = pr * MetaLo<kBf16>(vm[e][r]);
@@ -588,7 +591,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     // Full pairs: no masks, no branches but the loop's. Groups of pairs 0 .. k + kS/2 - 1 are
     // committed: all but the kS/2 - 1 newest are done, so pair k and E[k + kS/2] are in.
     const int n_full =
-        c1 > w0 ? min(n_pairs, (c1 - w0 + kV2Quantum - kV2PairTokens) / kV2Quantum) : 0;
+        c1 > w0 ? min(n_pairs, (c1 - w0 + kHistoryQuantum - kHistoryPairTokens) / kHistoryQuantum)
+                : 0;
 #pragma unroll 1
     for (int k = 0; k < n_full; ++k) {
       CpAsyncWait<kS / 2 - 1>();
@@ -630,8 +634,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     pm_part += __shfl_xor_sync(kFullMask, pm_part, o);
   }
   __syncthreads();
-  float* sm_o = reinterpret_cast<float*>(v2_smem);  // [warps][8][kD]
-  float* sm_m = sm_o + kAttnWarps * 8 * kD;         // [warps][8]
+  float* sm_o = reinterpret_cast<float*>(history_smem);  // [warps][8][kD]
+  float* sm_m = sm_o + kAttnWarps * 8 * kD;              // [warps][8]
   float* sm_l = sm_m + kAttnWarps * 8;
   float* sm_pm = sm_l + kAttnWarps * 8;
   const int sq = kNarrow ? t : g;
@@ -684,8 +688,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernelV2(const Att
     if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
   }
   if (p.merge_counters != nullptr) {
-    static_assert(sizeof(MergeGroupSmem<kD, kAttnThreads>) <= kV2SmemBytes<kD>);
-    MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, v2_smem);  // the ring is free
+    static_assert(sizeof(MergeGroupSmem<kD, kAttnThreads>) <= kHistorySmemBytes<kD>);
+    MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, history_smem);  // the ring is free
   }
 }
 

@@ -1,6 +1,8 @@
-// Rotate + clip + quantize + pack on arrival, version 2 (included by codec_kernels.cuh): INT2,
-// uniform (min/max) quantizer, one group per row (G = D), D = 64 or 128. Codes and meta equal
-// the CPU RowCodec's bit for bit for the same rotated BF16 rows (the version 1 contract).
+// Rotate + clip + quantize + pack on arrival on the tensor cores (included by codec_kernels.cuh):
+// INT2, uniform (min/max) quantizer, one group per row (G = D), or BF16 bypass pages; D = 64 or
+// 128. Codes and meta equal the CPU RowCodec's bit for bit for the same rotated BF16 rows, as
+// the warp-per-row ArrivalRowKernel's do (which takes every other configuration: INT4, smaller
+// groups, Lloyd-Max, other head dims, unaligned rows).
 //
 // One warp takes a tile of 16 consecutive input rows (token x KV head) at a time, in a
 // persistent grid:
@@ -144,7 +146,7 @@ __device__ __forceinline__ float CodeThresholdY(int k, float s) {
 }
 
 template <int kD>
-__global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const ArrivalJobsParams jobs) {
+__global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const ArrivalJobsParams jobs) {
   const ArrivalParams& p = jobs.job[blockIdx.y];
   constexpr int kKSteps = kD / 16;
   constexpr int kNT = kD / 8;       // n-tiles of the rotated row
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalKernelV2(const Arrival
   // holds input dim 32 (j / 2) + 8t + 4 (j % 2) + 2h + b (the order of the 16-byte input loads
   // below).
   // Unrolled, so that all of a thread's loads of M are in flight at once (one at a time, the
-  // staging was a fixed ~10 us per launch: most of a small chunk's kernel time).
+  // staging was most of a small launch's kernel time: NOTES.md, run 6).
   static_assert(kKSteps * kMT * kWarpSize % kArrivalThreads == 0);
 #pragma unroll
   for (int idx = threadIdx.x; rotate && idx < kKSteps * kMT * kWarpSize; idx += kArrivalThreads) {
