@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "calibration/pipeline.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 
 ABSL_FLAG(std::string, captures, "", "folder of layer_NN.safetensors captures (capture.py)");
 ABSL_FLAG(std::string, out, "", "rotation file to write");

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/bf16.h"
 #include "kernels/codec_version.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/rotation_file.h"
 #include "kernels/row_codec.h"
 

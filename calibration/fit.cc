@@ -16,7 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/bf16.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/row_codec.h"
 #include "kernels/safetensors.h"
 

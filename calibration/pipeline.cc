@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/codec_version.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/safetensors.h"
 #include "nlohmann/json.hpp"
 

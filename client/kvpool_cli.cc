@@ -25,7 +25,7 @@
 #include "client/kv_files.h"
 #include "client/kvpool_client.h"
 #include "client/npy.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/safetensors.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvpoold address (host:port)");

@@ -8,26 +8,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
-#include "kernels/common/status_macros.h"
+#include "proto/dtype.h"
 
 namespace kvpool::client {
 namespace {
 
 std::chrono::system_clock::time_point DeadlineAfter(absl::Duration d) {
   return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
-}
-
-size_t DTypeBytes(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_BF16:
-    case v1::DTYPE_FP16:
-      return 2;
-    case v1::DTYPE_FP32:
-      return 4;
-    default:
-      return 0;
-  }
 }
 
 absl::Status StreamOrderError(absl::string_view rpc, absl::string_view what) {
@@ -82,13 +71,6 @@ grpc::ByteBuffer SerializeChunk(int layer, uint32_t token_offset, uint32_t num_t
 }
 
 }  // namespace
-
-absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view rpc) {
-  if (status.ok()) return absl::OkStatus();
-  // absl::StatusCode and grpc::StatusCode share the canonical numbering.
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      absl::StrCat(rpc, ": ", status.error_message()));
-}
 
 std::vector<TokenChunk> PlanTokenChunks(uint32_t num_tokens, size_t token_bytes, size_t max_bytes) {
   std::vector<TokenChunk> chunks;
@@ -554,7 +536,7 @@ absl::StatusOr<KvRead> KvpoolClient::ReadKv(const v1::ReadKvRequest& request) co
       out.header = message.header();
       have_header = true;
       row_bytes = static_cast<size_t>(out.header.shape().kv_heads()) *
-                  out.header.shape().head_dim() * DTypeBytes(out.header.dtype());
+                  out.header.shape().head_dim() * DTypeSize(out.header.dtype());
       for (int layer : out.header.layers()) out.layers.push_back(LayerRows{layer, {}, {}});
       if (row_bytes == 0) order = StreamOrderError(kRpc, "header with an empty row shape");
       continue;

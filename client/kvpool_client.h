@@ -44,6 +44,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
@@ -71,9 +72,9 @@ struct ClientOptions {
   bool wait_for_ready = false;
 };
 
-// The server's gRPC status as an absl::Status with the same code; the message is prefixed with
-// `rpc` ("AppendKv: ..."). OK stays OK.
-absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view rpc);
+// The server's gRPC status as an absl::Status (common/grpc_status.h): the same code, the message
+// prefixed with the RPC ("AppendKv: ..."). OK stays OK.
+using ::kvpool::FromGrpcStatus;
 
 // One piece of a layer's token range: tokens [offset, offset + count) relative to the start.
 struct TokenChunk {

@@ -21,7 +21,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/kvpool_client.h"
-#include "kernels/common/file_read.h"
+#include "common/file_read.h"
 
 namespace kvpool::client {
 namespace {

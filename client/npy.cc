@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "kernels/common/file_read.h"
-#include "kernels/common/status_macros.h"
+#include "common/file_read.h"
+#include "common/status_macros.h"
 
 namespace kvpool::client {
 namespace {

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 
 namespace kvpool {
 namespace {

@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/codec_version.h"
-#include "kernels/common/quote.h"
-#include "kernels/common/status_macros.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
 #include "kernels/safetensors.h"
 
 namespace kvpool {

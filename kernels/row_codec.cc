@@ -13,7 +13,7 @@
 #endif
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/value_range.h"
 
 namespace kvpool {

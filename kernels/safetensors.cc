@@ -10,8 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/bf16.h"
-#include "kernels/common/file_read.h"
-#include "kernels/common/quote.h"
+#include "common/file_read.h"
+#include "common/quote.h"
 #include "nlohmann/json.hpp"
 
 namespace kvpool {

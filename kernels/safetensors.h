@@ -44,7 +44,7 @@ class SafetensorsFile {
   // InvalidArgument (with what is wrong) on a malformed header, overlapping or out-of-range
   // offsets, unknown dtypes or a size that does not match the shape.
   static absl::StatusOr<SafetensorsFile> Parse(std::string bytes);
-  // Reads a regular file of at most `max_bytes` (kernels/common/file_read.h) and parses it.
+  // Reads a regular file of at most `max_bytes` (common/file_read.h) and parses it.
   static absl::StatusOr<SafetensorsFile> ReadFile(
       const std::string& path, uint64_t max_bytes = std::numeric_limits<uint64_t>::max());
 

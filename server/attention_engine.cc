@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/quote.h"
-#include "kernels/common/status_macros.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
 #include "kernels/value_range.h"
 
 namespace kvpool::server {

@@ -4,7 +4,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/server_test_util.h"
 #include "tests/support/test_data.h"
 

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "kernels/common/file_read.h"
+#include "common/file_read.h"
 
 ABSL_FLAG(std::string, config, "", "Optional config file of `name = value` lines (flag names)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/arrival_encoder.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/model_registry.h"
 
 namespace kvpool::server {

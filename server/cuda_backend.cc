@@ -16,7 +16,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/common/status_macros.h"
+#include "common/cuda_status.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "server/model_registry.h"
@@ -27,15 +28,6 @@ namespace {
 // Block ids are byte offsets / kBlockStride (int32 in the kernels' block tables).
 constexpr int64_t kBlockStride = 16;
 constexpr size_t kMaxArenaBytes = static_cast<size_t>(INT32_MAX) * kBlockStride;
-
-absl::Status Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  const std::string msg =
-      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
-  return e == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(msg)
-                                        : absl::InternalError(msg);
-}
 
 class DeviceArena final : public Arena {
  public:
@@ -66,12 +58,13 @@ class DeviceBuffer {
     if (bytes <= size_) return data_;
     const size_t want = std::max(bytes, size_ * 2);
     if (data_ != nullptr) {
-      KVPOOL_RETURN_IF_ERROR(Check(cudaFreeAsync(data_, stream), "cudaFreeAsync (staging)"));
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaFreeAsync(data_, stream), "cudaFreeAsync (staging)"));
     }
     data_ = nullptr;
     size_ = 0;
     void* p = nullptr;
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMallocAsync(&p, want, stream), "cudaMallocAsync (staging)"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaMallocAsync(&p, want, stream), "cudaMallocAsync (staging)"));
     data_ = static_cast<uint8_t*>(p);
     size_ = want;
     return data_;
@@ -149,11 +142,11 @@ class CudaBackend final : public ComputeBackend {
       return absl::InvalidArgumentError(absl::StrCat("a GPU pool holds at most ", kMaxArenaBytes,
                                                      " bytes (32 GiB), asked for ", bytes));
     }
-    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
     void* p = nullptr;
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMalloc(&p, bytes), "cudaMalloc (pool arena)"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc (pool arena)"));
     // Fresh pages are never read before written, but a defined arena keeps tools quiet.
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMemset(p, 0, bytes), "cudaMemset (pool arena)"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemset(p, 0, bytes), "cudaMemset (pool arena)"));
     if (arena_.load() != nullptr) {
       cudaFree(p);
       return absl::FailedPreconditionError("the CUDA backend holds one pool arena");
@@ -177,11 +170,11 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
     const size_t bytes = k.size() * sizeof(Bf16);
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * rows, lane->rows.Reserve(2 * bytes, lane->stream));
-    KVPOOL_RETURN_IF_ERROR(Check(
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(rows, k.data(), bytes, cudaMemcpyHostToDevice, lane->stream), "H2D K"));
-    KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(rows + bytes, v.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
-              "H2D V"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(rows + bytes, v.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
+        "H2D V"));
     return StageOnLane(*lane, m, layer, reinterpret_cast<const Bf16*>(rows),
                        reinterpret_cast<const Bf16*>(rows + bytes), writes);
   }
@@ -222,11 +215,11 @@ class CudaBackend final : public ComputeBackend {
                             UploadRuns(*lane, {&src, &dst}));
     // Every layer's moves, K and V, straight from the BF16 pages: one launch.
     const cuda::PagedRows from = PagesOf(m, batch[0]);
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(m.codec.quant, View(m, /*history=*/true), batch[1],
                                                  from, lane->error_word, lane->stream,
                                                  tuning_.arrival));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "demotion"));
     AddTime(*lane, &BackendTimes::arrival_seconds);
     return absl::OkStatus();
@@ -251,9 +244,9 @@ class CudaBackend final : public ComputeBackend {
 
   absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());  // on a stream: see DeviceBuffer
-    KVPOOL_RETURN_IF_ERROR(Check(
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, lane->stream), "D2H pool bytes"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "D2H pool bytes"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane->stream), "D2H pool bytes"));
     lane->dirty = false;
     return absl::OkStatus();
   }
@@ -323,9 +316,9 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total, lane->stream));
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * ws,
                             lane->workspace.Reserve(std::max<size_t>(ws_bytes, 16), lane->stream));
-    KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane->stream),
-              "H2D attention inputs"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane->stream),
+        "H2D attention inputs"));
     auto tier = [&](int t) {
       cuda::DecodeTier d;
       d.block_tables = reinterpret_cast<const int32_t*>(dev + at[t][0]);
@@ -341,18 +334,18 @@ class CudaBackend final : public ComputeBackend {
     io.rotation_v = rot_v;
     io.out = on_device ? b.device_out : reinterpret_cast<float*>(dev + out_at);
     io.lse = on_device ? b.device_lse : reinterpret_cast<float*>(dev + lse_at);
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DecodeAttention(shape, batch, io, ws, ws_bytes, lane->stream));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
     if (!on_device) {
       KVPOOL_RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(b.out.data(), io.out, b.out.size() * sizeof(float),
-                                cudaMemcpyDeviceToHost, lane->stream),
-                "D2H attention output"));
+          CudaStatus(cudaMemcpyAsync(b.out.data(), io.out, b.out.size() * sizeof(float),
+                                     cudaMemcpyDeviceToHost, lane->stream),
+                     "D2H attention output"));
       KVPOOL_RETURN_IF_ERROR(
-          Check(cudaMemcpyAsync(b.lse.data(), io.lse, b.lse.size() * sizeof(float),
-                                cudaMemcpyDeviceToHost, lane->stream),
-                "D2H attention LSE"));
+          CudaStatus(cudaMemcpyAsync(b.lse.data(), io.lse, b.lse.size() * sizeof(float),
+                                     cudaMemcpyDeviceToHost, lane->stream),
+                     "D2H attention LSE"));
     }
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));  // waits: device outputs are complete
     AddTime(*lane, &BackendTimes::attention_seconds);
@@ -383,7 +376,7 @@ class CudaBackend final : public ComputeBackend {
   };
 
   absl::StatusOr<LaneLease> AcquireLane() {
-    KVPOOL_RETURN_IF_ERROR(Check(cudaSetDevice(device_), "cudaSetDevice"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
     {
       absl::MutexLock lock(&mu_);
       if (!lanes_.empty()) {
@@ -395,17 +388,17 @@ class CudaBackend final : public ComputeBackend {
     }
     auto lane = std::make_unique<Lane>();
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking), "stream"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventCreate(&lane->start), "event"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventCreate(&lane->stop), "event"));
+        CudaStatus(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking), "stream"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(&lane->start), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(&lane->stop), "event"));
     // Stream-ordered, like every allocation after start (see DeviceBuffer).
     void* word = nullptr;
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMallocAsync(&word, sizeof(uint32_t), lane->stream), "error word"));
+        CudaStatus(cudaMallocAsync(&word, sizeof(uint32_t), lane->stream), "error word"));
     lane->error_word = static_cast<uint32_t*>(word);
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemsetAsync(lane->error_word, 0, sizeof(uint32_t), lane->stream), "memset"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "new lane"));
+        CudaStatus(cudaMemsetAsync(lane->error_word, 0, sizeof(uint32_t), lane->stream), "memset"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane->stream), "new lane"));
     lane->dirty = true;
     return LaneLease(this, std::move(lane));
   }
@@ -472,11 +465,11 @@ class CudaBackend final : public ComputeBackend {
     void* dev = nullptr;
     const size_t bytes = host.size() * sizeof(float);
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMallocAsync(&dev, bytes, lane->stream), "cudaMallocAsync (rotation)"));
+        CudaStatus(cudaMallocAsync(&dev, bytes, lane->stream), "cudaMallocAsync (rotation)"));
     KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
-              "H2D rotation"));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaStreamSynchronize(lane->stream), "H2D rotation"));
+        CudaStatus(cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, lane->stream),
+                   "H2D rotation"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane->stream), "H2D rotation"));
     absl::MutexLock lock(&mu_);
     auto [it, inserted] = rotations_.emplace(key, static_cast<float*>(dev));
     if (!inserted) cudaFreeAsync(dev, lane->stream);  // another call uploaded it meanwhile
@@ -502,9 +495,9 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane.tables.Reserve(host.size(), lane.stream));
     // From pageable memory: the driver stages it before returning (no device-wide wait, which
     // pinned allocations can cause; see DeviceBuffer).
-    KVPOOL_RETURN_IF_ERROR(
-        Check(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane.stream),
-              "H2D block tables"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane.stream),
+        "H2D block tables"));
     std::vector<cuda::SequenceBatch> out;
     size_t i = 0;
     for (const RunTable* t : tables) {
@@ -550,9 +543,9 @@ class CudaBackend final : public ComputeBackend {
                             lane->rows.Reserve(out.size() * sizeof(Bf16), lane->stream));
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, {&table}));
     KVPOOL_RETURN_IF_ERROR(Dequantize(*lane, m, history, batch[0], t, rows));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaMemcpyAsync(out.data(), rows, out.size() * sizeof(Bf16),
-                                                 cudaMemcpyDeviceToHost, lane->stream),
-                                 "D2H rows"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(out.data(), rows, out.size() * sizeof(Bf16),
+                                                      cudaMemcpyDeviceToHost, lane->stream),
+                                      "D2H rows"));
     return Finish(*lane, "read");
   }
 
@@ -589,7 +582,7 @@ class CudaBackend final : public ComputeBackend {
     }
     std::vector<const RunTable*> table_ptrs;
     for (const RunTable& t : tables) table_ptrs.push_back(&t);
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->start, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, table_ptrs));
     // Every run's K and V in one launch where the kernels allow (a launch has a fixed cost however
     // few its rows: kernels/cuda/NOTES.md, run 6).
@@ -602,7 +595,7 @@ class CudaBackend final : public ComputeBackend {
     }
     KVPOOL_RETURN_IF_ERROR(
         cuda::QuantizeOnArrivalJobs(jobs, lane->error_word, lane->stream, tuning_.arrival));
-    KVPOOL_RETURN_IF_ERROR(Check(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
     AddTime(*lane, &BackendTimes::arrival_seconds);
     return absl::OkStatus();

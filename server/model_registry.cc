@@ -11,9 +11,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "kernels/common/file_read.h"
-#include "kernels/common/quote.h"
-#include "kernels/common/status_macros.h"
+#include "common/file_read.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
 
 namespace kvpool::server {
 namespace {

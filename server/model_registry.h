@@ -124,7 +124,7 @@ class ModelRegistry {
                                                        bool v_prerotated = false);
 
 // The bytes of the file `path` inside `model_dir` (relative to it, or absolute under it), read
-// without following any step out of the directory (kernels/common/file_read.h). At most
+// without following any step out of the directory (common/file_read.h). At most
 // `max_bytes`. FailedPrecondition when no model directory is configured; PermissionDenied for
 // any path that leads outside it, whether or not its target exists; NotFound for a missing
 // file inside it; InvalidArgument for what is not a regular file or is too large.

@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/quote.h"
-#include "kernels/common/status_macros.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
 #include "kernels/rotation_file.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"

@@ -6,18 +6,6 @@
 
 namespace kvpool::server {
 
-size_t DTypeSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_BF16:
-    case v1::DTYPE_FP16:
-      return 2;
-    case v1::DTYPE_FP32:
-      return 4;
-    default:
-      return 0;
-  }
-}
-
 absl::Status CheckPayload(v1::DType dtype, const std::string& bytes, size_t values,
                           const char* what) {
   const size_t elem = DTypeSize(dtype);

@@ -18,6 +18,7 @@
 #include "kvpool/v1/common.pb.h"
 #include "kvpool/v1/model_service.pb.h"
 #include "kvpool/v1/sequence_service.pb.h"
+#include "proto/dtype.h"
 #include "server/model_registry.h"
 #include "server/prefix_index.h"
 #include "server/sequence_store.h"
@@ -25,9 +26,6 @@
 namespace kvpool::server {
 
 namespace v1 = ::kvpool::v1;
-
-// Bytes per element of a payload dtype; 0 for DTYPE_UNSPECIFIED or unknown values.
-size_t DTypeSize(v1::DType dtype);
 
 // Decodes `bytes` of `dtype` holding exactly `values` elements to BF16 (FP32 and FP16 round to
 // nearest even). InvalidArgument for an unknown dtype or a size mismatch (naming `what`).

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/proto_convert.h"
 
 namespace kvpool::server {

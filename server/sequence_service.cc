@@ -11,7 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpc/support/time.h"
 #include "grpcpp/alarm.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
 

@@ -6,8 +6,8 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/common/quote.h"
-#include "kernels/common/status_macros.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
 
 namespace kvpool::server {
 namespace {

@@ -10,7 +10,7 @@
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/attention_service.h"
 #include "server/connection_listener.h"
 #include "server/model_service.h"

@@ -1,7 +1,7 @@
 #include "server/server_test_util.h"
 
 #include "gtest/gtest.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/cpu_backend.h"
 #include "tests/support/test_data.h"
 

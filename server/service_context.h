@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "server/attention_engine.h"
 #include "server/backend.h"
@@ -55,19 +56,6 @@ struct ServiceContext {
   ServiceCounters counters;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
-
-// Longest status message sent to a client: messages quote untrusted text (kernels/common/
-// quote.h), and this bound keeps any message far below gRPC's metadata limit even so.
-inline constexpr size_t kMaxStatusMessageBytes = 1024;
-
-// absl and gRPC share the canonical codes; the message is kept, cut to kMaxStatusMessageBytes.
-inline grpc::Status ToGrpcStatus(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  absl::string_view message = s.message();
-  std::string text(message.substr(0, kMaxStatusMessageBytes));
-  if (message.size() > kMaxStatusMessageBytes) text += "...";
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::move(text));
-}
 
 // The caller's tenant. Authentication comes later (a token in the call metadata mapped to a
 // tenant); until then every caller is the default tenant.

@@ -29,7 +29,7 @@
 #include "client/local_daemon.h"
 #include "kernels/attention.h"
 #include "kernels/bf16.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "tests/support/test_data.h"
 
 ABSL_FLAG(std::string, kvpoold, KVPOOL_KVPOOLD_PATH, "Path of the kvpoold binary to start");

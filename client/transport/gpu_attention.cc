@@ -13,16 +13,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/transport/gpu_client_common.h"
-#include "kernels/common/status_macros.h"
-#include "server/transport/gpu/attention_wire.h"
+#include "common/cuda_status.h"
+#include "common/grpc_status.h"
+#include "common/nccl_status.h"
+#include "common/status_macros.h"
+#include "dataplane/attention_wire.h"
 
 namespace kvpool::client {
 namespace {
 
 namespace v1 = ::kvpool::v1;
-using gpu_internal::CudaCheck;
-using gpu_internal::FromGrpc;
-using gpu_internal::NcclCheck;
 using server::CallHeader;
 using server::CallStatus;
 using server::kCallHeaderBytes;
@@ -48,24 +48,25 @@ GpuAttentionClient::GpuAttentionClient(std::shared_ptr<grpc::Channel> channel, i
 absl::StatusOr<std::unique_ptr<GpuAttentionClient>> GpuAttentionClient::Create(
     std::shared_ptr<grpc::Channel> channel, int device) {
   gpu_internal::DisableNvlinkMulticast();  // shared hosts
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   auto c = std::unique_ptr<GpuAttentionClient>(new GpuAttentionClient(std::move(channel), device));
   cudaStream_t s = nullptr;
   cudaEvent_t done = nullptr, ready = nullptr;
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"));
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"));
   c->stream_ = s;
   KVPOOL_RETURN_IF_ERROR(
-      CudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "event"));
+      CudaStatus(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "event"));
   c->done_ = done;
   KVPOOL_RETURN_IF_ERROR(
-      CudaCheck(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "event"));
+      CudaStatus(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "event"));
   c->ready_ = ready;
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&c->d_header_, kCallHeaderBytes), "cudaMalloc"));
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMalloc(&c->d_status_, kCallStatusBytes), "cudaMalloc"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&c->d_header_, kCallHeaderBytes), "cudaMalloc"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&c->d_status_, kCallStatusBytes), "cudaMalloc"));
   void* h = nullptr;
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMallocHost(&h, kCallHeaderBytes), "cudaMallocHost"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&h, kCallHeaderBytes), "cudaMallocHost"));
   c->h_header_ = static_cast<uint8_t*>(h);
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMallocHost(&h, kCallStatusBytes), "cudaMallocHost"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&h, kCallStatusBytes), "cudaMallocHost"));
   c->h_status_ = static_cast<uint8_t*>(h);
   return c;
 }
@@ -111,10 +112,10 @@ bool GpuAttentionClient::LeaseEnded(absl::Status* why) const {
 absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   if (comm_ != nullptr) return absl::FailedPreconditionError("the channel is already open");
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   ncclUniqueId id;
   ncclResult_t r = ncclGetUniqueId(&id);
-  if (r != ncclSuccess) return NcclCheck(r, "ncclGetUniqueId");
+  if (r != ncclSuccess) return NcclStatus(r, "ncclGetUniqueId");
   v1::OpenAttentionChannelRequest req;
   req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
   req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
@@ -140,7 +141,7 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
   absl::Status joined = (r == ncclSuccess || r == ncclInProgress)
                             ? absl::OkStatus()
-                            : NcclCheck(r, "ncclCommInitRankConfig");
+                            : NcclStatus(r, "ncclCommInitRankConfig");
   const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
   // The daemon will not join once it answered the stream with an error: its status says why.
   auto refused = [&]() -> absl::Status {
@@ -168,7 +169,7 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
     const grpc::Status s = lease_->Finish();
     lease_.reset();
     lease_context_.reset();
-    if (!s.ok()) return FromGrpc(s, "OpenAttentionChannel");  // the daemon's reason first
+    if (!s.ok()) return FromGrpcStatus(s, "OpenAttentionChannel");  // the daemon's reason first
     return joined.ok() ? absl::UnavailableError("OpenAttentionChannel ended without an answer")
                        : joined;
   }
@@ -184,7 +185,7 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
     const grpc::Status s = lease->Finish();
     absl::MutexLock lease_lock(&lease_mu_);
     lease_ended_ = true;
-    lease_status_ = FromGrpc(s, "the daemon ended the attention channel");
+    lease_status_ = FromGrpcStatus(s, "the daemon ended the attention channel");
   });
   if (resp.call_header_bytes() != kCallHeaderBytes ||
       resp.call_status_bytes() != kCallStatusBytes) {
@@ -197,7 +198,7 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
 absl::Status GpuAttentionClient::ConnectPeer(void* peer_comm, absl::Time deadline,
                                              const std::function<bool()>& refused) {
   ncclComm_t comm = Comm(peer_comm);
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   cudaStream_t s = Stream(stream_);
   // Polls until the communicator has nothing in progress (with `event`: and done_ has fired).
   auto settle = [&](bool event) -> absl::Status {
@@ -205,13 +206,13 @@ absl::Status GpuAttentionClient::ConnectPeer(void* peer_comm, absl::Time deadlin
       ncclResult_t state = ncclSuccess;
       if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
       if (state != ncclSuccess && state != ncclInProgress) {
-        return NcclCheck(state, "connecting the NCCL channel");
+        return NcclStatus(state, "connecting the NCCL channel");
       }
       if (state == ncclSuccess) {
         if (!event) return absl::OkStatus();
         const cudaError_t e = cudaEventQuery(Event(done_));
         if (e == cudaSuccess) return absl::OkStatus();
-        if (e != cudaErrorNotReady) return CudaCheck(e, "connecting the NCCL channel");
+        if (e != cudaErrorNotReady) return CudaStatus(e, "connecting the NCCL channel");
       }
       if (refused()) return absl::UnavailableError("the daemon refused the channel");
       if (absl::Now() > deadline) {
@@ -224,9 +225,9 @@ absl::Status GpuAttentionClient::ConnectPeer(void* peer_comm, absl::Time deadlin
   ncclSend(d_header_, server::kConnectBytes, ncclUint8, /*peer=*/1, comm, s);
   ncclRecv(d_status_, server::kConnectBytes, ncclUint8, /*peer=*/1, comm, s);
   const ncclResult_t r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return NcclCheck(r, "connecting the NCCL channel");
+  if (r != ncclSuccess && r != ncclInProgress) return NcclStatus(r, "connecting the NCCL channel");
   KVPOOL_RETURN_IF_ERROR(settle(/*event=*/false));
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaEventRecord(Event(done_), s), "event"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(Event(done_), s), "event"));
   return settle(/*event=*/true);
 }
 
@@ -247,7 +248,8 @@ absl::StatusOr<GpuAttentionPlan> GpuAttentionClient::SetPlan(
   v1::SetAttentionPlanResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
-  KVPOOL_RETURN_IF_ERROR(FromGrpc(stub_->SetAttentionPlan(&ctx, req, &resp), "SetAttentionPlan"));
+  KVPOOL_RETURN_IF_ERROR(
+      FromGrpcStatus(stub_->SetAttentionPlan(&ctx, req, &resp), "SetAttentionPlan"));
   GpuAttentionPlan p;
   p.id = resp.plan_id();
   p.batch = static_cast<int>(sequence_ids.size());
@@ -272,7 +274,7 @@ absl::Status GpuAttentionClient::DropPlan(const GpuAttentionPlan& plan) {
   v1::DropAttentionPlanResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
-  return FromGrpc(stub_->DropAttentionPlan(&ctx, req, &resp), "DropAttentionPlan");
+  return FromGrpcStatus(stub_->DropAttentionPlan(&ctx, req, &resp), "DropAttentionPlan");
 }
 
 absl::Status GpuAttentionClient::Broken(absl::Status why) {
@@ -285,12 +287,12 @@ absl::Status GpuAttentionClient::Enqueue(const std::function<void()>& issue, abs
   ncclGroupStart();
   issue();
   const ncclResult_t r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return Broken(NcclCheck(r, "NCCL send/recv"));
+  if (r != ncclSuccess && r != ncclInProgress) return Broken(NcclStatus(r, "NCCL send/recv"));
   while (true) {
     ncclResult_t state = ncclSuccess;
     if (ncclCommGetAsyncError(Comm(comm_), &state) != ncclSuccess) state = ncclInternalError;
     if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return Broken(NcclCheck(state, "NCCL (the daemon failed)"));
+    if (state != ncclInProgress) return Broken(NcclStatus(state, "NCCL (the daemon failed)"));
     // A group that connects a new path waits for the daemon's side: if the daemon ended the
     // channel meanwhile, say so now rather than at the deadline.
     absl::Status why;
@@ -307,11 +309,11 @@ absl::Status GpuAttentionClient::Wait(void* event, absl::Time deadline) {
   while (true) {
     const cudaError_t e = cudaEventQuery(Event(event));
     if (e == cudaSuccess) return absl::OkStatus();
-    if (e != cudaErrorNotReady) return Broken(CudaCheck(e, "waiting for the answer"));
+    if (e != cudaErrorNotReady) return Broken(CudaStatus(e, "waiting for the answer"));
     ncclResult_t state = ncclSuccess;
     ncclCommGetAsyncError(Comm(comm_), &state);
     if (state != ncclSuccess && state != ncclInProgress) {
-      return Broken(NcclCheck(state, "NCCL (the daemon failed or left)"));
+      return Broken(NcclStatus(state, "NCCL (the daemon failed or left)"));
     }
     absl::Status why;
     if (LeaseEnded(&why)) {
@@ -339,7 +341,7 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
   if (queries == nullptr || out == nullptr || lse == nullptr) {
     return absl::InvalidArgumentError("queries, out and lse must be device buffers");
   }
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   const absl::Time deadline = absl::Now() + call_timeout_;
   const uint64_t call = next_call_;
   CallHeader h;
@@ -352,12 +354,12 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
   std::memcpy(h_header_, header.data(), header.size());
   cudaStream_t s = Stream(stream_);
   if (stream != nullptr) {  // after the queries' producer
-    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaEventRecord(Event(ready_), stream), "event"));
-    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamWaitEvent(s, Event(ready_), 0), "wait event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(Event(ready_), stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(s, Event(ready_), 0), "wait event"));
   }
   KVPOOL_RETURN_IF_ERROR(
-      CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
-                "H2D call header"));
+      CudaStatus(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
+                 "H2D call header"));
   static const bool trace = [] {
     const char* v = std::getenv("KVPOOL_TRACE_ATTENTION_CHANNEL");
     return v != nullptr && v[0] == '1';
@@ -392,9 +394,9 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
       deadline));
   step(2);
   absl::Status st =
-      CudaCheck(cudaMemcpyAsync(h_status_, d_status_, kCallStatusBytes, cudaMemcpyDeviceToHost, s),
-                "D2H status");
-  if (st.ok()) st = CudaCheck(cudaEventRecord(Event(done_), s), "event");
+      CudaStatus(cudaMemcpyAsync(h_status_, d_status_, kCallStatusBytes, cudaMemcpyDeviceToHost, s),
+                 "D2H status");
+  if (st.ok()) st = CudaStatus(cudaEventRecord(Event(done_), s), "event");
   if (!st.ok()) return Broken(st);
   KVPOOL_RETURN_IF_ERROR(Wait(done_, deadline));
   step(3);
@@ -423,7 +425,7 @@ absl::StatusOr<std::vector<uint32_t>> GpuAttentionClient::Attend(const GpuAttent
 absl::Status GpuAttentionClient::SendUnparseableHeaderForTesting(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   if (comm_ == nullptr || broken_) return absl::FailedPreconditionError("no open channel");
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   CallHeader h;
   h.plan_id = 1;
   h.call = next_call_;
@@ -434,8 +436,8 @@ absl::Status GpuAttentionClient::SendUnparseableHeaderForTesting(absl::Duration 
   std::memcpy(h_header_, header.data(), header.size());
   cudaStream_t s = Stream(stream_);
   KVPOOL_RETURN_IF_ERROR(
-      CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
-                "H2D call header"));
+      CudaStatus(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
+                 "H2D call header"));
   KVPOOL_RETURN_IF_ERROR(
       Enqueue([&] { ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
               absl::Now() + timeout));
@@ -454,7 +456,7 @@ absl::Status GpuAttentionClient::SendUnparseableHeaderForTesting(absl::Duration 
 absl::Status GpuAttentionClient::SendHeaderOnlyForTesting(const GpuAttentionPlan& plan) {
   absl::MutexLock lock(&mu_);
   if (comm_ == nullptr || broken_) return absl::FailedPreconditionError("no open channel");
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   CallHeader h;
   h.plan_id = plan.id;
   h.call = next_call_++;
@@ -464,8 +466,8 @@ absl::Status GpuAttentionClient::SendHeaderOnlyForTesting(const GpuAttentionPlan
   std::memcpy(h_header_, header.data(), header.size());
   cudaStream_t s = Stream(stream_);
   KVPOOL_RETURN_IF_ERROR(
-      CudaCheck(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
-                "H2D call header"));
+      CudaStatus(cudaMemcpyAsync(d_header_, h_header_, kCallHeaderBytes, cudaMemcpyHostToDevice, s),
+                 "H2D call header"));
   return Enqueue(
       [&] { ncclSend(d_header_, kCallHeaderBytes, ncclUint8, /*peer=*/1, Comm(comm_), s); },
       absl::Now() + call_timeout_);
@@ -485,7 +487,8 @@ absl::Status GpuAttentionClient::CloseLocked() {
     v1::CloseAttentionChannelResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
-    closed = FromGrpc(stub_->CloseAttentionChannel(&ctx, req, &resp), "CloseAttentionChannel");
+    closed =
+        FromGrpcStatus(stub_->CloseAttentionChannel(&ctx, req, &resp), "CloseAttentionChannel");
     if (absl::IsNotFound(closed)) closed = absl::OkStatus();  // the daemon ended it already
   }
   if (!broken_) ncclCommAbort(Comm(comm_));  // the daemon aborted its end

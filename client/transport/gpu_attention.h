@@ -38,7 +38,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
-#include "proto/kvpool/v1/gpu_attention_service.grpc.pb.h"
+#include "kvpool/v1/gpu_attention_service.grpc.pb.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 

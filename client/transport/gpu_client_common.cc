@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/common/status_macros.h"
+#include "common/cuda_status.h"
+#include "common/nccl_status.h"
+#include "common/status_macros.h"
 
 namespace kvpool::client::gpu_internal {
 
@@ -12,23 +14,6 @@ void DisableNvlinkMulticast() {
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1", 1);
   setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
-}
-
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-absl::Status NcclCheck(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const char* what) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(what, ": ", s.error_message()));
 }
 
 bool WantBlockingOps() {
@@ -42,7 +27,7 @@ absl::Status AwaitComm(ncclComm_t comm, const char* what, absl::Time deadline,
     ncclResult_t state = ncclInProgress;
     if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
     if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return NcclCheck(state, what);
+    if (state != ncclInProgress) return NcclStatus(state, what);
     KVPOOL_RETURN_IF_ERROR(give_up());
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, ": the daemon did not take part"));
@@ -59,7 +44,7 @@ absl::StatusOr<ncclComm_t> SplitBlocking(ncclComm_t parent, absl::Time deadline,
   const ncclResult_t r = ncclCommSplit(parent, /*color=*/0, /*key=*/0, &child, &config);
   absl::Status s = (r == ncclSuccess || r == ncclInProgress)
                        ? AwaitComm(parent, "splitting the NCCL communicator", deadline, give_up)
-                       : NcclCheck(r, "ncclCommSplit");
+                       : NcclStatus(r, "ncclCommSplit");
   ncclCommAbort(parent);  // the child has resources of its own (splitShare is off)
   if (!s.ok()) return s;
   if (child == nullptr) return absl::InternalError("ncclCommSplit gave no communicator");

@@ -1,5 +1,6 @@
-// What the GPU data plane's clients (gpu_push.h, gpu_attention.h) share: status conversions for
-// CUDA, NCCL and gRPC, and switching NVLink multicast off in the calling process.
+// What the GPU data plane's clients (gpu_push.h, gpu_attention.h) share: switching NVLink multicast
+// off in the calling process, and waiting for NCCL communicators (status conversions come from
+// common/).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,13 +18,6 @@ namespace kvpool::client::gpu_internal {
 // Sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (NVLink
 // multicast can take a shared host's GPUs out of service); called before any NCCL use.
 void DisableNvlinkMulticast();
-
-// Internal (clears CUDA's sticky last error) unless `e` is cudaSuccess.
-absl::Status CudaCheck(cudaError_t e, const char* what);
-// Unavailable unless `r` is ncclSuccess.
-absl::Status NcclCheck(ncclResult_t r, const char* what);
-// The gRPC status as an absl::Status with the same code, prefixed by `what`.
-absl::Status FromGrpc(const grpc::Status& s, const char* what);
 
 // Whether to ask for blocking data-plane operations (OpenNcclChannelRequest.blocking_ops): yes,
 // unless KVPOOL_NCCL_BLOCKING_OPS=0 (kept for A/B measurements and as a way back).

@@ -11,15 +11,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/transport/gpu_client_common.h"
-#include "kernels/common/status_macros.h"
+#include "common/cuda_status.h"
+#include "common/grpc_status.h"
+#include "common/nccl_status.h"
+#include "common/status_macros.h"
 
 namespace kvpool::client {
 namespace {
 
 namespace v1 = ::kvpool::v1;
-using gpu_internal::CudaCheck;
-using gpu_internal::FromGrpc;
-using gpu_internal::NcclCheck;
 
 v1::GpuPushRequest Header(const GpuPushSpec& spec, uint64_t channel) {
   v1::GpuPushRequest r;
@@ -40,10 +40,11 @@ GpuPushClient::GpuPushClient(std::shared_ptr<grpc::Channel> channel, int device)
 absl::StatusOr<std::unique_ptr<GpuPushClient>> GpuPushClient::Create(
     std::shared_ptr<grpc::Channel> channel, int device) {
   gpu_internal::DisableNvlinkMulticast();  // shared hosts
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   auto c = std::unique_ptr<GpuPushClient>(new GpuPushClient(std::move(channel), device));
   cudaStream_t s = nullptr;
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"));
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream"));
   c->stream_ = s;
   return c;
 }
@@ -57,9 +58,9 @@ GpuPushClient::~GpuPushClient() {
 
 absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
   if (comm_ != nullptr) return absl::FailedPreconditionError("an NCCL channel is already open");
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   ncclUniqueId id;
-  KVPOOL_RETURN_IF_ERROR(NcclCheck(ncclGetUniqueId(&id), "ncclGetUniqueId"));
+  KVPOOL_RETURN_IF_ERROR(NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"));
   v1::OpenNcclChannelRequest req;
   req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
   req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
@@ -81,7 +82,7 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
   ncclComm_t comm = nullptr;
   absl::Status joined;
   if (!blocking_ops) {
-    joined = NcclCheck(ncclCommInitRank(&comm, 2, id, 0), "ncclCommInitRank");
+    joined = NcclStatus(ncclCommInitRank(&comm, 2, id, 0), "ncclCommInitRank");
   } else {
     // Non-blocking join, so that a daemon that refuses the channel (its answer comes before it
     // ever joins: a CPU daemon, a bad request) or never joins ends the wait; then the blocking
@@ -89,7 +90,7 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
     const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
     auto give_up = [&]() -> absl::Status {
       if (rpc_done.load(std::memory_order_acquire) && !rpc.ok()) {
-        return FromGrpc(rpc, "OpenNcclChannel");
+        return FromGrpcStatus(rpc, "OpenNcclChannel");
       }
       return absl::OkStatus();
     };
@@ -97,7 +98,7 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
     config.blocking = 0;
     const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
     joined = (r == ncclSuccess || r == ncclInProgress) ? absl::OkStatus()
-                                                       : NcclCheck(r, "ncclCommInitRankConfig");
+                                                       : NcclStatus(r, "ncclCommInitRankConfig");
     if (joined.ok()) {
       joined = gpu_internal::AwaitComm(comm, "joining the NCCL communicator", deadline, give_up);
     }
@@ -114,7 +115,7 @@ absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
   t.join();
   if (!joined.ok() || !rpc.ok()) {
     if (comm != nullptr) ncclCommAbort(comm);
-    KVPOOL_RETURN_IF_ERROR(FromGrpc(rpc, "OpenNcclChannel"));
+    KVPOOL_RETURN_IF_ERROR(FromGrpcStatus(rpc, "OpenNcclChannel"));
     return joined;
   }
   comm_ = comm;
@@ -128,16 +129,16 @@ absl::Status GpuPushClient::Connect(void* comm) {
   constexpr size_t kConnectBytes = 16;  // NcclChannel::kConnectBytes
   cudaStream_t s = static_cast<cudaStream_t>(stream_);
   void* bytes = nullptr;
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaMallocAsync(&bytes, kConnectBytes, s), "cudaMallocAsync"));
-  absl::Status st = CudaCheck(cudaMemsetAsync(bytes, 0, kConnectBytes, s), "cudaMemsetAsync");
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(&bytes, kConnectBytes, s), "cudaMallocAsync"));
+  absl::Status st = CudaStatus(cudaMemsetAsync(bytes, 0, kConnectBytes, s), "cudaMemsetAsync");
   if (st.ok()) {
     ncclGroupStart();
     ncclSend(bytes, kConnectBytes, ncclUint8, /*peer=*/1, static_cast<ncclComm_t>(comm), s);
     ncclSend(bytes, kConnectBytes, ncclUint8, /*peer=*/1, static_cast<ncclComm_t>(comm), s);
-    st = NcclCheck(ncclGroupEnd(), "connecting the NCCL channel");
+    st = NcclStatus(ncclGroupEnd(), "connecting the NCCL channel");
   }
   cudaFreeAsync(bytes, s);
-  if (st.ok()) st = CudaCheck(cudaStreamSynchronize(s), "connecting the NCCL channel");
+  if (st.ok()) st = CudaStatus(cudaStreamSynchronize(s), "connecting the NCCL channel");
   return st;
 }
 
@@ -151,14 +152,14 @@ absl::Status GpuPushClient::CloseNccl() {
   ncclCommAbort(static_cast<ncclComm_t>(comm_));
   comm_ = nullptr;
   channel_id_ = 0;
-  return FromGrpc(s, "CloseNcclChannel");
+  return FromGrpcStatus(s, "CloseNcclChannel");
 }
 
 absl::Status GpuPushClient::RegisterBuffer(const void* base, size_t bytes) {
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   cudaIpcMemHandle_t h;
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaIpcGetMemHandle(&h, const_cast<void*>(base)),
-                                   "cudaIpcGetMemHandle (pass a cudaMalloc base)"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&h, const_cast<void*>(base)),
+                                    "cudaIpcGetMemHandle (pass a cudaMalloc base)"));
   buffers_[static_cast<const uint8_t*>(base)] =
       Registered{bytes, std::string(reinterpret_cast<const char*>(&h), sizeof(h))};
   return absl::OkStatus();
@@ -181,7 +182,7 @@ absl::StatusOr<v1::AppendKvResponse> GpuPushClient::Push(const GpuPushSpec& spec
   if (spec.row_bytes == 0 || spec.num_tokens == 0) {
     return absl::InvalidArgumentError("row_bytes and num_tokens must be positive");
   }
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   const uint32_t chunk = spec.chunk_tokens == 0 ? spec.num_tokens : spec.chunk_tokens;
   // The IPC buffer holding [p, p + bytes).
   auto locate = [&](const void* p, size_t bytes, v1::CudaIpcBuffer* out) -> absl::Status {
@@ -228,7 +229,7 @@ absl::StatusOr<v1::AppendKvResponse> GpuPushClient::Push(const GpuPushSpec& spec
                  static_cast<cudaStream_t>(stream_));
         ncclSend(v, bytes, ncclUint8, /*peer=*/1, static_cast<ncclComm_t>(comm_),
                  static_cast<cudaStream_t>(stream_));
-        send_error = NcclCheck(ncclGroupEnd(), "ncclSend");
+        send_error = NcclStatus(ncclGroupEnd(), "ncclSend");
       }
     }
   }
@@ -243,11 +244,11 @@ absl::StatusOr<v1::AppendKvResponse> GpuPushClient::Push(const GpuPushSpec& spec
       channel_id_ = 0;
     } else {
       KVPOOL_RETURN_IF_ERROR(
-          CudaCheck(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "NCCL sends"));
+          CudaStatus(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "NCCL sends"));
     }
   }
   KVPOOL_RETURN_IF_ERROR(send_error);
-  KVPOOL_RETURN_IF_ERROR(FromGrpc(s, "PushKv"));
+  KVPOOL_RETURN_IF_ERROR(FromGrpcStatus(s, "PushKv"));
   return response;
 }
 

@@ -25,7 +25,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "grpcpp/grpcpp.h"
-#include "proto/kvpool/v1/gpu_transport_service.grpc.pb.h"
+#include "kvpool/v1/gpu_transport_service.grpc.pb.h"
 
 namespace kvpool::client {
 

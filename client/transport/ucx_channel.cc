@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/transport/ucx/ucx_wire.h"
-#include "server/transport/ucx/ucx_wire_parse.h"
+#include "dataplane/ucx_wire.h"
+#include "dataplane/ucx_wire_parse.h"
 
 namespace kvpool::client {
 

@@ -45,9 +45,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "dataplane/ucx_runtime.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
-#include "server/transport/ucx/ucx_runtime.h"
 
 namespace kvpool::client {
 

@@ -11,7 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/attention_params.h"
 #include "kernels/cuda/host_internal.h"
 
@@ -19,7 +19,6 @@ namespace kvpool::cuda {
 namespace {
 
 using internal::AttentionParams;
-using internal::CudaStatus;
 using internal::MakeGeometry;
 
 constexpr int kChunkQuantum = 64;     // decode_attention.cuh kChunkQuantum (4 warps x 16 tokens)

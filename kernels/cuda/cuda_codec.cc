@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/codec_params.h"
 #include "kernels/cuda/host_internal.h"
 
@@ -22,7 +22,6 @@ namespace {
 
 using internal::ArrivalParams;
 using internal::BatchParams;
-using internal::CudaStatus;
 using internal::DequantParams;
 using internal::MakeGeometry;
 
@@ -320,13 +319,6 @@ int CudaDeviceCount() {
 }  // namespace kvpool::cuda
 
 namespace kvpool::cuda::internal {
-
-absl::Status CudaStatus(int err, const char* what) {
-  if (err == 0) return absl::OkStatus();
-  const auto e = static_cast<cudaError_t>(err);
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
-}
 
 BlockGeometry MakeGeometry(const PagedKvView& kv) {
   const BlockLayout& l = kv.layout;

@@ -80,7 +80,7 @@ absl::Status ProbeTensorCoreAssumptions() {
   }
   cudaFree(out);
   cudaFree(moved);
-  if (err != 0) return internal::CudaStatus(err, "tensor core probe");
+  if (err != 0) return CudaStatus(err, "tensor core probe");
   const float want = 48.0f / 16777216.0f;  // 16 products of 3 * 2^-24
   for (int i = 0; i < 128; ++i) {
     if (h_out[i] != want) {
@@ -104,14 +104,14 @@ absl::Status FillRealLikeBf16(uint16_t* dst, size_t count, int row_len, uint64_t
   if (count == 0) return absl::OkStatus();
   if (dst == nullptr || row_len < 1) return absl::InvalidArgumentError("bad fill arguments");
   FillRealLikeKernel<<<1024, 256, 0, stream>>>(dst, count, row_len, seed, scale);
-  return internal::CudaStatus(cudaGetLastError(), "FillRealLikeBf16");
+  return CudaStatus(cudaGetLastError(), "FillRealLikeBf16");
 }
 
 absl::Status FillGaussianF32(float* dst, size_t count, uint64_t seed, float scale, Stream stream) {
   if (count == 0) return absl::OkStatus();
   if (dst == nullptr) return absl::InvalidArgumentError("bad fill arguments");
   FillGaussianKernel<<<1024, 256, 0, stream>>>(dst, count, seed, scale);
-  return internal::CudaStatus(cudaGetLastError(), "FillGaussianF32");
+  return CudaStatus(cudaGetLastError(), "FillGaussianF32");
 }
 
 }  // namespace kvpool::cuda::testing

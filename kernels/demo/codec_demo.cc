@@ -15,7 +15,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/block_layout.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/mixed_sequence.h"
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"

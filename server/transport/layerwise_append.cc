@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 
 namespace kvpool::server {
 

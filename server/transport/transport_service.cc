@@ -4,7 +4,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/transport/transport.h"
-#include "server/transport/ucx/ucx_runtime.h"
+#include "dataplane/ucx_runtime.h"
 
 namespace kvpool::server {
 

@@ -41,7 +41,7 @@
 #include "kernels/arrival_encoder.h"
 #include "kernels/attention.h"
 #include "kernels/block_layout.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"
 #include "tests/bench/bench_report.h"

@@ -42,8 +42,8 @@
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
 #include "server/transport/layerwise_append.h"
-#include "server/transport/testing/ucx_test_daemon.h"
-#include "server/transport/ucx/ucx_runtime.h"
+#include "tests/support/ucx_test_daemon.h"
+#include "dataplane/ucx_runtime.h"
 #include "tests/bench/bench_report.h"
 
 ABSL_FLAG(std::string, out, "bench-results/transport.json", "JSON output");

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
 #include "kvpool/v1/model_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "spdlog/spdlog.h"
@@ -16,12 +17,6 @@ namespace v1 = ::kvpool::v1;
 namespace {
 
 FuzzDaemon* g_daemon = nullptr;
-
-absl::Status FromGrpc(const grpc::Status& s, const char* rpc) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat("fuzz daemon: ", rpc, ": ", s.error_message()));
-}
 
 }  // namespace
 
@@ -70,7 +65,8 @@ absl::Status FuzzDaemon::Reset() {
   {
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
-    if (absl::Status s = FromGrpc(models->ListModels(&ctx, {}, &list), "ListModels"); !s.ok()) {
+    if (absl::Status s = FromGrpcStatus(models->ListModels(&ctx, {}, &list), "ListModels");
+        !s.ok()) {
       return s;
     }
   }
@@ -81,7 +77,8 @@ absl::Status FuzzDaemon::Reset() {
     req.set_model_id(m.model_id());
     req.set_force(true);
     v1::DeleteModelResponse resp;
-    if (absl::Status s = FromGrpc(models->DeleteModel(&ctx, req, &resp), "DeleteModel"); !s.ok()) {
+    if (absl::Status s = FromGrpcStatus(models->DeleteModel(&ctx, req, &resp), "DeleteModel");
+        !s.ok()) {
       return s;
     }
   }
@@ -98,7 +95,7 @@ absl::Status FuzzDaemon::BuildBaseState() {
     auto w = models->RegisterModel(&ctx, &resp);
     w->Write(ModelSpecRequest(kModelId));
     w->WritesDone();
-    if (absl::Status s = FromGrpc(w->Finish(), "RegisterModel"); !s.ok()) return s;
+    if (absl::Status s = FromGrpcStatus(w->Finish(), "RegisterModel"); !s.ok()) return s;
   }
   for (const char* id : {kSequenceId, kEmptySequenceId}) {
     grpc::ClientContext ctx;
@@ -107,7 +104,8 @@ absl::Status FuzzDaemon::BuildBaseState() {
     req.set_model_id(kModelId);
     req.set_sequence_id(id);
     v1::CreateSequenceResponse resp;
-    if (absl::Status s = FromGrpc(sequences->CreateSequence(&ctx, req, &resp), "CreateSequence");
+    if (absl::Status s =
+            FromGrpcStatus(sequences->CreateSequence(&ctx, req, &resp), "CreateSequence");
         !s.ok()) {
       return s;
     }
@@ -121,7 +119,7 @@ absl::Status FuzzDaemon::BuildBaseState() {
     if (!w->Write(r)) break;
   }
   w->WritesDone();
-  return FromGrpc(w->Finish(), "AppendKv");
+  return FromGrpcStatus(w->Finish(), "AppendKv");
 }
 
 absl::StatusOr<v1::GetStatsResponse> FuzzDaemon::StateSnapshot() {
@@ -131,7 +129,8 @@ absl::StatusOr<v1::GetStatsResponse> FuzzDaemon::StateSnapshot() {
   v1::GetStatsRequest req;
   req.set_include_sequences(true);
   v1::GetStatsResponse resp;
-  if (absl::Status s = FromGrpc(stats->GetStats(&ctx, req, &resp), "GetStats"); !s.ok()) return s;
+  if (absl::Status s = FromGrpcStatus(stats->GetStats(&ctx, req, &resp), "GetStats"); !s.ok())
+    return s;
   resp.clear_service();
   resp.clear_transport();
   resp.mutable_pool()->clear_evicted_units();

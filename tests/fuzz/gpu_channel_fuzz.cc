@@ -1,6 +1,6 @@
 // Fuzz target: what the GPU data plane reads from a peer, without a GPU: the NCCL attention
 // channel's call header and status block and the plan shape a SetAttentionPlan derives
-// (server/transport/gpu/attention_wire.h), and the PushKv messages' checks
+// (dataplane/attention_wire.h), and the PushKv messages' checks
 // (server/transport/gpu/gpu_push_checks.h) on a GpuPushRequest parsed from the input's bytes.
 //
 // Input: one byte picks the message, then its bytes.
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "kvpool/v1/gpu_transport_service.pb.h"
-#include "server/transport/gpu/attention_wire.h"
+#include "dataplane/attention_wire.h"
 #include "server/transport/gpu/gpu_push_checks.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_input.h"

@@ -1,4 +1,4 @@
-// Fuzz target: the UCX data plane's received data messages (server/transport/ucx/ucx_wire.h,
+// Fuzz target: the UCX data plane's received data messages (dataplane/ucx_wire.h,
 // ucx_wire_parse.h): the header decode and every check the daemon (PUSH_BEGIN, LAYER_DATA,
 // ATTEND) and the client (PUSH_DONE, ATTEND_DONE) apply before acting on a message.
 //
@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "server/transport/ucx/ucx_wire.h"
-#include "server/transport/ucx/ucx_wire_parse.h"
+#include "dataplane/ucx_wire.h"
+#include "dataplane/ucx_wire_parse.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_input.h"
 

@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/kvpool_client.h"
 #include "client/local_daemon.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
 #include "tests/support/test_data.h"

@@ -43,7 +43,7 @@
 #include "client/kvpool_client.h"
 #include "client/local_daemon.h"
 #include "client/transport/gpu_attention.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
 #include "tests/gpu/two_gpu_bench.h"

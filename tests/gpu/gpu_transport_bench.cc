@@ -32,7 +32,7 @@
 #include "client/kvpool_client.h"
 #include "client/local_daemon.h"
 #include "client/transport/gpu_push.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/testing_fill.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "grpcpp/grpcpp.h"
-#include "proto/kvpool/v1/gpu_attention_service.grpc.pb.h"
+#include "kvpool/v1/gpu_attention_service.grpc.pb.h"
 #include "tests/integration/integration_util.h"
 
 namespace kvpool::integration {

@@ -19,12 +19,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
+#include "common/grpc_status.h"
+#include "dataplane/ucx_runtime.h"
+#include "dataplane/ucx_wire.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
-#include "server/transport/ucx/ucx_runtime.h"
-#include "server/transport/ucx/ucx_wire.h"
 #include "tests/integration/integration_util.h"
 
 namespace kvpool::integration {
@@ -39,10 +40,6 @@ struct Tls {
   const char* name;
   const char* tls;
 };
-
-absl::Status FromGrpc(const grpc::Status& s) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
 
 // Polls until `pred` holds (true) or a generous deadline passes (false).
 template <typename Pred>
@@ -220,7 +217,7 @@ class UcxHandshakeTest : public ::testing::TestWithParam<Tls> {
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
     v1::NegotiateResponse response;
     const grpc::Status s = stub_->Negotiate(&context, request, &response);
-    if (!s.ok()) return FromGrpc(s);
+    if (!s.ok()) return FromGrpcStatus(s, "Negotiate");
     return response;
   }
   // Negotiate with a request of any bytes.
@@ -232,7 +229,7 @@ class UcxHandshakeTest : public ::testing::TestWithParam<Tls> {
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
     const grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
         client_->channel().get(), *raw_negotiate_, &context, in, &out);
-    if (!s.ok()) return FromGrpc(s);
+    if (!s.ok()) return FromGrpcStatus(s, "Negotiate");
     std::vector<grpc::Slice> slices;
     if (!out.Dump(&slices).ok()) return absl::InternalError("unreadable answer");
     std::string bytes;
@@ -250,7 +247,7 @@ class UcxHandshakeTest : public ::testing::TestWithParam<Tls> {
     v1::CloseSessionRequest request;
     request.set_session_id(id);
     v1::CloseSessionResponse response;
-    return FromGrpc(stub_->CloseSession(&context, request, &response));
+    return FromGrpcStatus(stub_->CloseSession(&context, request, &response), "CloseSession");
   }
 
   // A valid UCX offer from this process.

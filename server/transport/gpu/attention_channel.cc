@@ -9,8 +9,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/quote.h"
-#include "kernels/common/status_macros.h"
+#include "common/cuda_status.h"
+#include "common/nccl_status.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
 #include "server/transport/gpu/nccl_channel.h"  // DisableNvlinkMulticast, AwaitCommSettled
 #include "server/transport/gpu/poll_backoff.h"
 #include "spdlog/spdlog.h"
@@ -19,18 +21,6 @@ namespace kvpool::server {
 namespace {
 
 ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
-
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  const std::string msg = absl::StrCat(what, ": ", cudaGetErrorString(e));
-  return e == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(msg)
-                                        : absl::InternalError(msg);
-}
-
-absl::Status NcclError(ncclResult_t r, const char* what) {
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
 
 // How long a call may take between its header and the last byte of its queries.
 constexpr absl::Duration kCallTimeout = absl::Seconds(30);
@@ -56,27 +46,27 @@ class AttentionChannel::Buffers {
  public:
   static absl::StatusOr<std::unique_ptr<Buffers>> Create(int device) {
     auto b = std::unique_ptr<Buffers>(new Buffers(device));
-    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
     KVPOOL_RETURN_IF_ERROR(
-        CudaCheck(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking), "stream"));
+        CudaStatus(cudaStreamCreateWithFlags(&b->stream, cudaStreamNonBlocking), "stream"));
     KVPOOL_RETURN_IF_ERROR(
-        CudaCheck(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming), "event"));
+        CudaStatus(cudaEventCreateWithFlags(&b->event, cudaEventDisableTiming), "event"));
     KVPOOL_RETURN_IF_ERROR(b->Grow(&b->d_header, kCallHeaderBytes));  // stream-ordered (Reserve)
     KVPOOL_RETURN_IF_ERROR(b->Grow(&b->d_status, kCallStatusBytes));
-    KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamSynchronize(b->stream), "channel buffers"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(b->stream), "channel buffers"));
     KVPOOL_RETURN_IF_ERROR(
-        CudaCheck(cudaMallocHost(&b->h_header, kCallHeaderBytes), "cudaMallocHost"));
+        CudaStatus(cudaMallocHost(&b->h_header, kCallHeaderBytes), "cudaMallocHost"));
     KVPOOL_RETURN_IF_ERROR(
-        CudaCheck(cudaMallocHost(&b->h_status, kCallStatusBytes), "cudaMallocHost"));
+        CudaStatus(cudaMallocHost(&b->h_status, kCallStatusBytes), "cudaMallocHost"));
     return b;
   }
 
   // Replaces `*p` by a fresh device allocation of `bytes`, in stream order.
   absl::Status Grow(void** p, size_t bytes) {
     if (*p != nullptr)
-      KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaFreeAsync(*p, stream), "cudaFreeAsync"));
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaFreeAsync(*p, stream), "cudaFreeAsync"));
     *p = nullptr;
-    return CudaCheck(cudaMallocAsync(p, bytes, stream), "cudaMallocAsync");
+    return CudaStatus(cudaMallocAsync(p, bytes, stream), "cudaMallocAsync");
   }
 
   ~Buffers() {
@@ -257,11 +247,11 @@ absl::Status AttentionChannel::WaitEvent(absl::Time deadline) {
   for (uint64_t polls = 0;; ++polls) {
     const cudaError_t e = cudaEventQuery(buffers_->event);
     if (e == cudaSuccess) return absl::OkStatus();
-    if (e != cudaErrorNotReady) return Failed(CudaCheck(e, "waiting for NCCL"));
+    if (e != cudaErrorNotReady) return Failed(CudaStatus(e, "waiting for NCCL"));
     ncclResult_t state = ncclSuccess;
     ncclCommGetAsyncError(Comm(comm_), &state);
     if (state != ncclSuccess && state != ncclInProgress) {
-      return Failed(NcclError(state, "NCCL (the peer failed or left)"));
+      return Failed(NcclStatus(state, "NCCL (the peer failed or left)"));
     }
     if (stop_.load()) return Failed(absl::OkStatus());
     const absl::Time now = absl::Now();
@@ -289,16 +279,16 @@ absl::Status AttentionChannel::Connect() {
   ncclSend(b.d_header, kConnectBytes, ncclUint8, /*peer=*/0, Comm(comm_), b.stream);
   ncclRecv(b.d_status, kConnectBytes, ncclUint8, /*peer=*/0, Comm(comm_), b.stream);
   const ncclResult_t r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "NCCL connect"));
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclStatus(r, "NCCL connect"));
   KVPOOL_RETURN_IF_ERROR(Settle(deadline));
   if (aborted_) return absl::OkStatus();
-  absl::Status s = CudaCheck(cudaEventRecord(b.event, b.stream), "event");
+  absl::Status s = CudaStatus(cudaEventRecord(b.event, b.stream), "event");
   if (!s.ok()) return Failed(s);
   return WaitEvent(deadline);
 }
 
 void AttentionChannel::Loop() {
-  absl::Status why = CudaCheck(cudaSetDevice(device_), "cudaSetDevice");
+  absl::Status why = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
   if (!why.ok()) why = Failed(why);
   for (uint64_t call = 1; why.ok() && !aborted_; ++call) {
     why = ServeOne(call);
@@ -324,13 +314,13 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   ncclGroupStart();
   ncclRecv(b.d_header, kCallHeaderBytes, ncclUint8, /*peer=*/0, comm, b.stream);
   ncclResult_t r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclRecv header"));
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclStatus(r, "ncclRecv header"));
   KVPOOL_RETURN_IF_ERROR(Settle(absl::InfiniteFuture()));
   if (aborted_) return absl::OkStatus();  // closed
-  absl::Status s = CudaCheck(
+  absl::Status s = CudaStatus(
       cudaMemcpyAsync(b.h_header, b.d_header, kCallHeaderBytes, cudaMemcpyDeviceToHost, b.stream),
       "D2H call header");
-  if (s.ok()) s = CudaCheck(cudaEventRecord(b.event, b.stream), "event");
+  if (s.ok()) s = CudaStatus(cudaEventRecord(b.event, b.stream), "event");
   if (!s.ok()) return Failed(s);
   KVPOOL_RETURN_IF_ERROR(WaitEvent(absl::InfiniteFuture()));
   if (aborted_) return absl::OkStatus();
@@ -361,11 +351,11 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   ncclGroupStart();
   ncclRecv(b.d_queries, h.query_bytes, ncclUint8, /*peer=*/0, comm, b.stream);
   r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclRecv queries"));
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclStatus(r, "ncclRecv queries"));
   KVPOOL_RETURN_IF_ERROR(Settle(deadline));
   if (aborted_) return absl::OkStatus();
   mark(0);
-  s = CudaCheck(cudaEventRecord(b.event, b.stream), "event");
+  s = CudaStatus(cudaEventRecord(b.event, b.stream), "event");
   if (!s.ok()) return Failed(s);
   KVPOOL_RETURN_IF_ERROR(WaitEvent(deadline));
   if (aborted_) return absl::OkStatus();
@@ -387,11 +377,11 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   // 5. Status, out, lse (zeros on error). The next header's receive follows on the same stream,
   // so these sends have completed before the buffers are touched again.
   if (!attended.ok()) {
-    s = CudaCheck(cudaMemsetAsync(b.d_out, 0, h.query_bytes, b.stream), "memset out");
-    if (s.ok()) s = CudaCheck(cudaMemsetAsync(b.d_lse, 0, h.lse_bytes, b.stream), "memset lse");
+    s = CudaStatus(cudaMemsetAsync(b.d_out, 0, h.query_bytes, b.stream), "memset out");
+    if (s.ok()) s = CudaStatus(cudaMemsetAsync(b.d_lse, 0, h.lse_bytes, b.stream), "memset lse");
     if (!s.ok()) return Failed(s);
   }
-  s = CudaCheck(
+  s = CudaStatus(
       cudaMemcpyAsync(b.d_status, b.h_status, kCallStatusBytes, cudaMemcpyHostToDevice, b.stream),
       "H2D status");
   if (!s.ok()) return Failed(s);
@@ -400,7 +390,7 @@ absl::Status AttentionChannel::ServeOne(uint64_t expected_call) {
   ncclSend(b.d_out, h.query_bytes, ncclUint8, /*peer=*/0, comm, b.stream);
   ncclSend(b.d_lse, h.lse_bytes, ncclUint8, /*peer=*/0, comm, b.stream);
   r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclError(r, "ncclSend answer"));
+  if (r != ncclSuccess && r != ncclInProgress) return Failed(NcclStatus(r, "ncclSend answer"));
   s = Settle(deadline);
   mark(3);
   if (TraceCalls()) {

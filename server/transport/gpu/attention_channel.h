@@ -44,7 +44,7 @@
 #include "absl/time/time.h"
 #include "server/service_context.h"
 #include "server/tenant.h"
-#include "server/transport/gpu/attention_wire.h"
+#include "dataplane/attention_wire.h"
 
 namespace kvpool::server {
 

@@ -3,19 +3,12 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/cuda_status.h"
+#include "common/status_macros.h"
 #include "server/transport/gpu/poll_backoff.h"
 
 namespace kvpool::server {
-namespace {
-
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-}  // namespace
+namespace {}  // namespace
 
 DeviceSlots::~DeviceSlots() {
   cudaSetDevice(device_);
@@ -31,7 +24,7 @@ DeviceSlots::~DeviceSlots() {
 absl::StatusOr<DeviceSlots::Slot*> DeviceSlots::Acquire(size_t bytes,
                                                         const std::function<bool()>& cancelled,
                                                         const std::function<bool()>& closed) {
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   absl::MutexLock lock(&mu_);
   while (true) {
     if (closed()) return absl::FailedPreconditionError("the channel was aborted");
@@ -46,7 +39,7 @@ absl::StatusOr<DeviceSlots::Slot*> DeviceSlots::Acquire(size_t bytes,
       auto s = std::make_unique<Slot>();
       cudaEvent_t ev = nullptr;
       KVPOOL_RETURN_IF_ERROR(
-          CudaCheck(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event"));
+          CudaStatus(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event"));
       s->done = ev;
       slots_.push_back(std::move(s));
       free_slot = slots_.back().get();
@@ -59,7 +52,7 @@ absl::StatusOr<DeviceSlots::Slot*> DeviceSlots::Acquire(size_t bytes,
         if (stream_ == nullptr) {
           cudaStream_t st = nullptr;
           KVPOOL_RETURN_IF_ERROR(
-              CudaCheck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream"));
+              CudaStatus(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream"));
           stream_ = st;
         }
         cudaStream_t st = static_cast<cudaStream_t>(stream_);
@@ -68,10 +61,10 @@ absl::StatusOr<DeviceSlots::Slot*> DeviceSlots::Acquire(size_t bytes,
         free_slot->k = free_slot->v = nullptr;
         free_slot->capacity = 0;
         KVPOOL_RETURN_IF_ERROR(
-            CudaCheck(cudaMallocAsync(&free_slot->k, bytes, st), "cudaMallocAsync (slot)"));
+            CudaStatus(cudaMallocAsync(&free_slot->k, bytes, st), "cudaMallocAsync (slot)"));
         KVPOOL_RETURN_IF_ERROR(
-            CudaCheck(cudaMallocAsync(&free_slot->v, bytes, st), "cudaMallocAsync (slot)"));
-        KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaStreamSynchronize(st), "slot allocation"));
+            CudaStatus(cudaMallocAsync(&free_slot->v, bytes, st), "cudaMallocAsync (slot)"));
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(st), "slot allocation"));
         free_slot->capacity = bytes;
       }
       free_slot->busy = true;
@@ -103,7 +96,7 @@ absl::Status DeviceSlots::Wait(const Slot* slot, const std::function<absl::Statu
   while (true) {
     const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(slot->done));
     if (e == cudaSuccess) return check();
-    if (e != cudaErrorNotReady) return CudaCheck(e, "transfer into a slot");
+    if (e != cudaErrorNotReady) return CudaStatus(e, "transfer into a slot");
     const absl::Time now = absl::Now();
     if (now - last_check >= kCheckEvery) {
       KVPOOL_RETURN_IF_ERROR(check());

@@ -13,10 +13,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/common/status_macros.h"
-#include "proto/kvpool/v1/gpu_attention_service.grpc.pb.h"
+#include "common/status_macros.h"
+#include "dataplane/attention_wire.h"
+#include "kvpool/v1/gpu_attention_service.grpc.pb.h"
 #include "server/transport/gpu/attention_channel.h"
-#include "server/transport/gpu/attention_wire.h"
 #include "server/transport/gpu/join_admission.h"
 #include "spdlog/spdlog.h"
 

@@ -2,7 +2,7 @@
 // answered UNAVAILABLE with the reason.
 #include <utility>
 
-#include "proto/kvpool/v1/gpu_attention_service.grpc.pb.h"
+#include "kvpool/v1/gpu_attention_service.grpc.pb.h"
 #include "server/transport/gpu/gpu_attention_service.h"
 
 namespace kvpool::server {

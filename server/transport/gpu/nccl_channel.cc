@@ -7,7 +7,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/cuda_status.h"
+#include "common/nccl_status.h"
+#include "common/status_macros.h"
 #include "server/transport/gpu/poll_backoff.h"
 
 namespace kvpool::server {
@@ -19,16 +21,6 @@ constexpr int kSlots = 3;
 
 ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
-
-absl::Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-absl::Status NcclError(ncclResult_t r, const char* what) {
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
 
 }  // namespace
 
@@ -50,12 +42,12 @@ absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, abs
         absl::StrCat("nccl_unique_id must be ", sizeof(id), " bytes, got ", unique_id.size()));
   }
   std::memcpy(&id, unique_id.data(), sizeof(id));
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // every wait can give up
   ncclComm_t comm = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 1, &config);
-  if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, "ncclCommInitRankConfig");
+  if (r != ncclSuccess && r != ncclInProgress) return NcclStatus(r, "ncclCommInitRankConfig");
   const absl::Time deadline = absl::Now() + timeout;
   // Polls `comm` until its pending operation (the join, then the split) ends; aborts it on an
   // error, the deadline or cancellation.
@@ -73,7 +65,7 @@ absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, abs
     }
     if (state == ncclSuccess) return absl::OkStatus();
     ncclCommAbort(comm);
-    return NcclError(state, what);
+    return NcclStatus(state, what);
   };
   KVPOOL_RETURN_IF_ERROR(settle("joining the NCCL communicator"));
   if (!blocking_ops) return static_cast<void*>(comm);
@@ -85,7 +77,7 @@ absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, abs
   const ncclResult_t split = ncclCommSplit(comm, /*color=*/0, /*key=*/1, &child, &child_config);
   if (split != ncclSuccess && split != ncclInProgress) {
     ncclCommAbort(comm);
-    return NcclError(split, "ncclCommSplit");
+    return NcclStatus(split, "ncclCommSplit");
   }
   KVPOOL_RETURN_IF_ERROR(settle("splitting the NCCL communicator"));
   ncclCommAbort(comm);  // the child has resources of its own (splitShare is off)
@@ -103,7 +95,7 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
   ncclComm_t comm = Comm(joined);
   cudaStream_t stream = nullptr;
   if (absl::Status s =
-          CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+          CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
       !s.ok()) {
     ncclCommAbort(comm);
     return s;
@@ -156,7 +148,7 @@ absl::Status AwaitCommSettled(void* comm, absl::Time deadline, const std::functi
     const ncclResult_t r = ncclCommGetAsyncError(Comm(comm), &state);
     if (r != ncclSuccess) state = r;
     if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return NcclError(state, "NCCL (the peer failed or left)");
+    if (state != ncclInProgress) return NcclStatus(state, "NCCL (the peer failed or left)");
     if (stop()) return absl::CancelledError("stopped");
     if (absl::Now() > deadline) return absl::DeadlineExceededError(timeout_message);
     backoff.Pause();  // a 10 us sleep cost ~60 us of timer slack on every call
@@ -175,7 +167,7 @@ absl::Status NcclChannel::PostRecv(Slot* slot, size_t bytes) {
   if (bytes > slot->capacity) return absl::InternalError("slot too small");
   absl::MutexLock lock(&comm_mu_);
   if (aborted_) return absl::FailedPreconditionError("the NCCL channel was aborted");
-  KVPOOL_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   ncclGroupStart();
   ncclRecv(slot->k, bytes, ncclUint8, /*peer=*/0, Comm(comm_), Stream(stream_));
   ncclRecv(slot->v, bytes, ncclUint8, /*peer=*/0, Comm(comm_), Stream(stream_));
@@ -183,11 +175,11 @@ absl::Status NcclChannel::PostRecv(Slot* slot, size_t bytes) {
   if (r != ncclSuccess && r != ncclInProgress) {
     ncclCommAbort(Comm(comm_));
     aborted_ = true;
-    return NcclError(r, "ncclRecv");
+    return NcclStatus(r, "ncclRecv");
   }
   KVPOOL_RETURN_IF_ERROR(Settle([] { return false; }, absl::Now() + absl::Seconds(30)));
-  return CudaCheck(cudaEventRecord(static_cast<cudaEvent_t>(slot->done), Stream(stream_)),
-                   "cudaEventRecord");
+  return CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(slot->done), Stream(stream_)),
+                    "cudaEventRecord");
 }
 
 absl::Status NcclChannel::WaitRecv(Slot* slot, const std::function<bool()>& cancelled,
@@ -202,7 +194,7 @@ absl::Status NcclChannel::WaitRecv(Slot* slot, const std::function<bool()>& canc
         if (state != ncclSuccess && state != ncclInProgress) {
           ncclCommAbort(Comm(comm_));
           aborted_ = true;
-          return NcclError(state, "NCCL receive (the peer failed or left)");
+          return NcclStatus(state, "NCCL receive (the peer failed or left)");
         }
         if (cancelled()) return absl::CancelledError("push cancelled");
         return absl::OkStatus();

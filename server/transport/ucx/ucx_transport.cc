@@ -11,7 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/transport/ucx/session_secret.h"
-#include "server/transport/ucx/ucx_wire_parse.h"
+#include "dataplane/ucx_wire_parse.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {

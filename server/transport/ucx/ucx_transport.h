@@ -51,8 +51,8 @@
 #include "server/service_context.h"
 #include "server/transport/layerwise_append.h"
 #include "server/transport/transport.h"
-#include "server/transport/ucx/ucx_runtime.h"
-#include "server/transport/ucx/ucx_wire.h"
+#include "dataplane/ucx_runtime.h"
+#include "dataplane/ucx_wire.h"
 
 namespace kvpool::server {
 

@@ -11,10 +11,10 @@
 #define KVPOOL_STATUS_CONCAT_(a, b) KVPOOL_STATUS_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (an absl::Status); returns it from the enclosing function when not OK.
-#define KVPOOL_RETURN_IF_ERROR(expr)                            \
-  do {                                                          \
-    const ::absl::Status kvpool_status_ = (expr);               \
-    if (!kvpool_status_.ok()) return kvpool_status_;            \
+#define KVPOOL_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    const ::absl::Status kvpool_status_ = (expr);    \
+    if (!kvpool_status_.ok()) return kvpool_status_; \
   } while (false)
 
 // Evaluates `rexpr` (an absl::StatusOr<T>); on error returns its status, else moves the value

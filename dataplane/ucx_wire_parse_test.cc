@@ -1,6 +1,6 @@
 // The checks of received UCX data messages on hand-built messages (tests/fuzz/ucx_wire_fuzz.cc
 // runs them on arbitrary bytes).
-#include "server/transport/ucx/ucx_wire_parse.h"
+#include "dataplane/ucx_wire_parse.h"
 
 #include <cstring>
 #include <string>

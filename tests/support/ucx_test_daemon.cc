@@ -1,20 +1,15 @@
-#include "server/transport/testing/ucx_test_daemon.h"
+#include "tests/support/ucx_test_daemon.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
 #include "server/server_test_util.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server::testing {
 
 namespace {
-
-absl::Status FromGrpc(const grpc::Status& s, const char* rpc) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(rpc, ": ", s.error_message()));
-}
 
 void Deadline(grpc::ClientContext* ctx) {
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(300));
@@ -82,7 +77,7 @@ absl::Status TestDaemon::RegisterModel(const ModelShapeSpec& spec) {
   q->set_demotion_batch(std::min(spec.block_tokens, 16));
   w->Write(req);
   w->WritesDone();
-  return FromGrpc(w->Finish(), "RegisterModel");
+  return FromGrpcStatus(w->Finish(), "RegisterModel");
 }
 
 absl::Status TestDaemon::CreateSequence(const std::string& model_id, const std::string& id) {
@@ -92,7 +87,7 @@ absl::Status TestDaemon::CreateSequence(const std::string& model_id, const std::
   req.set_model_id(model_id);
   req.set_sequence_id(id);
   v1::CreateSequenceResponse resp;
-  return FromGrpc(seqs_->CreateSequence(&ctx, req, &resp), "CreateSequence");
+  return FromGrpcStatus(seqs_->CreateSequence(&ctx, req, &resp), "CreateSequence");
 }
 
 absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
@@ -125,7 +120,7 @@ absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
     }
   }
   w->WritesDone();
-  absl::Status s = FromGrpc(w->Finish(), "AppendKv");
+  absl::Status s = FromGrpcStatus(w->Finish(), "AppendKv");
   if (!s.ok()) return s;
   return resp;
 }
@@ -151,14 +146,14 @@ absl::Status TestDaemon::ReadAll(const std::string& id, std::vector<std::string>
     (*k)[layer] += msg.rows().k();
     (*v)[layer] += msg.rows().v();
   }
-  return FromGrpc(r->Finish(), "ReadKv");
+  return FromGrpcStatus(r->Finish(), "ReadKv");
 }
 
 absl::StatusOr<v1::AttendResponse> TestDaemon::AttendInline(const v1::AttendRequest& request) {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::AttendResponse resp;
-  absl::Status s = FromGrpc(attn_->Attend(&ctx, request, &resp), "Attend");
+  absl::Status s = FromGrpcStatus(attn_->Attend(&ctx, request, &resp), "Attend");
   if (!s.ok()) return s;
   return resp;
 }
@@ -167,7 +162,7 @@ absl::StatusOr<v1::GetStatsResponse> TestDaemon::Stats() {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::GetStatsResponse resp;
-  absl::Status s = FromGrpc(stats_->GetStats(&ctx, v1::GetStatsRequest(), &resp), "GetStats");
+  absl::Status s = FromGrpcStatus(stats_->GetStats(&ctx, v1::GetStatsRequest(), &resp), "GetStats");
   if (!s.ok()) return s;
   return resp;
 }
@@ -178,7 +173,7 @@ absl::StatusOr<v1::SequenceInfo> TestDaemon::Describe(const std::string& id) {
   v1::DescribeSequenceRequest req;
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
-  absl::Status s = FromGrpc(seqs_->DescribeSequence(&ctx, req, &resp), "DescribeSequence");
+  absl::Status s = FromGrpcStatus(seqs_->DescribeSequence(&ctx, req, &resp), "DescribeSequence");
   if (!s.ok()) return s;
   return resp;
 }
@@ -189,7 +184,7 @@ absl::Status TestDaemon::Release(const std::string& id) {
   v1::ReleaseSequenceRequest req;
   req.set_sequence_id(id);
   v1::ReleaseSequenceResponse resp;
-  return FromGrpc(seqs_->ReleaseSequence(&ctx, req, &resp), "ReleaseSequence");
+  return FromGrpcStatus(seqs_->ReleaseSequence(&ctx, req, &resp), "ReleaseSequence");
 }
 
 std::string TestRowBytes(int tokens, size_t row_values, uint64_t seed) {

@@ -1,4 +1,4 @@
-#include "server/transport/gpu/attention_wire.h"
+#include "dataplane/attention_wire.h"
 
 #include <algorithm>
 #include <cstring>

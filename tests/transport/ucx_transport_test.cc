@@ -14,7 +14,7 @@
 #include "client/transport/ucx_channel.h"
 #include "gtest/gtest.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
-#include "server/transport/testing/ucx_test_daemon.h"
+#include "tests/support/ucx_test_daemon.h"
 
 namespace kvpool::server {
 namespace {

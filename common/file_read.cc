@@ -1,4 +1,4 @@
-#include "kernels/common/file_read.h"
+#include "common/file_read.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -16,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "kernels/common/quote.h"
+#include "common/quote.h"
 
 namespace kvpool {
 namespace {

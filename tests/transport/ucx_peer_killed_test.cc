@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/transport/ucx_channel.h"
 #include "gtest/gtest.h"
-#include "server/transport/testing/ucx_test_daemon.h"
+#include "tests/support/ucx_test_daemon.h"
 
 namespace kvpool::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/transport/ucx/ucx_wire_parse.h"
+#include "dataplane/ucx_wire_parse.h"
 
 #include <algorithm>
 #include <climits>
@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 
 namespace kvpool::ucx::wire {
 namespace {

@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "server/transport/ucx/ucx_wire.h"
+#include "dataplane/ucx_wire.h"
 
 namespace kvpool::ucx::wire {
 

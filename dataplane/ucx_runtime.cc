@@ -1,4 +1,4 @@
-#include "server/transport/ucx/ucx_runtime.h"
+#include "dataplane/ucx_runtime.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
