@@ -89,7 +89,7 @@ FUZZ_TARGETS ?= safetensors_fuzz rotation_file_fuzz npy_fuzz ucx_wire_fuzz gpu_c
   negotiate_fuzz rpc_fuzz
 
 fuzz: deps
-	@./scripts/install-fuzz-deps.sh
+	@./scripts/install-deps.sh clang-14 libfuzzer-14-dev libclang-rt-14-dev
 	@if [ ! -f $(FUZZ_BUILD)/CMakeCache.txt ]; then \
 	  CC=clang-14 CXX=clang++-14 cmake -S . -B $(FUZZ_BUILD) -DKVPOOL_FUZZ=ON \
 	    -DKVPOOL_ENABLE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS); fi
