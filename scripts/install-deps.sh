@@ -10,6 +10,7 @@ set -euo pipefail
 BUILD_PACKAGES=(
   build-essential cmake pkg-config git python3 python3-venv
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  golang-github-gogo-googleapis-dev
   libabsl-dev libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libeigen3-dev liblapacke-dev libopenblas-dev libssl-dev libspdlog-dev
