@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/service_type.h"  // grpc::Service complete, for the unique_ptr
 #include "server/service_context.h"
 
 namespace kvpool::server {
