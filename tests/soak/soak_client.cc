@@ -229,7 +229,7 @@ absl::Status SoakClient::Step() {
   }
   if (roll < 76) return Release(Uniform(0, static_cast<int>(live_.size()) - 1));
   if (roll < 78) return ModelLifecycle();
-  if (roll < 79) return StatsConsistency();
+  if (roll < 79) return Chance(0.5) ? StatsConsistency() : DescribeModels();
   return Hostile();
 }
 
@@ -396,13 +396,20 @@ absl::Status SoakClient::AppendDecode(LiveSequence& s) {
   request.set_sequence_id(s.id);
   request.set_token_start(start);
   request.set_num_tokens(n);
-  request.set_dtype(v1::DTYPE_BF16);
+  // FP32 input holding BF16 values converts exactly: the rows stored are the same.
+  const bool fp32 = Chance(0.2);
+  request.set_dtype(fp32 ? v1::DTYPE_FP32 : v1::DTYPE_BF16);
   const bool with_ids = Chance(0.9);
   if (with_ids) request.mutable_token_ids()->Add(ids.begin(), ids.end());
   for (int l = 0; l < shape.num_layers; ++l) {
     const LayerRows rows = ExpectedRows(shape, l, start, ids);
-    request.mutable_k()->append(rows.k_bytes().data(), rows.k_bytes().size());
-    request.mutable_v()->append(rows.v_bytes().data(), rows.v_bytes().size());
+    if (fp32) {
+      request.mutable_k()->append(Bytes(ToFloats(rows.k)));
+      request.mutable_v()->append(Bytes(ToFloats(rows.v)));
+    } else {
+      request.mutable_k()->append(rows.k_bytes().data(), rows.k_bytes().size());
+      request.mutable_v()->append(rows.v_bytes().data(), rows.v_bytes().size());
+    }
   }
   absl::StatusOr<v1::AppendDecodeResponse> r;
   KVPOOL_RETURN_IF_ERROR(ExpectHonest("AppendDecode",
@@ -444,7 +451,7 @@ absl::Status SoakClient::ReadKvAndCheck(LiveSequence& s) {
   if (layers.empty()) {
     for (int l = 0; l < shape.num_layers; ++l) layers.push_back(l);
   }
-  const bool fp32 = !s.model->exact && Chance(0.5);
+  const bool fp32 = Chance(s.model->exact ? 0.3 : 0.5);
   request.set_dtype(fp32 ? v1::DTYPE_FP32 : v1::DTYPE_BF16);
   absl::StatusOr<client::KvRead> r = client_->ReadKv(request);
   KVPOOL_RETURN_IF_ERROR(ExpectHonest("ReadKv", r.status(), s.id));
@@ -467,6 +474,13 @@ absl::Status SoakClient::ReadKvAndCheck(LiveSequence& s) {
     }
     if (s.model->exact) {
       const LayerRows want = ExpectedRows(shape, layers[i], start, ids);
+      if (fp32) {  // the floats of the pushed BF16 values, exactly
+        KVPOOL_RETURN_IF_ERROR(
+            CompareBytes(got.k, Bytes(ToFloats(want.k)), absl::StrCat(where, " K (FP32)")));
+        KVPOOL_RETURN_IF_ERROR(
+            CompareBytes(got.v, Bytes(ToFloats(want.v)), absl::StrCat(where, " V (FP32)")));
+        continue;
+      }
       KVPOOL_RETURN_IF_ERROR(CompareBytes(got.k, want.k_bytes(), absl::StrCat(where, " K")));
       KVPOOL_RETURN_IF_ERROR(CompareBytes(got.v, want.v_bytes(), absl::StrCat(where, " V")));
       continue;
@@ -817,6 +831,49 @@ absl::Status SoakClient::ModelLifecycle() {
   // A path that stopped early (busy, full) still leaves nothing behind.
   return Expect("DeleteModel", client_->DeleteModel(id, /*force=*/true).status(), {StatusCode::kOk},
                 id);
+}
+
+absl::Status SoakClient::DescribeModels() {
+  absl::StatusOr<std::vector<v1::ModelInfo>> list = client_->ListModels();
+  KVPOOL_RETURN_IF_ERROR(Expect("ListModels", list.status(), {StatusCode::kOk}, "all"));
+  for (const SoakModel& m : run_->shared_models()) {
+    if (std::none_of(list->begin(), list->end(),
+                     [&](const v1::ModelInfo& i) { return i.model_id() == m.id(); })) {
+      return absl::InternalError(absl::StrCat("ListModels: ", m.id(), " missing"));
+    }
+  }
+  const std::vector<SoakModel>& models = run_->shared_models();
+  const SoakModel& model = models[Uniform(0, static_cast<int>(models.size()) - 1)];
+  absl::StatusOr<client::ModelDescription> d = client_->DescribeModel(model.id(), true);
+  KVPOOL_RETURN_IF_ERROR(Expect("DescribeModel", d.status(), {StatusCode::kOk}, model.id()));
+  const size_t matrix_bytes = sizeof(float) * model.shape.head_dim * model.shape.head_dim;
+  if (d->info.codec_version() != model.info.codec_version() ||
+      d->rotation.size() != static_cast<size_t>(model.shape.num_layers)) {
+    return absl::InternalError(absl::StrCat("DescribeModel ", model.id(), ": ",
+                                            d->info.ShortDebugString(), " with ",
+                                            d->rotation.size(), " rotation layers"));
+  }
+  for (size_t l = 0; l < d->rotation.size(); ++l) {
+    const v1::RotationLayer& r = d->rotation[l];
+    if (r.layer() != static_cast<int>(l) || r.k_matrix().size() != matrix_bytes ||
+        r.v_matrix().size() != matrix_bytes) {
+      return absl::InternalError(absl::StrCat("DescribeModel ", model.id(), ": rotation layer ", l,
+                                              " is ", r.layer(), " with ", r.k_matrix().size(),
+                                              " bytes"));
+    }
+    if (!model.exact) continue;
+    const std::vector<float> k = FloatsFromBytes(r.k_matrix());
+    for (int i = 0; i < model.shape.head_dim; ++i) {
+      for (int j = 0; j < model.shape.head_dim; ++j) {
+        if (k[i * model.shape.head_dim + j] != (i == j ? 1.0f : 0.0f)) {
+          return absl::InternalError(absl::StrCat("DescribeModel ", model.id(),
+                                                  ": the identity rotation has M[", i, "][", j,
+                                                  "] = ", k[i * model.shape.head_dim + j]));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SoakClient::StatsConsistency() {

@@ -145,6 +145,9 @@ class SoakClient {
   absl::Status Release(size_t index);
   absl::Status ModelLifecycle();
   absl::Status StatsConsistency();
+  // ListModels shows the shared models; DescribeModel streams their rotations (the identity's
+  // exactly).
+  absl::Status DescribeModels();
 
   // --- hostile requests ---
   absl::Status Hostile();

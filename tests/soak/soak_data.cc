@@ -120,8 +120,9 @@ absl::Status CompareBytes(absl::string_view got, absl::string_view want, absl::s
   uint16_t g = 0, w = 0;
   std::memcpy(&g, got.data() + i, 2);
   std::memcpy(&w, want.data() + i, 2);
-  return absl::InternalError(absl::StrCat(what, ": BF16 element ", i / 2, " read back as 0x",
-                                          absl::Hex(g), ", appended 0x", absl::Hex(w)));
+  return absl::InternalError(absl::StrCat(what, ": the 16-bit word at byte ", i,
+                                          " reads back as 0x", absl::Hex(g), ", expected 0x",
+                                          absl::Hex(w)));
 }
 
 std::vector<float> ToFloats(absl::Span<const Bf16> v) {
@@ -132,7 +133,7 @@ std::vector<float> ToFloats(absl::Span<const Bf16> v) {
 
 std::vector<float> FloatsFromBytes(absl::string_view bytes) {
   std::vector<float> out(bytes.size() / sizeof(float));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
   return out;
 }
 

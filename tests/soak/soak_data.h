@@ -71,7 +71,7 @@ absl::Status CompareAttention(absl::Span<const float> out, absl::Span<const floa
                               const AttentionOutput& ref, double tol, absl::string_view what);
 
 // OK when `got` equals `want` byte for byte; otherwise Internal naming `what` and the first
-// differing BF16 element.
+// differing 16-bit word.
 absl::Status CompareBytes(absl::string_view got, absl::string_view want, absl::string_view what);
 
 std::vector<float> ToFloats(absl::Span<const Bf16> v);
