@@ -807,10 +807,47 @@ absl::Status SoakClient::ModelLifecycle() {
                                       {StatusCode::kOk}, s.id));
       }
     }
+    // An append in flight across a forced delete: it must fail with NOT_FOUND, and its pages
+    // must come back.
+    std::unique_ptr<client::AppendStream> racing;
+    std::vector<LayerRows> racing_rows;
+    uint32_t racing_tokens = 0;
+    if (force && Chance(0.5)) {
+      const std::string racing_id = NewId("e");
+      KVPOOL_RETURN_IF_ERROR(Expect("CreateSequence",
+                                    client_->CreateSequence(id, racing_id).status(),
+                                    {StatusCode::kOk}, racing_id));
+      racing_tokens = Uniform(17, 60);
+      const std::vector<uint32_t> ids = RandomIds(racing_tokens);
+      for (int l = 0; l < shape.num_layers; ++l)
+        racing_rows.push_back(ExpectedRows(shape, l, 0, ids));
+      v1::AppendKvHeader header;
+      header.set_sequence_id(racing_id);
+      header.set_num_tokens(racing_tokens);
+      header.set_dtype(v1::DTYPE_BF16);
+      header.mutable_token_ids()->Add(ids.begin(), ids.end());
+      absl::StatusOr<std::unique_ptr<client::AppendStream>> stream = client_->OpenAppend(header);
+      if (!stream.ok()) return Expect("OpenAppend", stream.status(), {}, racing_id);
+      racing = *std::move(stream);
+      (void)racing->WriteLayer(0, 0, racing_tokens, racing_rows[0].k_bytes(),
+                               racing_rows[0].v_bytes());
+    }
     absl::StatusOr<v1::DeleteModelResponse> gone = client_->DeleteModel(id, force);
     KVPOOL_RETURN_IF_ERROR(Expect("DeleteModel", gone.status(), {StatusCode::kOk}, id));
     deleted = true;
-    const uint64_t released = force ? sequences.size() : 0;
+    if (racing != nullptr) {
+      for (int l = 1; l < shape.num_layers; ++l) {
+        if (!racing
+                 ->WriteLayer(l, 0, racing_tokens, racing_rows[l].k_bytes(),
+                              racing_rows[l].v_bytes())
+                 .ok()) {
+          break;
+        }
+      }
+      KVPOOL_RETURN_IF_ERROR(Expect("bad:AppendKv(model deleted midway)", racing->Finish().status(),
+                                    {StatusCode::kNotFound}, id));
+    }
+    const uint64_t released = force ? sequences.size() + (racing != nullptr ? 1 : 0) : 0;
     if (gone->released_sequences() != released) {
       return absl::InternalError(absl::StrCat("DeleteModel ", id, ": released ",
                                               gone->released_sequences(), " sequences, ", released,

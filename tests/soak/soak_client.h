@@ -159,6 +159,12 @@ class SoakClient {
   absl::Status HostileAttend();
   absl::Status TinyDeadline();
   absl::Status AbandonStream(LiveSequence& s);
+  // Opens an append to `s` (prefill) and, midway, releases `s` (the append must fail with
+  // NOT_FOUND) or seals it (the seal or the append is refused, whichever came second).
+  absl::Status InterruptAppend(LiveSequence& s, bool release);
+  // Waits until no append holds `s` (an abandoned one may still be rolling back): a header with
+  // a wrong token_start is refused with ABORTED while one does, FAILED_PRECONDITION after.
+  absl::Status WaitAppendIdle(const LiveSequence& s);
   // Sends `messages` on a raw AppendKv stream (stops at the first failed write), then
   // half-closes (or cancels); returns the call's status.
   absl::Status SendAppend(const std::vector<v1::AppendKvRequest>& messages, bool half_close);

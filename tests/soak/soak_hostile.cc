@@ -712,7 +712,10 @@ absl::Status SoakClient::TinyDeadline() {
 
 absl::Status SoakClient::AbandonStream(LiveSequence& s) {
   const SoakShape& shape = s.model->shape;
-  switch (Uniform(0, 3)) {
+  const int kind = Uniform(0, 5);
+  if (kind >= 4 && s.state == State::kPrefill && &s != &probe_)
+    return InterruptAppend(s, kind == 4);
+  switch (kind % 4) {
     case 0: {  // an append stream dropped midway: the daemon rolls it back
       if (s.state != State::kPrefill) return absl::OkStatus();
       const uint32_t start = s.length();
@@ -793,6 +796,72 @@ absl::Status SoakClient::AbandonStream(LiveSequence& s) {
                     {StatusCode::kNotFound}, absl::StrCat(id, " after a cancelled upload"));
     }
   }
+}
+
+absl::Status SoakClient::WaitAppendIdle(const LiveSequence& s) {
+  const std::vector<v1::AppendKvRequest> m{
+      HeaderMessage(s.id, s.length() + 1, 1, v1::DTYPE_BF16, false)};
+  return Expect("bad:AppendKv(idle probe)",
+                RetryAborted("bad:AppendKv(idle probe)", [&] { return SendAppend(m, true); }),
+                {StatusCode::kFailedPrecondition}, s.id);
+}
+
+absl::Status SoakClient::InterruptAppend(LiveSequence& s, bool release) {
+  KVPOOL_RETURN_IF_ERROR(WaitAppendIdle(s));
+  const SoakShape& shape = s.model->shape;
+  const uint32_t start = s.length();
+  const uint32_t n = Uniform(1, 40);
+  const std::vector<uint32_t> ids = RandomIds(n);
+  std::vector<LayerRows> rows;
+  for (int l = 0; l < shape.num_layers; ++l) rows.push_back(ExpectedRows(shape, l, start, ids));
+  v1::AppendKvHeader header;
+  header.set_sequence_id(s.id);
+  header.set_token_start(start);
+  header.set_num_tokens(n);
+  header.set_dtype(v1::DTYPE_BF16);
+  header.mutable_token_ids()->Add(ids.begin(), ids.end());
+  absl::StatusOr<std::unique_ptr<client::AppendStream>> stream = client_->OpenAppend(header);
+  if (!stream.ok()) return Expect("OpenAppend", stream.status(), {}, s.id);
+  const int first = Uniform(0, shape.num_layers - 1);
+  for (int l = 0; l < first; ++l) {
+    if (!(*stream)->WriteLayer(l, 0, n, rows[l].k_bytes(), rows[l].v_bytes()).ok()) break;
+  }
+  auto write_rest = [&] {
+    for (int l = first; l < shape.num_layers; ++l) {
+      if (!(*stream)->WriteLayer(l, 0, n, rows[l].k_bytes(), rows[l].v_bytes()).ok()) break;
+    }
+  };
+  if (release) {
+    // Released while its append streams: the append fails with NOT_FOUND and frees its pages.
+    const std::string id = s.id;
+    for (size_t i = 0; i < live_.size(); ++i) {
+      if (&live_[i] == &s) {
+        KVPOOL_RETURN_IF_ERROR(Release(i));
+        break;
+      }
+    }
+    write_rest();
+    return Expect("bad:AppendKv(released midway)", (*stream)->Finish().status(),
+                  {StatusCode::kNotFound}, id);
+  }
+  // Sealed while its append streams: whichever the daemon saw first wins. Seal first: the
+  // append is refused (FAILED_PRECONDITION); append first: the seal is (ABORTED) and the
+  // append commits.
+  absl::StatusOr<v1::SequenceInfo> sealed = client_->SealSequence(s.id);
+  KVPOOL_RETURN_IF_ERROR(Expect("SealSequence(during append)", sealed.status(),
+                                {StatusCode::kOk, StatusCode::kAborted}, s.id));
+  write_rest();
+  absl::StatusOr<v1::AppendKvResponse> done = (*stream)->Finish();
+  if (sealed.ok()) {
+    s.state = State::kSealed;
+    KVPOOL_RETURN_IF_ERROR(Expect("AppendKv(sealed during it)", done.status(),
+                                  {StatusCode::kFailedPrecondition}, s.id));
+    return CheckUnchanged(s, "an append refused by a seal");
+  }
+  KVPOOL_RETURN_IF_ERROR(Expect("AppendKv(seal refused)", done.status(), {StatusCode::kOk}, s.id));
+  s.token_ids.insert(s.token_ids.end(), ids.begin(), ids.end());
+  report_.counters.tokens_committed += n;
+  return CheckAppended(s, done->sequence(), n, "AppendKv(seal refused)");
 }
 
 }  // namespace kvpool::soak
