@@ -9,15 +9,13 @@
 #      TSan first (scripts/build-tsan-abseil.sh: Debian's absl::Mutex is invisible to TSan).
 #
 # ASan, LSan and TSan reports of every process (tests, the daemons they start, the soak) are
-# written to BUILD/sanitizer-reports/. Any ASan or LSan report fails the run (printed). TSan
-# reports are triaged (tests/sanitizers/tsan_triage.py): a race with a kvpool-owned access fails,
-# races inside Debian's uninstrumented gRPC/protobuf are counted and listed.
+# written to BUILD/sanitizer-reports/. Any ASan or LSan report fails the run (printed); LSan
+# suppressions (tests/sanitizers/lsan.supp) may name third-party code only, each with its reason.
 # UBSan reports go to the process's stderr (GCC's runtime ignores log_path for them) and abort it
 # (-fno-sanitize-recover), so they fail the test or the soak that hit them, quoted in its output
-# (a daemon's in its log tail). Suppressions (tests/sanitizers/*.supp) cover third-party code
-# only, each with its reason.
-#
-# Note: TSan sees kvpool's memory and Abseil (rebuilt), not gRPC's or protobuf's internals.
+# (a daemon's in its log tail). TSan sees kvpool's memory and Abseil (rebuilt), not the internals
+# of Debian's gRPC and protobuf, so its reports are triaged (tests/sanitizers/tsan_triage.py): a
+# race whose two accesses are both kvpool's fails; the others are counted and listed.
 #
 # Settings (environment): SANITIZE_CONFIGS ("address thread"), SANITIZE_SOAK_SECONDS (180),
 # SANITIZE_TSAN_SOAK_SECONDS (60), SANITIZE_SOAK_CLIENTS (16), SANITIZE_CTEST_ARGS (extra ctest
