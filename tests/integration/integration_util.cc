@@ -101,13 +101,13 @@ std::vector<Bf16> GaussianBf16(size_t n, uint64_t seed, float stddev) {
 
 std::vector<Bf16> Bf16FromBytes(absl::string_view bytes) {
   std::vector<Bf16> out(bytes.size() / sizeof(Bf16));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(Bf16));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(Bf16));
   return out;
 }
 
 std::vector<float> FloatFromBytes(absl::string_view bytes) {
   std::vector<float> out(bytes.size() / sizeof(float));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
   return out;
 }
 
