@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 
 namespace kvpool::soak {
 namespace {

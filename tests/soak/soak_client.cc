@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "kernels/block_layout.h"
-#include "kernels/common/status_macros.h"
 #include "tests/soak/soak_util.h"
 
 namespace kvpool::soak {

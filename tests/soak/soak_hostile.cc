@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "tests/soak/soak_client.h"
 #include "tests/soak/soak_util.h"
 

@@ -28,7 +28,7 @@
 #include "absl/time/clock.h"
 #include "client/kvpool_client.h"
 #include "client/local_daemon.h"
-#include "kernels/common/status_macros.h"
+#include "common/status_macros.h"
 #include "tests/soak/soak_accounting.h"
 #include "tests/soak/soak_client.h"
 
