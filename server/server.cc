@@ -7,12 +7,13 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "common/status_macros.h"
 #include "server/attention_service.h"
 #include "server/connection_listener.h"
+#include "server/ingest/ingest_engine.h"
 #include "server/model_service.h"
 #include "server/read_service.h"
 #include "server/sequence_service.h"
@@ -75,6 +76,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
+  s->ingest_ = std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(),
+                                              s->workers_.get(), config.max_append_tokens);
   ServiceContext& ctx = s->ctx_;
   ctx.config = &s->config_;
   ctx.backend = s->backend_.get();
@@ -84,6 +87,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   ctx.store = s->store_.get();
   ctx.workers = s->workers_.get();
   ctx.attention = s->attention_.get();
+  ctx.ingest = s->ingest_.get();
   s->transports_.push_back(std::make_unique<GrpcInlineTransport>());
   if (config.transports == "ucx") {
     absl::StatusOr<std::unique_ptr<UcxTransport>> ucx =

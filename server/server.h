@@ -69,6 +69,7 @@ class KvpoolServer {
   std::unique_ptr<SequenceStore> store_;
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
+  std::unique_ptr<IngestEngine> ingest_;
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;
   std::unique_ptr<ModelServiceImpl> model_service_;
