@@ -10,7 +10,8 @@
 // call; the client must open a new one.
 //
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<NcclChannel> ch,
-//       NcclChannel::Join(/*device=*/0, unique_id, absl::Seconds(60), /*blocking_ops=*/true));
+//       NcclChannel::Join(/*device=*/0, unique_id, absl::Seconds(60), cancelled,
+//                         /*blocking_ops=*/true));
 //   KVPOOL_ASSIGN_OR_RETURN(NcclChannel::Slot* slot, ch->AcquireSlot(bytes, cancelled));
 //   KVPOOL_RETURN_IF_ERROR(ch->PostRecv(slot, bytes));        // K then V from rank 0
 //   KVPOOL_RETURN_IF_ERROR(ch->WaitRecv(slot, cancelled));    // the bytes are in slot->k, slot->v
@@ -31,8 +32,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/transport/gpu/connect_within.h"
-#include "server/transport/gpu/device_slots.h"
+#include "server/transport/device/device_slots.h"
+#include "server/transport/nccl/connect_within.h"
 
 namespace kvpool::server {
 
@@ -65,13 +66,18 @@ class NcclChannel {
   // Bytes of each of the two messages (K, V) a client sends right after joining a channel with
   // blocking operations, so that the path is connected before the first push.
   static constexpr size_t kConnectBytes = 16;
+  // Receive slots: a chunk is received while up to two earlier ones (of different layers) are
+  // staged (staging runs slower than the link while NCCL shares the GPU, and two slots left the
+  // link idle).
+  static constexpr int kSlots = 3;
 
   // Joins a two-rank communicator as rank 1 on GPU `device`, waiting up to `timeout` for rank 0
-  // (JoinNcclComm); with `blocking_ops` also receives the client's connect messages (within
-  // `timeout`, ConnectWithin).
-  // InvalidArgument (id size), DeadlineExceeded, Unavailable (NCCL errors).
+  // (JoinNcclComm) or until `cancelled()`; with `blocking_ops` also receives the client's connect
+  // messages (within `timeout`, ConnectWithin).
+  // InvalidArgument (id size), DeadlineExceeded, Cancelled, Unavailable (NCCL errors).
   static absl::StatusOr<std::unique_ptr<NcclChannel>> Join(int device, const std::string& unique_id,
                                                            absl::Duration timeout,
+                                                           const std::function<bool()>& cancelled,
                                                            bool blocking_ops);
   ~NcclChannel();
 

@@ -1,4 +1,4 @@
-#include "server/transport/gpu/nccl_channel.h"
+#include "server/transport/nccl/nccl_channel.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -10,14 +10,10 @@
 #include "common/cuda_status.h"
 #include "common/nccl_status.h"
 #include "common/status_macros.h"
-#include "server/transport/gpu/poll_backoff.h"
+#include "server/transport/device/poll_backoff.h"
 
 namespace kvpool::server {
 namespace {
-
-// A chunk is received while up to two earlier ones (of different layers) are staged: staging
-// runs slower than the link while NCCL shares the GPU, and two slots left the link idle.
-constexpr int kSlots = 3;
 
 ncclComm_t Comm(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -85,13 +81,11 @@ absl::StatusOr<void*> JoinNcclComm(int device, const std::string& unique_id, abs
   return static_cast<void*>(child);
 }
 
-absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
-                                                               const std::string& unique_id,
-                                                               absl::Duration timeout,
-                                                               bool blocking_ops) {
+absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(
+    int device, const std::string& unique_id, absl::Duration timeout,
+    const std::function<bool()>& cancelled, bool blocking_ops) {
   KVPOOL_ASSIGN_OR_RETURN(void* joined,
-                          JoinNcclComm(
-                              device, unique_id, timeout, [] { return false; }, blocking_ops));
+                          JoinNcclComm(device, unique_id, timeout, cancelled, blocking_ops));
   ncclComm_t comm = Comm(joined);
   cudaStream_t stream = nullptr;
   if (absl::Status s =
@@ -104,9 +98,8 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Join(int device,
   if (!blocking_ops) return channel;
   NcclChannel* raw = channel.release();  // the connecting thread's until it returns
   bool abandoned = false;
-  absl::Status connected =
-      ConnectWithin([raw, timeout] { return raw->Connect(timeout); }, [raw] { delete raw; },
-                    timeout, [] { return false; }, &abandoned);
+  absl::Status connected = ConnectWithin([raw, timeout] { return raw->Connect(timeout); },
+                                         [raw] { delete raw; }, timeout, cancelled, &abandoned);
   if (abandoned) return connected;  // the connecting thread frees the channel
   channel.reset(raw);
   KVPOOL_RETURN_IF_ERROR(connected);

@@ -1,4 +1,4 @@
-#include "server/transport/gpu/join_admission.h"
+#include "server/transport/nccl/join_admission.h"
 
 #include "gtest/gtest.h"
 

@@ -1,5 +1,5 @@
-// JoinAdmission: bounds on the NCCL joins that clients start (GpuTransportService.OpenNcclChannel,
-// GpuAttentionService.OpenAttentionChannel). A join runs on a thread of its own and waits, up to
+// JoinAdmission: bounds on the NCCL joins that clients start (TransportService.Negotiate offering
+// NCCL, nccl_transport.h). A join runs on a thread of its own and waits, up to
 // the client's timeout_ms, for the client's rank at the address inside its ncclUniqueId, holding
 // a thread, an NCCL communicator being initialised and (attention) device buffers meanwhile: so
 // the timeout has a ceiling and only a few joins may wait at once, else a client could pile up

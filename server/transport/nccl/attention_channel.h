@@ -1,5 +1,5 @@
-// AttentionChannel: the daemon's end (rank 1) of one decode worker's NCCL attention channel
-// (kvpool.v1.GpuAttentionService, proto/kvpool/v1/gpu_attention_service.proto): a two-rank
+// AttentionChannel: the daemon's end (rank 1) of one decode worker's NCCL attention channel (an
+// NCCL session of use ATTENTION, proto/kvpool/v1/transport_service.proto): a two-rank
 // communicator, the plans that fix its calls' shapes, and one thread that serves the calls in
 // order, each one moving only over NCCL (attention_wire.h):
 //
@@ -42,18 +42,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "dataplane/attention_wire.h"
 #include "server/service_context.h"
 #include "server/tenant.h"
-#include "dataplane/attention_wire.h"
+#include "server/transport/transport.h"
 
 namespace kvpool::server {
-
-// A plan's id and the shape of its calls.
-struct AttentionPlanInfo {
-  uint32_t plan_id = 0;
-  AttentionPlanShape shape;
-  int num_layers = 0;
-};
 
 class AttentionChannel {
  public:

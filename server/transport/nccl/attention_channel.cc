@@ -1,4 +1,4 @@
-#include "server/transport/gpu/attention_channel.h"
+#include "server/transport/nccl/attention_channel.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -13,8 +13,8 @@
 #include "common/nccl_status.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
-#include "server/transport/gpu/nccl_channel.h"  // DisableNvlinkMulticast, AwaitCommSettled
-#include "server/transport/gpu/poll_backoff.h"
+#include "server/transport/device/poll_backoff.h"
+#include "server/transport/nccl/nccl_channel.h"  // DisableNvlinkMulticast, AwaitCommSettled
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {

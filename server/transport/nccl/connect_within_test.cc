@@ -1,4 +1,4 @@
-#include "server/transport/gpu/connect_within.h"
+#include "server/transport/nccl/connect_within.h"
 
 #include <atomic>
 #include <memory>

@@ -1,11 +1,11 @@
-#include "server/transport/gpu/device_slots.h"
+#include "server/transport/device/device_slots.h"
 
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda_status.h"
 #include "common/status_macros.h"
-#include "server/transport/gpu/poll_backoff.h"
+#include "server/transport/device/poll_backoff.h"
 
 namespace kvpool::server {
 namespace {}  // namespace
