@@ -189,7 +189,6 @@ Timing StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq
   const size_t token_bytes = kv.k[0].size() / tokens;
   // A UCX chunk: K and V of message_bytes each (two messages).
   const int per_chunk = std::max<int>(1, static_cast<int>(message_bytes / token_bytes));
-  const int chunks_per_layer = (tokens + per_chunk - 1) / per_chunk;
   const double cpu0 = ProcessCpuSeconds();
   const absl::Time t0 = absl::Now();
   v1::AppendKvHeader header;
