@@ -31,25 +31,12 @@ IngestAppend::~IngestAppend() = default;
 
 bool IngestAppend::Stage(int32_t layer, uint32_t offset, uint32_t count, absl::string_view k,
                          absl::string_view v, ChunkDone done) {
-  Chunk c;
-  c.offset = offset;
-  c.count = count;
-  c.k = k;
-  c.v = v;
-  c.done = std::move(done);
-  return Queue(layer, std::move(c));
+  return Queue(layer, Chunk{offset, count, k, v, nullptr, nullptr, nullptr, std::move(done)});
 }
 
 bool IngestAppend::StageDevice(int32_t layer, uint32_t offset, uint32_t count, const Bf16* k,
                                const Bf16* v, std::function<absl::Status()> ready, ChunkDone done) {
-  Chunk c;
-  c.offset = offset;
-  c.count = count;
-  c.device_k = k;
-  c.device_v = v;
-  c.ready = std::move(ready);
-  c.done = std::move(done);
-  return Queue(layer, std::move(c));
+  return Queue(layer, Chunk{offset, count, {}, {}, k, v, std::move(ready), std::move(done)});
 }
 
 absl::Status IngestAppend::CheckChunk(int32_t layer, uint32_t offset, uint32_t count) const {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "client/transport/gpu_push.h"
+#include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
 #include "tests/integration/integration_util.h"
@@ -81,6 +82,21 @@ class CudaIpcTest : public ::testing::Test {
     }
   }
 
+  // Pushes every layer of kv_ into sequence `id` over a CUDA IPC session of a GpuPushClient
+  // (chunks of `chunk_tokens`, 0: whole layers).
+  absl::StatusOr<v1::AppendKvResponse> PushAll(const std::string& id, uint32_t chunk_tokens) {
+    KVPOOL_ASSIGN_OR_RETURN(
+        std::unique_ptr<client::GpuPushClient> gpu,
+        client::GpuPushClient::Create(
+            grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()), 0));
+    KVPOOL_RETURN_IF_ERROR(gpu->RegisterBuffer(device_, 2 * kShape.num_layers * layer_bytes_));
+    std::vector<client::GpuLayerRows> layers;
+    for (int l = 0; l < kShape.num_layers; ++l) layers.push_back({K(l), V(l)});
+    const client::GpuPushSpec spec{id,         0,           kTokens, /*end_of_prefill=*/true,
+                                   RowBytes(), chunk_tokens};
+    return gpu->PushIpc(spec, layers);
+  }
+
   std::unique_ptr<LocalDaemon> daemon_;
   std::unique_ptr<KvpoolClient> client_;
   SequenceKv kv_;
@@ -89,17 +105,8 @@ class CudaIpcTest : public ::testing::Test {
 };
 
 TEST_F(CudaIpcTest, PushedRowsAreStoredBitForBitAsOverGrpc) {
-  absl::StatusOr<std::unique_ptr<client::GpuPushClient>> gpu = client::GpuPushClient::Create(
-      grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()), 0);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  KV_ASSERT_OK((*gpu)->RegisterBuffer(device_, 2 * kShape.num_layers * layer_bytes_));
-  std::vector<client::GpuLayerRows> layers;
-  for (int l = 0; l < kShape.num_layers; ++l) layers.push_back({K(l), V(l)});
-
   ASSERT_TRUE(client_->CreateSequence("exact", "ipc").ok());
-  const client::GpuPushSpec spec{"ipc", 0, kTokens, /*end_of_prefill=*/true, RowBytes(),
-                                 /*chunk_tokens=*/64};
-  absl::StatusOr<v1::AppendKvResponse> pushed = (*gpu)->PushIpc(spec, layers);
+  absl::StatusOr<v1::AppendKvResponse> pushed = PushAll("ipc", /*chunk_tokens=*/64);
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_EQ(pushed->sequence().total_tokens(), static_cast<uint32_t>(kTokens));
 
@@ -162,14 +169,7 @@ TEST_F(CudaIpcTest, ABufferRangeOutsideItsAllocationChangesNothing) {
   EXPECT_EQ(*before, *after);
 
   // The sequence is free again: the whole push goes through.
-  absl::StatusOr<std::unique_ptr<client::GpuPushClient>> gpu = client::GpuPushClient::Create(
-      grpc::CreateChannel(daemon_->target(), grpc::InsecureChannelCredentials()), 0);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  KV_ASSERT_OK((*gpu)->RegisterBuffer(device_, 2 * kShape.num_layers * layer_bytes_));
-  std::vector<client::GpuLayerRows> layers;
-  for (int l = 0; l < kShape.num_layers; ++l) layers.push_back({K(l), V(l)});
-  const client::GpuPushSpec spec{"edge", 0, kTokens, true, RowBytes(), 0};
-  absl::StatusOr<v1::AppendKvResponse> pushed = (*gpu)->PushIpc(spec, layers);
+  absl::StatusOr<v1::AppendKvResponse> pushed = PushAll("edge", /*chunk_tokens=*/0);
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   ExpectStoredExactly("edge");
 }
