@@ -27,20 +27,22 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/grpc_status.h"
 #include "grpc/support/time.h"
 #include "grpcpp/alarm.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/sequence_service.pb.h"
+#include "proto/status.h"
+#include "server/grpc_reactor_order.h"
 #include "server/ingest/append_response.h"
 #include "server/ingest/ingest_append.h"
 
 namespace kvpool::server {
 
 template <typename Request>
-class IngestStreamReactor : public grpc::ServerReadReactor<Request> {
+class IngestStreamReactor : public OrderedReactor<grpc::ServerReadReactor<Request>> {
  public:
   void OnReadDone(bool ok) override {
+    AcquireFromGrpc(this);
     absl::Status error;
     bool commit = false;
     std::shared_ptr<IngestAppend> append;
@@ -107,6 +109,7 @@ class IngestStreamReactor : public grpc::ServerReadReactor<Request> {
   }
 
   void OnDone() override {
+    AcquireFromGrpc(this);
     bool last;
     {
       absl::MutexLock lock(&link_->mu);
@@ -216,10 +219,12 @@ class IngestStreamReactor : public grpc::ServerReadReactor<Request> {
       alarm = resume_alarm_.get();
     }
     // Set once mu_ is released: gRPC may run the callback inline when it has no executor thread.
+    ReleaseToGrpc(this);
     alarm->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { OnResumeRead(); });
   }
 
   void OnResumeRead() {
+    AcquireFromGrpc(this);
     grpc::Status answer;
     {
       absl::MutexLock lock(&mu_);

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/cuda_status.h"
-#include "common/grpc_status.h"
+#include "proto/status.h"
 #include "common/nccl_status.h"
 #include "common/status_macros.h"
 

@@ -21,7 +21,7 @@ namespace kvpool::client::gpu_internal {
 // multicast can take a shared host's GPUs out of service); called before any NCCL use.
 void DisableNvlinkMulticast();
 
-// Whether to ask for blocking data-plane operations (OpenNcclChannelRequest.blocking_ops): yes,
+// Whether to ask for blocking data-plane operations (NcclOffer.blocking_ops): yes,
 // unless KVPOOL_NCCL_BLOCKING_OPS=0 (kept for A/B measurements and as a way back).
 bool WantBlockingOps();
 

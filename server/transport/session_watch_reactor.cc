@@ -6,6 +6,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "server/grpc_reactor_order.h"
 #include "server/transport/session_routing.h"
 #include "server/transport/transport.h"
 
@@ -17,7 +18,8 @@ namespace v1 = ::kvpool::v1;
 // Finish is deferred while the first write is outstanding ("holds"). The reactor is shared:
 // gRPC's reference ends in OnDone, and the session's end callback holds its own, so it may still
 // call End after OnDone (a no-op then).
-class SessionWatchReactor final : public grpc::ServerWriteReactor<v1::WatchSessionResponse> {
+class SessionWatchReactor final
+    : public OrderedReactor<grpc::ServerWriteReactor<v1::WatchSessionResponse>> {
  public:
   static SessionWatchReactor* Start(ServiceContext* ctx, grpc::CallbackServerContext* call,
                                     uint64_t session_id) {
@@ -50,6 +52,7 @@ class SessionWatchReactor final : public grpc::ServerWriteReactor<v1::WatchSessi
   }
 
   void OnWriteDone(bool ok) override {
+    AcquireFromGrpc(this);
     if (!ok) CloseSession();  // the client went away
     Release();
   }
@@ -58,6 +61,7 @@ class SessionWatchReactor final : public grpc::ServerWriteReactor<v1::WatchSessi
   void OnCancel() override { CloseSession(); }
 
   void OnDone() override {
+    AcquireFromGrpc(this);
     std::shared_ptr<SessionWatchReactor> self = std::move(self_);  // may be the last reference
   }
 
