@@ -62,7 +62,9 @@ class CudaIpcTest : public ::testing::Test {
 
   void TearDown() override {
     if (device_ != nullptr) cudaFree(device_);
-    if (daemon_ != nullptr) EXPECT_TRUE(daemon_->Stop().ok());
+    if (daemon_ != nullptr) {
+      EXPECT_TRUE(daemon_->Stop().ok());
+    }
   }
 
   uint8_t* K(int layer) const { return static_cast<uint8_t*>(device_) + layer * layer_bytes_; }
