@@ -30,21 +30,17 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import grpc
 import numpy as np
 
+from kvpool._stubs import ServiceStub
 from kvpool.errors import KvpoolError
 from kvpool.options import ClientOptions
 from kvpool.stream import AppendStream
 from kvpool.tensors import DType, as_numpy, from_bytes, natural_dtype, to_bytes
 from kvpool.v1 import attention_service_pb2 as attention_pb2
-from kvpool.v1 import attention_service_pb2_grpc as attention_grpc
 from kvpool.v1 import common_pb2
 from kvpool.v1 import model_service_pb2 as model_pb2
-from kvpool.v1 import model_service_pb2_grpc as model_grpc
 from kvpool.v1 import read_service_pb2 as read_pb2
-from kvpool.v1 import read_service_pb2_grpc as read_grpc
 from kvpool.v1 import sequence_service_pb2 as sequence_pb2
-from kvpool.v1 import sequence_service_pb2_grpc as sequence_grpc
 from kvpool.v1 import stats_service_pb2 as stats_pb2
-from kvpool.v1 import stats_service_pb2_grpc as stats_grpc
 
 ArrayLike = Any  # numpy array, torch tensor, or anything numpy accepts
 
@@ -158,11 +154,14 @@ class Client:
         else:
             self.channel = grpc.insecure_channel(target, options=args)
         self.secure = tls is not None
-        self.models = model_grpc.ModelServiceStub(self.channel)
-        self.sequences = sequence_grpc.SequenceServiceStub(self.channel)
-        self.reads = read_grpc.ReadServiceStub(self.channel)
-        self.attention = attention_grpc.AttentionServiceStub(self.channel)
-        self.stats = stats_grpc.StatsServiceStub(self.channel)
+        def stub(module: Any, name: str) -> Any:
+            return ServiceStub(self.channel, module.DESCRIPTOR.services_by_name[name])
+
+        self.models = stub(model_pb2, "ModelService")
+        self.sequences = stub(sequence_pb2, "SequenceService")
+        self.reads = stub(read_pb2, "ReadService")
+        self.attention = stub(attention_pb2, "AttentionService")
+        self.stats = stub(stats_pb2, "StatsService")
         self._health = self.channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
