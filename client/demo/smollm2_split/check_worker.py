@@ -1,10 +1,14 @@
 """The checks of the SmolLM2 split, in a process of their own, all rows in lockstep:
 
 - a BF16-cache greedy decode of every prompt (the reference);
-- per codec, a greedy decode that applies the same codec in-process: the production codec
+- per codec, a decode that applies the same codec in-process: the production codec
   (libkvpool_eval_codec.so: same rotation file or data-free rotation, clip, BF16 sink and recent
-  windows, the daemon's tier plan) with attention computed here; the remote decode must give
-  exactly these tokens;
+  windows, the daemon's tier plan) with attention computed here, fed the tokens the remote
+  decode chose and storing the K/V rows the decode process appended (the same BF16 bits the
+  daemon received: the engine's float rounding, which differs with the batch's shape, would
+  otherwise flip BF16 roundings and drift); at every step its greedy choice must be the remote
+  one, and its logits are compared with the remote decode's (so a near-tie, where float
+  rounding may pick either token, is told apart from a real difference);
 - per codec, a teacher-forced decode through kvpoold (remote attention + AppendDecode, its own
   sequence) fed the BF16 reference's tokens: top-1 agreement and KL(P_BF16 || P_kvpool) of the
   next-token distributions at every step.
@@ -31,8 +35,14 @@ def main() -> int:
     ap.add_argument("--handoff", required=True)
     ap.add_argument("--plan", required=True)
     ap.add_argument("--codec-lib", required=True)
+    ap.add_argument("--decode", required=True, help="the decode process's result (decode.json)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    remote_rows = sc.read_json(args.decode)["rows"]
+    appended = np.load(os.path.join(args.handoff, "appended.greedy.npz"))
+    for j, r in enumerate(remote_rows):
+        r["k"] = bf16_to_float32(appended[f"row{j}.k"])
+        r["v"] = bf16_to_float32(appended[f"row{j}.v"])
     plan = sc.read_json(args.plan)
     model, tok = sc.load_model()
     cfg = model.cfg
@@ -64,7 +74,10 @@ def main() -> int:
                           if s["config"] == c["name"] and s["role"] == "greedy"][0]
             layout.attach_prefix(info["reused"][seq_greedy["sequence_id"].format(prompt=i)])
             layout.final_prefill(len(info["ids"]) - layout.total)
-            rows.append(dict(base(), kind="codec", config=c["name"],
+            remote = [r for r in remote_rows
+                      if r["prompt"] == i and r["config"] == c["name"]][0]
+            rows.append(dict(base(), kind="codec", config=c["name"], remote=remote, delta=[],
+                             agree=[],
                              state=sc.CodecRows(codecs[c["name"]], layout, k, v),
                              codec_version=codecs[c["name"]].version,
                              int2_share_first=float(layout.history / layout.total)))
@@ -77,8 +90,9 @@ def main() -> int:
         if not active:
             break
         # Teacher-forced rows read the reference's token of the previous step.
-        tokens = [r["ref"]["tokens"][-1] if r["kind"] == "teacher_forced" else r["tokens"][-1]
-                  for r in active]
+        tokens = [r["ref"]["tokens"][-1] if r["kind"] == "teacher_forced"
+                  else r["remote"]["tokens"][step - 1] if r["kind"] == "codec"
+                  else r["tokens"][-1] for r in active]
         positions = [r["length"] + step - 1 for r in active]
 
         def attend(layer, q, k, v):
@@ -106,6 +120,10 @@ def main() -> int:
             if r["kind"] == "teacher_forced":
                 client.append_decode(r["seq"], ks[:, j], vs[:, j], token_start=positions[j],
                                      dtype=DType.BF16)
+            elif r["kind"] == "codec":  # the rows the daemon stored for this step
+                r["state"].append(r["remote"]["k"][step - 1], r["remote"]["v"][step - 1])
+                r["kv_delta"] = max(r.get("kv_delta", 0.0), float(np.abs(
+                    sc.round_bf16(ks[:, j]) - r["remote"]["k"][step - 1]).max()))
             else:
                 r["state"].append(ks[:, j], vs[:, j])
             logp[id(r)] = sc.log_softmax(logits[j])
@@ -120,6 +138,11 @@ def main() -> int:
                 r["tokens"].append(int(top[1]))
                 r["margins"].append(float(logits[j][top[1]] - logits[j][top[0]]))
                 r["done"] = int(top[1]) == tok.eos_id
+            if r["kind"] == "codec":  # the same step of the remote decode
+                remote_top = r["remote"]["top5"][step - 1]
+                r["agree"].append(int(top[1]) == remote_top[0][0])
+                r["delta"].append(max(abs(float(logits[j][t]) - val) for t, val in remote_top))
+                r["done"] = step + 1 >= len(r["remote"]["tokens"])
         for r in active:  # teacher-forced rows end with their reference
             if r["kind"] == "teacher_forced":
                 r["done"] = r["ref"]["done"]
@@ -132,7 +155,8 @@ def main() -> int:
         else:
             d.update(tokens=r["tokens"], margins=r["margins"])
         if r["kind"] == "codec":
-            d.update(config=r["config"], codec_version=r["codec_version"],
+            d.update(config=r["config"], codec_version=r["codec_version"], agree=r["agree"],
+                     delta=r["delta"], kv_delta=r.get("kv_delta", 0.0),
                      int2_share_first=r["int2_share_first"],
                      layout={"sink": r["state"].layout.sink,
                              "history": r["state"].layout.history,

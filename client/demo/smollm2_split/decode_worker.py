@@ -20,6 +20,7 @@ import numpy as np
 
 import split_common as sc
 from kvpool import Client, ClientOptions, DType, merge_attention
+from kvpool.tensors import bf16_bits
 
 
 def main() -> int:
@@ -45,7 +46,8 @@ def main() -> int:
             rows.append({"prompt": i, "config": s["config"], "model_id": s["model_id"],
                          "seq": s["sequence_id"].format(prompt=i), "length": len(info["ids"]),
                          "tokens": [info["first_token"]], "margins": [info["first_margin"]],
-                         "attended": [], "done": info["first_token"] == tok.eos_id})
+                         "attended": [], "top5": [], "k": [], "v": [],
+                         "done": info["first_token"] == tok.eos_id})
     new_tokens = plan["new_tokens"]
     attend_s, append_s, step_s = [], [], []
     times = sc.StepTimes()
@@ -86,11 +88,14 @@ def main() -> int:
             t = time.perf_counter()
             client.append_decode(r["seq"], ks[:, j], vs[:, j], token_start=positions[j],
                                  dtype=DType.BF16)
+            r["k"].append(ks[:, j])
+            r["v"].append(vs[:, j])
             append_s.append(time.perf_counter() - t)
-            top = np.argsort(logits[j])[-2:]
-            r["tokens"].append(int(top[1]))
-            r["margins"].append(float(logits[j][top[1]] - logits[j][top[0]]))
-            r["done"] = int(top[1]) == tok.eos_id
+            top = np.argsort(logits[j])[-5:][::-1]
+            r["tokens"].append(int(top[0]))
+            r["margins"].append(float(logits[j][top[0]] - logits[j][top[1]]))
+            r["top5"].append([[int(t), float(logits[j][t])] for t in top])
+            r["done"] = int(top[0]) == tok.eos_id
         step_s.append(time.perf_counter() - t_step)
         if args.capture:
             capture["q"].append(np.stack(step_q, axis=1))  # [B, layers, Hq, D]
@@ -100,6 +105,10 @@ def main() -> int:
             capture["v"].append(np.transpose(vs, (1, 0, 2, 3)))
             capture["rows"].append([rows.index(r) for r in active])
 
+    # The K/V each row appended, for the in-process codec check (check_worker.py).
+    np.savez(os.path.join(args.handoff, f"appended.{args.role}.npz"), **{
+        f"row{j}.{name}": bf16_bits(np.stack(r[name])) if r[name] else np.zeros(0, np.uint16)
+        for j, r in enumerate(rows) for name in ("k", "v")})
     if args.capture:
         flat = {}
         for step, idx in enumerate(capture["rows"]):
@@ -110,7 +119,7 @@ def main() -> int:
     generated = sum(len(r["tokens"]) - 1 for r in rows)
     sc.write_json(args.out, {
         "rows": [{k: r[k] for k in ("prompt", "config", "model_id", "seq", "length", "tokens",
-                                    "margins", "attended")} for r in rows],
+                                    "margins", "attended", "top5")} for r in rows],
         "steps": len(step_s), "generated_tokens": generated, "decode_seconds": sum(step_s),
         "model_seconds": times.model_s, "attention_seconds": times.attention_s,
         "append_seconds": sum(append_s), "attend_calls": len(attend_s),

@@ -81,13 +81,23 @@ def summarize(plan, reg, decode, check, seq_info, stats, prompts_info, tok) -> d
             "codec_version_daemon": reg[name].model.codec_version,
             "codec_version_local": local[0]["codec_version"],
             "clip": [reg[name].model.quant.clip_ratio_k, reg[name].model.quant.clip_ratio_v],
-            "remote_equals_local": all(remote[i]["tokens"] == local[i]["tokens"]
-                                       for i in remote),
+            "steps_compared": sum(len(local[i]["agree"]) for i in remote),
+            "steps_agreeing": sum(sum(local[i]["agree"]) for i in remote),
+            "max_logit_delta": max((d for i in remote for d in local[i]["delta"]), default=0.0),
+            "max_kv_rounding_delta": max(local[i]["kv_delta"] for i in remote),
+            # Disagreements where the remote and local logits differ by more than the gap
+            # between the two best tokens: float rounding may pick either (a near-tie).
+            "disagreements": [
+                {"prompt": i, "step": n + 1, "remote_token": remote[i]["tokens"][n + 1],
+                 "local_token": local[i]["tokens"][n + 1],
+                 "remote_margin": remote[i]["margins"][n + 1],
+                 "local_margin": local[i]["margins"][n + 1],
+                 "logit_delta": local[i]["delta"][n]}
+                for i in remote for n, ok in enumerate(local[i]["agree"]) if not ok],
             "local_layout_matches_daemon": all(
-                local[i]["layout"] == {k: greedy_end[k] for k in ("sink", "history", "recent")}
-                for i in remote
-                for greedy_end in [seq_info[remote[i]["seq"]]["end"]]
-                if remote[i]["tokens"] == local[i]["tokens"]),
+                local[i]["layout"] == {k: seq_info[remote[i]["seq"]]["end"][k]
+                                       for k in ("sink", "history", "recent")}
+                for i in remote),
             "first_divergence_vs_bf16": [first_divergence(remote[i]["tokens"],
                                                           ref[i]["tokens"]) for i in remote],
             "tokens_generated": [len(remote[i]["tokens"]) for i in remote],
@@ -100,10 +110,14 @@ def summarize(plan, reg, decode, check, seq_info, stats, prompts_info, tok) -> d
             "pool_bytes": int(m.pool_bytes), "bf16_bytes": int(m.bf16_equivalent_bytes),
         }
         c_s = s["configs"][name]
+        c_s["remote_equals_local"] = c_s["steps_agreeing"] == c_s["steps_compared"]
+        c_s["only_near_ties"] = all(d["local_margin"] <= 2 * d["logit_delta"]
+                                    for d in c_s["disagreements"])
         c_s["checks"] = {
             "prompts >= 2048 tokens": min(len(p["ids"]) for p in prompts_info) >= PROMPT_MIN,
             "INT2 share >= 0.75": c_s["int2_share_min"] >= INT2_MIN,
             "remote == local codec": c_s["remote_equals_local"],
+            "local tier layout == daemon's": c_s["local_layout_matches_daemon"],
             "same codec version": c_s["codec_version_daemon"] == c_s["codec_version_local"],
             "teacher-forced top-1 >= 0.85": c_s["top1"] >= TOP1_MIN,
             "teacher-forced KL <= 0.1": c_s["kl"] <= KL_MAX,
@@ -139,7 +153,7 @@ def print_report(s: dict, plan: dict) -> None:
             print(f"  kvpool 2-bit ({n:<10s}) {p[n]!r}")
     print()
     w = 34
-    print(f"{'':<{w}s}" + "".join(f"{n:>24s}" for n in names))
+    print(f"{'':<{w}s}" + "".join(f"{n:>28s}" for n in names))
     rows = [
         ("clip K/V", lambda c: f"{c['clip'][0]:.4g}/{c['clip'][1]:.4g}"),
         ("tokens stored (all sequences)", lambda c: f"{c['tokens_stored']}"),
@@ -147,7 +161,8 @@ def print_report(s: dict, plan: dict) -> None:
         ("pool bytes vs BF16", lambda c: f"{c['pool_bytes'] / 2**20:.1f} / "
                                          f"{c['bf16_bytes'] / 2**20:.1f} MiB "
                                          f"({c['bf16_bytes'] / max(1, c['pool_bytes']):.2f}x)"),
-        ("remote == local codec, tokens", lambda c: "yes" if c["remote_equals_local"] else "NO"),
+        ("remote == local codec, steps", lambda c: f"{c['steps_agreeing']}/{c['steps_compared']}"),
+        ("  max |logit remote - local|", lambda c: f"{c['max_logit_delta']:.2e}"),
         ("tokens equal to BF16 until", lambda c: ",".join(
             str(d) for d in c["first_divergence_vs_bf16"]) + " of " + ",".join(
             str(n) for n in c["tokens_generated"])),
@@ -156,7 +171,7 @@ def print_report(s: dict, plan: dict) -> None:
         ("  (positions)", lambda c: f"{c['teacher_forced_positions']}"),
     ]
     for label, fn in rows:
-        print(f"{label:<{w}s}" + "".join(f"{fn(s['configs'][n]):>24s}" for n in names))
+        print(f"{label:<{w}s}" + "".join(f"{fn(s['configs'][n]):>28s}" for n in names))
     t = s["timing"]
     steps = max(1, t["steps"])
     print(f"\ndecode: {t['generated_tokens']} tokens in {t['decode_seconds']:.1f} s "
@@ -173,6 +188,12 @@ def print_report(s: dict, plan: dict) -> None:
           f"(push {', '.join(f'{x:.2f}' for x in t['prefill_push_seconds'])} s); tokens "
           f"computed {[p['computed_tokens'] for p in pf]}, pushed per sequence "
           f"{[sorted(set(p['pushed_tokens'].values())) for p in pf]}")
+    for n in names:
+        for d in s["configs"][n]["disagreements"]:
+            print(f"  {n}: prompt {d['prompt']} step {d['step']}: remote chose {d['remote_token']}"
+                  f", local {d['local_token']}; top-two margin {d['local_margin']:.4f} (local) "
+                  f"{d['remote_margin']:.4f} (remote), logits differ by {d['logit_delta']:.4f}"
+                  f"{' (a near-tie)' if d['local_margin'] <= 2 * d['logit_delta'] else ''}")
     print("\nchecks:")
     ok = True
     for n in names:
@@ -197,10 +218,10 @@ def main() -> int:
     ap.add_argument("--document-tokens", type=int, default=sc.DOCUMENT_TOKENS)
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--capture", help="folder for the GPU replay capture (gpu_replay.py)")
-    ap.add_argument("--parallel", action="store_true",
-                    help="run the check process beside the decode process (faster, noisier "
-                         "timings)")
     args = ap.parse_args()
+    # The workers run in this folder: paths given relative to the caller's folder must not move.
+    args.codec_lib = os.path.abspath(args.codec_lib)
+    args.rotation = os.path.abspath(args.rotation)
 
     t0 = time.time()
     work = tempfile.mkdtemp(prefix="kvpool-split-")
@@ -252,15 +273,12 @@ def main() -> int:
             os.makedirs(args.capture, exist_ok=True)
             decode_args += ["--capture", os.path.join(args.capture, "decode_capture.npz")]
         check_args = common + ["--codec-lib", args.codec_lib,
+                               "--decode", os.path.join(work, "decode.json"),
                                "--out", os.path.join(work, "check.json")]
         print("decode process: greedy, remote attention ...", flush=True)
-        if args.parallel:
-            wait_all([("decode process", run_worker("decode_worker.py", *decode_args)),
-                      ("check process", run_worker("check_worker.py", *check_args))])
-        else:
-            wait_all([("decode process", run_worker("decode_worker.py", *decode_args))])
-            print("check process: BF16 cache, local codec, teacher-forced ...", flush=True)
-            wait_all([("check process", run_worker("check_worker.py", *check_args))])
+        wait_all([("decode process", run_worker("decode_worker.py", *decode_args))])
+        print("check process: BF16 cache, local codec, teacher-forced ...", flush=True)
+        wait_all([("check process", run_worker("check_worker.py", *check_args))])
         for seq, info in seq_info.items():
             d = client.describe_sequence(seq)
             info["end"] = {"sink": d.sink_tokens, "history": d.history_tokens,
@@ -280,6 +298,7 @@ def main() -> int:
                     src = os.path.join(work, f"prompt{i}{suffix}")
                     os.replace(src, os.path.join(args.capture, f"prompt{i}{suffix}"))
             sc.write_json(os.path.join(args.capture, "decode.json"), decode)
+            sc.write_json(os.path.join(args.capture, "check.json"), check)
         if args.json:
             sc.write_json(args.json, summary)
         client.close()

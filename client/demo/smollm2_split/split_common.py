@@ -218,59 +218,82 @@ class TierLayout:
         return (pos >= self.sink) & (pos < self.sink + self.history)
 
 
-class CodecRows:
-    """One sequence held in-process under a kvpool codec: for every stored token its BF16-tier
-    view and its INT2-history view (both in the engine's basis, from the production codec via
-    calibration/codec_c_api.h), and the daemon's tier layout that says which view applies."""
+class _Rows:
+    """Per-layer K/V rows with room to grow (decode appends without copying the past)."""
 
-    def __init__(self, codec, layout: TierLayout, k: np.ndarray, v: np.ndarray) -> None:
+    def __init__(self, rows: np.ndarray, capacity: int) -> None:
+        self.buf = np.empty((capacity,) + rows.shape[1:], np.float32)
+        self.buf[:len(rows)] = rows
+        self.n = len(rows)
+
+    def append(self, row: np.ndarray) -> None:
+        if self.n == len(self.buf):
+            self.buf = np.concatenate([self.buf, np.empty_like(self.buf)])
+        self.buf[self.n] = row
+        self.n += 1
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.buf[:self.n]
+
+
+class CodecRows:
+    """One sequence held in-process under a kvpool codec: every stored token as attention sees
+    it, its BF16-tier view (sink, recent) or its INT2-history view (both in the engine's basis,
+    from the production codec via calibration/codec_c_api.h), switched by the daemon's tier
+    layout; demotion turns recent rows into their history view."""
+
+    def __init__(self, codec, layout: TierLayout, k: np.ndarray, v: np.ndarray,
+                 extra: int = 64) -> None:
         """k, v: the prompt's K/V [layers, T, Hkv, D] (float32; rounded to BF16 first, as the
         daemon receives BF16)."""
         self.codec = codec
         self.layout = layout
-        layers = k.shape[0]
-        self.k_tier, self.k_hist, self.v_tier, self.v_hist = [], [], [], []
-        for layer in range(layers):
+        self.k, self.v, self.k_hist, self.v_hist = [], [], [], []
+        mask = layout.int2_mask(k.shape[1])[:, None, None]
+        for layer in range(k.shape[0]):
             kt, kh = codec.roundtrip(layer, 0, round_bf16(k[layer]))
             vt, vh = codec.roundtrip(layer, 1, round_bf16(v[layer]))
-            self.k_tier.append(kt)
-            self.k_hist.append(kh)
-            self.v_tier.append(vt)
-            self.v_hist.append(vh)
+            cap = k.shape[1] + extra
+            self.k.append(_Rows(np.where(mask, kh, kt), cap))
+            self.v.append(_Rows(np.where(mask, vh, vt), cap))
+            self.k_hist.append(_Rows(kh, cap))
+            self.v_hist.append(_Rows(vh, cap))
 
     def views(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
-        """K and V as attention sees them now (history rows dequantized, others BF16)."""
-        n = self.k_tier[layer].shape[0]
-        mask = self.layout.int2_mask(n)[:, None, None]
-        return (np.where(mask, self.k_hist[layer], self.k_tier[layer]),
-                np.where(mask, self.v_hist[layer], self.v_tier[layer]))
+        return self.k[layer].rows, self.v[layer].rows
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         """Appends one decode token, k/v [layers, Hkv, D], and applies the decode tier plan."""
-        for layer in range(len(self.k_tier)):
+        old_end = self.layout.sink + self.layout.history
+        self.layout.decode()
+        new_end = self.layout.sink + self.layout.history
+        for layer in range(len(self.k)):
             kt, kh = self.codec.roundtrip(layer, 0, round_bf16(k[layer][None]))
             vt, vh = self.codec.roundtrip(layer, 1, round_bf16(v[layer][None]))
-            self.k_tier[layer] = np.concatenate([self.k_tier[layer], kt])
-            self.k_hist[layer] = np.concatenate([self.k_hist[layer], kh])
-            self.v_tier[layer] = np.concatenate([self.v_tier[layer], vt])
-            self.v_hist[layer] = np.concatenate([self.v_hist[layer], vh])
-        self.layout.decode()
+            self.k_hist[layer].append(kh[0])
+            self.v_hist[layer].append(vh[0])
+            self.k[layer].append(kt[0])
+            self.v[layer].append(vt[0])
+            if new_end > old_end:  # demoted: these rows are INT2 from now on
+                self.k[layer].buf[old_end:new_end] = self.k_hist[layer].buf[old_end:new_end]
+                self.v[layer].buf[old_end:new_end] = self.v_hist[layer].buf[old_end:new_end]
 
 
 class Bf16Rows:
     """One sequence with a plain BF16 KV cache (the reference)."""
 
-    def __init__(self, k: np.ndarray, v: np.ndarray) -> None:
-        self.k = [round_bf16(k[layer]) for layer in range(k.shape[0])]
-        self.v = [round_bf16(v[layer]) for layer in range(v.shape[0])]
+    def __init__(self, k: np.ndarray, v: np.ndarray, extra: int = 64) -> None:
+        self.k = [_Rows(round_bf16(k[layer]), k.shape[1] + extra) for layer in range(len(k))]
+        self.v = [_Rows(round_bf16(v[layer]), k.shape[1] + extra) for layer in range(len(v))]
 
     def views(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
-        return self.k[layer], self.v[layer]
+        return self.k[layer].rows, self.v[layer].rows
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         for layer in range(len(self.k)):
-            self.k[layer] = np.concatenate([self.k[layer], round_bf16(k[layer][None])])
-            self.v[layer] = np.concatenate([self.v[layer], round_bf16(v[layer][None])])
+            self.k[layer].append(round_bf16(k[layer]))
+            self.v[layer].append(round_bf16(v[layer]))
 
 
 def local_attend(rows: Sequence, layer: int, q: np.ndarray, k: np.ndarray,
