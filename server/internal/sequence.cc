@@ -1,0 +1,43 @@
+#include "server/internal/sequence.h"
+
+#include <utility>
+
+namespace kvpool::server::internal {
+
+Sequence::Sequence(TenantId tenant_in, std::string id_in, std::shared_ptr<const Model> model_in)
+    : tenant(std::move(tenant_in)),
+      id(std::move(id_in)),
+      model(std::move(model_in)),
+      layout(TierConfig::FromQuantConfig(model->codec.quant)),
+      layers(model->num_layers) {}
+
+std::vector<PageId> Sequence::AllPagesLocked() const {
+  std::vector<PageId> pages;
+  for (const LayerPages& l : layers) {
+    pages.insert(pages.end(), l.sink.begin(), l.sink.end());
+    pages.insert(pages.end(), l.history.begin(), l.history.end());
+    pages.insert(pages.end(), l.recent.begin(), l.recent.end());
+  }
+  return pages;
+}
+
+SequenceInfo Sequence::InfoLocked(const BlockPool& pool) const {
+  SequenceInfo info;
+  info.id = id;
+  info.model_id = model->id;
+  info.tenant = tenant;
+  info.state = state;
+  info.sink = layout.sink();
+  info.history = layout.history();
+  info.recent = layout.recent();
+  info.reused_tokens = reused_tokens;
+  info.has_token_ids = token_ids_complete;
+  const BlockPool::PageTotals totals = pool.Totals(AllPagesLocked());
+  info.pool_bytes = totals.bytes;
+  info.shared_bytes = totals.shared_bytes;
+  info.bf16_equivalent_bytes =
+      static_cast<size_t>(info.total()) * model->bf16_token_bytes() * model->num_layers;
+  return info;
+}
+
+}  // namespace kvpool::server::internal

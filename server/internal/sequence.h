@@ -1,0 +1,59 @@
+// Internal to the sequence store: the record of one live sequence (its tier layout, its pages per
+// layer, its state and prefix chain), shared by SequenceStore, AppendTxn and the snapshots the
+// store takes. Every field after `model` is guarded by `mu`.
+//
+//   absl::MutexLock lock(&seq->mu);
+//   const SequenceInfo info = seq->InfoLocked(*pool);
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/mixed_sequence.h"
+#include "server/block_pool.h"
+#include "server/model_registry.h"
+#include "server/prefix_index.h"
+#include "server/sequence_info.h"
+#include "server/tenant.h"
+
+namespace kvpool::server::internal {
+
+// Per-layer storage of a sequence.
+struct LayerPages {
+  std::vector<PageId> sink;
+  std::vector<PageId> history;
+  std::deque<PageId> recent;
+};
+
+class Sequence {
+ public:
+  Sequence(TenantId tenant_in, std::string id_in, std::shared_ptr<const Model> model_in);
+
+  const TenantId tenant;
+  const std::string id;
+  const std::shared_ptr<const Model> model;
+
+  mutable absl::Mutex mu;
+  MixedSequenceLayout layout ABSL_GUARDED_BY(mu);
+  int recent_head ABSL_GUARDED_BY(mu) = 0;
+  std::vector<LayerPages> layers ABSL_GUARDED_BY(mu);
+  SequenceState state ABSL_GUARDED_BY(mu) = SequenceState::kPrefill;
+  bool append_active ABSL_GUARDED_BY(mu) = false;
+  bool released ABSL_GUARDED_BY(mu) = false;
+  std::vector<uint32_t> token_ids ABSL_GUARDED_BY(mu);
+  bool token_ids_complete ABSL_GUARDED_BY(mu) = true;
+  // Units of the prefix chain hashed so far (attached, published, or already cached).
+  std::vector<PrefixUnitKey> chain ABSL_GUARDED_BY(mu);
+  int reused_tokens ABSL_GUARDED_BY(mu) = 0;
+
+  // Every page of every layer (the sequence holds one reference on each).
+  std::vector<PageId> AllPagesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  SequenceInfo InfoLocked(const BlockPool& pool) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+};
+
+}  // namespace kvpool::server::internal

@@ -1,0 +1,89 @@
+#include "server/sequence_snapshot.h"
+
+#include <algorithm>
+
+#include "common/status_macros.h"
+
+namespace kvpool::server {
+
+SequenceSnapshot::~SequenceSnapshot() {
+  if (pool_ != nullptr) pool_->UnrefAll(refs_);
+}
+
+SequenceTiers SequenceSnapshot::Tiers(size_t i) const {
+  const Layer& l = layers_.at(i);
+  SequenceTiers tiers;
+  auto fill = [&](const std::vector<PageId>& pages, int first, int tokens, TierBlocks* out) {
+    out->first_token = first;
+    out->tokens = tokens;
+    out->blocks.reserve(pages.size());
+    for (PageId p : pages) out->blocks.push_back(pool_->Data(p));
+  };
+  fill(l.sink, 0, sink_, &tiers.sink);
+  fill(l.history, 0, history_, &tiers.history);
+  fill(l.recent, recent_head_, recent_, &tiers.recent);
+  return tiers;
+}
+
+const uint8_t* SequenceSnapshot::HistoryBlock(size_t i, size_t b) const {
+  return pool_->Data(layers_.at(i).history.at(b));
+}
+
+absl::Status SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier,
+                                            int start, int count, absl::Span<Bf16> k,
+                                            absl::Span<Bf16> v) const {
+  const Layer& l = layers_.at(i);
+  const int bt = model_->block_tokens();
+  const size_t row = model_->row_values();
+  const int base = recent_tier ? recent_head_ : 0;
+  const std::vector<PageId>& pages = recent_tier ? l.recent : l.sink;
+  for (int done = 0; done < count;) {
+    const int slot = base + start + done;
+    const int in_page = slot % bt;
+    const int take = std::min(count - done, bt - in_page);
+    const uint8_t* page = pool_->Data(pages[slot / bt]);
+    const size_t at = static_cast<size_t>(done) * row;
+    const size_t len = static_cast<size_t>(take) * row;
+    KVPOOL_RETURN_IF_ERROR(
+        backend->ReadBf16Rows(*model_, page, KvTensor::kKey, in_page, take, k.subspan(at, len)));
+    KVPOOL_RETURN_IF_ERROR(
+        backend->ReadBf16Rows(*model_, page, KvTensor::kValue, in_page, take, v.subspan(at, len)));
+    done += take;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceSnapshot::ReadRotated(ComputeBackend* backend, size_t i, int start, int count,
+                                           absl::Span<float> k, absl::Span<float> v) const {
+  const Layer& l = layers_.at(i);
+  const Model& m = *model_;
+  const int bt = m.block_tokens();
+  const size_t row = m.row_values();
+  const int end = start + count;
+  // Tier by tier: [first, last) of the sequence's positions in `pages`, whose position 0 is
+  // at `base` of the page list.
+  auto read = [&](const std::vector<PageId>& pages, bool history, int tier_begin, int tier_end,
+                  int base) -> absl::Status {
+    const int a = std::max(start, tier_begin);
+    const int b = std::min(end, tier_end);
+    for (int t = a; t < b;) {
+      const int pos = base + (t - tier_begin);
+      const int slot = pos % bt;
+      const int take = std::min(b - t, bt - slot);
+      const uint8_t* block = pool_->Data(pages[pos / bt]);
+      const size_t out = static_cast<size_t>(t - start) * row;
+      const size_t len = static_cast<size_t>(take) * row;
+      KVPOOL_RETURN_IF_ERROR(
+          backend->ReadRows(m, block, history, KvTensor::kKey, slot, take, k.subspan(out, len)));
+      KVPOOL_RETURN_IF_ERROR(
+          backend->ReadRows(m, block, history, KvTensor::kValue, slot, take, v.subspan(out, len)));
+      t += take;
+    }
+    return absl::OkStatus();
+  };
+  KVPOOL_RETURN_IF_ERROR(read(l.sink, false, 0, sink_, 0));
+  KVPOOL_RETURN_IF_ERROR(read(l.history, true, sink_, sink_ + history_, 0));
+  return read(l.recent, false, sink_ + history_, sink_ + history_ + recent_, recent_head_);
+}
+
+}  // namespace kvpool::server

@@ -1,0 +1,84 @@
+// SequenceSnapshot: a consistent view of some layers of one sequence, holding a reference on
+// every page it shows, so it stays valid while appends, demotions or a release of the sequence go
+// on. Taken by SequenceStore::Snapshot; dropping it releases the references.
+//
+//   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
+//                           store.Snapshot(tenant, "seq-1", /*layers=*/{3}));
+//   KVPOOL_RETURN_IF_ERROR(snap->ReadRotated(backend, 0, 0, snap->total(), k, v));
+//
+// Thread-safe to read from several threads (it never changes after it is taken).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/bf16.h"
+#include "server/backend.h"
+#include "server/block_pool.h"
+#include "server/model_registry.h"
+#include "server/prefix_index.h"
+
+namespace kvpool::server {
+
+// A consistent, reference-holding view of some layers of a sequence.
+class SequenceSnapshot {
+ public:
+  struct Layer {
+    int layer = 0;
+    std::vector<PageId> sink;
+    std::vector<PageId> history;
+    std::vector<PageId> recent;
+  };
+
+  ~SequenceSnapshot();
+  SequenceSnapshot(const SequenceSnapshot&) = delete;
+  SequenceSnapshot& operator=(const SequenceSnapshot&) = delete;
+
+  const Model& model() const { return *model_; }
+  const std::shared_ptr<const Model>& model_ptr() const { return model_; }
+  const std::string& sequence_id() const { return id_; }
+  int sink() const { return sink_; }
+  int history() const { return history_; }
+  int recent() const { return recent_; }
+  int total() const { return sink_ + history_ + recent_; }
+  int recent_head() const { return recent_head_; }
+  const std::vector<Layer>& layers() const { return layers_; }
+  // Prefix units of the sequence whose hashes the daemon knows (needs token ids), in order.
+  const std::vector<PrefixUnitKey>& prefix_chain() const { return chain_; }
+
+  // Pointers into pool memory for attention over layers()[i].
+  SequenceTiers Tiers(size_t i) const;
+  // Rotated K and V of tokens [start, start + count) of layers()[i], as fp32
+  // [count][kv_heads][head_dim] each (sink and recent exact, history dequantized).
+  [[nodiscard]] absl::Status ReadRotated(ComputeBackend* backend, size_t i, int start, int count,
+                                         absl::Span<float> k, absl::Span<float> v) const;
+  // BF16 rows of the sink (tier 0) or recent (tier 1) tokens [start, start + count) relative
+  // to the tier, of layers()[i], copied into [count][kv_heads][head_dim] buffers.
+  [[nodiscard]] absl::Status CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier,
+                                          int start, int count, absl::Span<Bf16> k,
+                                          absl::Span<Bf16> v) const;
+  // Bytes of history block `b` of layers()[i].
+  const uint8_t* HistoryBlock(size_t i, size_t b) const;
+
+ private:
+  friend class SequenceStore;
+  SequenceSnapshot() = default;
+
+  BlockPool* pool_ = nullptr;
+  std::shared_ptr<const Model> model_;
+  std::string id_;
+  int sink_ = 0;
+  int history_ = 0;
+  int recent_ = 0;
+  int recent_head_ = 0;
+  std::vector<Layer> layers_;
+  std::vector<PrefixUnitKey> chain_;
+  std::vector<PageId> refs_;
+};
+
+}  // namespace kvpool::server
