@@ -10,7 +10,7 @@ VENV ?= .venv
 CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run run-synthetic check-connectors test sanitize bench-cpu \
+.PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
 	bench-service bench-transport format clean venv fidelity fuzz
 
 all: build
@@ -33,6 +33,18 @@ build: configure
 run: build venv
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python client/demo/smollm2_split/run_split.py \
 	  --kvpoold $(BUILD)/bin/kvpoold --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so
+
+# The split on the GPU daemon (tests/gpu/run.sh split-replay on the lent H200 machine, which has
+# no model and no Python packages): one prompt of the split on the CPU daemon, captured and
+# packed into .gpu-replay/replay.safetensors.xz (carried there beside .gpu-carry).
+gpu-replay-capture: build venv
+	rm -rf $(BUILD)/split-capture .gpu-replay && mkdir -p .gpu-replay
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python client/demo/smollm2_split/run_split.py \
+	  --kvpoold $(BUILD)/bin/kvpoold --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so \
+	  --prompts 1 --document-tokens 1280 --capture $(BUILD)/split-capture
+	$(VENV)/bin/python client/demo/smollm2_split/export_replay.py \
+	  --capture $(BUILD)/split-capture --out .gpu-replay/replay.safetensors
+	xz -T0 -6 -f .gpu-replay/replay.safetensors && du -h .gpu-replay/replay.safetensors.xz
 
 # The synthetic service demo: a 70B-class shape, random keys, a data-free rotation. Without the
 # service (-DKVPOOL_BUILD_SERVICE=OFF) the codec demo runs instead.
