@@ -41,7 +41,8 @@ gpu-replay-capture: build venv
 	rm -rf $(BUILD)/split-capture .gpu-replay && mkdir -p .gpu-replay
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python client/demo/smollm2_split/run_split.py \
 	  --kvpoold $(BUILD)/bin/kvpoold --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so \
-	  --prompts 1 --document-tokens 1280 --capture $(BUILD)/split-capture
+	  --prompts 1 --document-tokens 1280 --capture $(BUILD)/split-capture \
+	  || test -f $(BUILD)/split-capture/decode.json  # (a 1323-token prompt fails the demo's 2048)
 	$(VENV)/bin/python client/demo/smollm2_split/export_replay.py \
 	  --capture $(BUILD)/split-capture --out .gpu-replay/replay.safetensors
 	xz -T0 -6 -f .gpu-replay/replay.safetensors && du -h .gpu-replay/replay.safetensors.xz
