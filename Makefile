@@ -35,8 +35,9 @@ run: build venv
 	  --kvpoold $(BUILD)/bin/kvpoold --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so
 
 # The split on the GPU daemon (tests/gpu/run.sh split-replay on the lent H200 machine, which has
-# no model and no Python packages): one prompt of the split on the CPU daemon, captured and
-# packed into .gpu-replay/replay.safetensors.xz (carried there beside .gpu-carry).
+# no model and no package index): one prompt of the split on the CPU daemon, captured and
+# packed into .gpu-replay/replay.safetensors.xz (carried there beside .gpu-carry); the unpacked
+# file stays in $(BUILD)/split-capture/ for replay_tokens.py.
 gpu-replay-capture: build venv
 	rm -rf $(BUILD)/split-capture .gpu-replay && mkdir -p .gpu-replay
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python client/demo/smollm2_split/run_split.py \
@@ -44,8 +45,9 @@ gpu-replay-capture: build venv
 	  --prompts 1 --document-tokens 1280 --capture $(BUILD)/split-capture \
 	  || test -f $(BUILD)/split-capture/decode.json  # (a 1323-token prompt fails the demo's 2048)
 	$(VENV)/bin/python client/demo/smollm2_split/export_replay.py \
-	  --capture $(BUILD)/split-capture --out .gpu-replay/replay.safetensors
-	xz -T0 -6 -f .gpu-replay/replay.safetensors && du -h .gpu-replay/replay.safetensors.xz
+	  --capture $(BUILD)/split-capture --out $(BUILD)/split-capture/replay.safetensors
+	xz -T0 -6 -c $(BUILD)/split-capture/replay.safetensors > .gpu-replay/replay.safetensors.xz
+	@du -h .gpu-replay/replay.safetensors.xz
 
 # The synthetic service demo: a 70B-class shape, random keys, a data-free rotation. Without the
 # service (-DKVPOOL_BUILD_SERVICE=OFF) the codec demo runs instead.
