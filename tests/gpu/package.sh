@@ -22,7 +22,7 @@ DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip
   integration_bad_input_test integration_cli_test integration_device_transport_test
   integration_cuda_ipc_test
   kvpool-gpu-transport-bench
-  kvpool-gpu-attention-bench"
+  kvpool-gpu-attention-bench kvpool-split-replay"
 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPOOL_NATIVE=OFF \
   -DKVPOOL_BUILD_SERVICE=ON >/dev/null
