@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
+#include "kernels/paged_kv_tier.h"
 
 namespace kvpool {
 
@@ -42,17 +43,6 @@ struct PagedKvView {
   }
   // Start of block `id` (pool memory: host or device, as `pool`).
   uint8_t* Block(int32_t id) const { return pool + static_cast<int64_t>(id) * stride_bytes(); }
-};
-
-// One tier (sink, history or recent) of every sequence of a batch: sequence i's tier holds the
-// tokens at positions [first_token[i], first_token[i] + num_tokens[i]) of block table row i
-// (entry p / T of the row holds position p at slot p % T, T = layout.tokens). The arrays are int32
-// in one memory (host, or a device copy).
-struct PagedKvTier {
-  const int32_t* block_tables = nullptr;  // [num_seqs][block_table_stride] block ids
-  int32_t block_table_stride = 0;
-  const int32_t* first_token = nullptr;  // [num_seqs]
-  const int32_t* num_tokens = nullptr;   // [num_seqs]
 };
 
 // A decode batch of one model and layer: sequence (query row) i attends over its BF16 sink, INT2

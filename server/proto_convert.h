@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/bf16.h"
 #include "kernels/codec_config.h"
 #include "kernels/rotation.h"
@@ -36,10 +37,10 @@ namespace v1 = ::kvpool::v1;
 [[nodiscard]] absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype,
                                                              const std::string& bytes,
                                                              size_t values, const char* what);
-// Same to fp32.
-[[nodiscard]] absl::StatusOr<std::vector<float>> DecodeToFloat(v1::DType dtype,
-                                                               const std::string& bytes,
-                                                               size_t values, const char* what);
+// Same to fp32, into `out` (which holds exactly the expected values; nothing is written on
+// error).
+[[nodiscard]] absl::Status DecodeToFloat(v1::DType dtype, const std::string& bytes,
+                                         absl::Span<float> out, const char* what);
 
 // A request QuantConfig (absent fields = defaults) to the kernels' one. InvalidArgument for an
 // unknown enum value. Validation against head_dim happens at registration.

@@ -41,10 +41,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
-#include "server/transport/layerwise_append.h"
-#include "tests/support/ucx_test_daemon.h"
 #include "dataplane/ucx_runtime.h"
+#include "server/transport/layerwise_append.h"
 #include "tests/bench/bench_report.h"
+#include "tests/support/ucx_test_daemon.h"
 
 ABSL_FLAG(std::string, out, "bench-results/transport.json", "JSON output");
 ABSL_FLAG(uint64_t, message_bytes, uint64_t{4} << 20,
@@ -521,7 +521,7 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
   req.set_layer(0);
   req.set_dtype(v1::DTYPE_FP32);
   std::vector<client::UcxSequenceQuery> uq;
-  std::vector<server::AttentionQuery> local;
+  server::AttentionRequest local;
   for (int b = 0; b < batch; ++b) {
     const std::string seq = absl::StrCat("a", b);
     v1::SequenceQuery* sq = req.add_queries();
@@ -529,7 +529,9 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
     sq->set_num_queries(1);
     sq->set_q(reinterpret_cast<const char*>(q[b].data()), qv * 4);
     uq.push_back({seq, 1, q[b].data()});
-    local.push_back({seq, 1, q[b]});
+    local.sequence_ids.push_back(seq);
+    local.num_queries.push_back(1);
+    local.queries.insert(local.queries.end(), q[b].begin(), q[b].end());
   }
   server::ServiceContext* ctx = d->server()->context();
   auto model = ctx->registry->Get(server::kDefaultTenant, "attn");
@@ -547,7 +549,7 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
     absl::Notification done;
     absl::Status status;
     Die(ctx->attention->Start(server::kDefaultTenant, *model, 0, local,
-                              [&](absl::StatusOr<std::vector<server::AttentionResult>> r) {
+                              [&](absl::StatusOr<server::AttentionAnswer> r) {
                                 status = r.status();
                                 done.Notify();
                               }),
