@@ -10,7 +10,8 @@ VENV ?= .venv
 CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run test bench-cpu bench-service bench-transport format clean venv fidelity fuzz
+.PHONY: all deps configure build run test sanitize bench-cpu bench-service bench-transport format clean venv \
+	fidelity fuzz
 
 all: build
 
@@ -36,6 +37,17 @@ venv: deps
 
 test: build venv
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+# ASan + UBSan (build-asan), then TSan (build-tsan): unit and integration tests, then kvpool-soak
+# (16 clients; SANITIZE_SOAK_SECONDS under ASan, SANITIZE_TSAN_SOAK_SECONDS under TSan). Any
+# sanitizer report fails it. Settings: scripts/sanitize.sh.
+SANITIZE_SOAK_SECONDS ?= 180
+SANITIZE_TSAN_SOAK_SECONDS ?= 60
+SANITIZE_CONFIGS ?= address thread
+sanitize: deps
+	SANITIZE_SOAK_SECONDS=$(SANITIZE_SOAK_SECONDS) \
+	SANITIZE_TSAN_SOAK_SECONDS=$(SANITIZE_TSAN_SOAK_SECONDS) \
+	SANITIZE_CONFIGS="$(SANITIZE_CONFIGS)" JOBS=$(JOBS) ./scripts/sanitize.sh
 
 bench-cpu: build
 	@mkdir -p bench-results
@@ -89,7 +101,7 @@ FUZZ_TARGETS ?= safetensors_fuzz rotation_file_fuzz npy_fuzz ucx_wire_fuzz gpu_c
   negotiate_fuzz rpc_fuzz
 
 fuzz: deps
-	@./scripts/install-fuzz-deps.sh
+	@./scripts/install-deps.sh clang-14 libfuzzer-14-dev libclang-rt-14-dev
 	@if [ ! -f $(FUZZ_BUILD)/CMakeCache.txt ]; then \
 	  CC=clang-14 CXX=clang++-14 cmake -S . -B $(FUZZ_BUILD) -DKVPOOL_FUZZ=ON \
 	    -DKVPOOL_ENABLE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS); fi
@@ -100,4 +112,4 @@ format:
 	find kernels server client tests calibration -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format -i
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-asan build-tsan

@@ -44,7 +44,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "common/grpc_status.h"
+#include "proto/status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
@@ -72,7 +72,7 @@ struct ClientOptions {
   bool wait_for_ready = false;
 };
 
-// The server's gRPC status as an absl::Status (common/grpc_status.h): the same code, the message
+// The server's gRPC status as an absl::Status (proto/status.h): the same code, the message
 // prefixed with the RPC ("AppendKv: ..."). OK stays OK.
 using ::kvpool::FromGrpcStatus;
 

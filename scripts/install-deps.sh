@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Installs the Debian packages kvpool builds against. Idempotent: does nothing (not even
-# `apt-get update`) when every package is already present, so `make` stays fast.
+# Installs the Debian packages kvpool builds against, or the packages named as arguments (e.g.
+# `make fuzz`'s clang). Idempotent: does nothing (not even `apt-get update`) when every package is
+# already present, so `make` stays fast.
+#
+#   scripts/install-deps.sh                  # what the build and `make test` need
+#   scripts/install-deps.sh clang-14 ...     # these instead
 set -euo pipefail
 
-PACKAGES=(
+BUILD_PACKAGES=(
   build-essential cmake pkg-config git python3 python3-venv
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  golang-github-gogo-googleapis-dev
   libabsl-dev libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libeigen3-dev liblapacke-dev libopenblas-dev libssl-dev libspdlog-dev
   clang-format
 )
+if [ "$#" -gt 0 ]; then PACKAGES=("$@"); else PACKAGES=("${BUILD_PACKAGES[@]}"); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace kvpool::server {
 namespace {
@@ -58,7 +59,7 @@ BlockPool::BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num
   for (size_t i = 0; i < num_slabs; ++i) free_slabs_.insert(static_cast<int>(i));
 }
 
-absl::StatusOr<PageClassId> BlockPool::RegisterClass(size_t page_bytes) {
+absl::Status BlockPool::CheckPageBytes(size_t page_bytes) const {
   if (page_bytes == 0 || page_bytes % 16 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("page size must be a positive multiple of 16, got ", page_bytes));
@@ -71,6 +72,11 @@ absl::StatusOr<PageClassId> BlockPool::RegisterClass(size_t page_bytes) {
                                                    " bytes does not fit a slab of ", slab_bytes_,
                                                    " bytes (raise --slab_bytes)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PageClassId> BlockPool::RegisterClass(size_t page_bytes) {
+  KVPOOL_RETURN_IF_ERROR(CheckPageBytes(page_bytes));
   absl::MutexLock lock(&mu_);
   for (size_t i = 0; i < classes_.size(); ++i) {
     if (classes_[i].page_bytes == page_bytes) return static_cast<PageClassId>(i);

@@ -76,6 +76,8 @@ class BlockPool {
   // block stride); classes of equal size are one class. InvalidArgument when the size does not
   // fit.
   [[nodiscard]] absl::StatusOr<PageClassId> RegisterClass(size_t page_bytes);
+  // RegisterClass's checks alone (nothing is registered).
+  [[nodiscard]] absl::Status CheckPageBytes(size_t page_bytes) const;
   size_t ClassPageBytes(PageClassId cls) const;
 
   // Appends `count` fresh pages of `cls` (reference count 1, contents unspecified) to `out`.

@@ -167,8 +167,8 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
   model->bf16_layout =
       BlockLayout::ForModel(model->bf16_codec.config(), model->kv_heads, model->head_dim);
   model->bf16_page_bytes = model->bf16_layout.block_bytes();
-  KVPOOL_ASSIGN_OR_RETURN(model->block_class, pool_->RegisterClass(model->block_bytes));
-  KVPOOL_ASSIGN_OR_RETURN(model->bf16_class, pool_->RegisterClass(model->bf16_page_bytes));
+  KVPOOL_RETURN_IF_ERROR(pool_->CheckPageBytes(model->block_bytes));
+  KVPOOL_RETURN_IF_ERROR(pool_->CheckPageBytes(model->bf16_page_bytes));
   model->registered_unix_micros = std::chrono::duration_cast<std::chrono::microseconds>(
                                       std::chrono::system_clock::now().time_since_epoch())
                                       .count();
@@ -189,6 +189,10 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
         absl::StrCat("model ", Quote(model->id), " is already registered with codec version ",
                      old.version_hex, " (or other head counts / tier sizes); delete it first"));
   }
+  // Page classes are added only for a model that is being registered (both sizes were checked
+  // above, so neither fails): a refused registration leaves the pool as it was.
+  KVPOOL_ASSIGN_OR_RETURN(model->block_class, pool_->RegisterClass(model->block_bytes));
+  KVPOOL_ASSIGN_OR_RETURN(model->bf16_class, pool_->RegisterClass(model->bf16_page_bytes));
   std::shared_ptr<const Model> shared = std::move(model);
   models_.emplace(std::move(key), shared);
   return RegisterResult{std::move(shared), false};

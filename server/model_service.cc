@@ -8,6 +8,7 @@
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "kernels/rotation_file.h"
+#include "server/grpc_reactor_order.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
 
@@ -23,7 +24,8 @@ void FillInfoWithTotals(const ServiceContext& ctx, const Model& m, v1::ModelInfo
   FillModelInfo(m, seqs, bytes, out);
 }
 
-class RegisterReactor final : public grpc::ServerReadReactor<v1::RegisterModelRequest> {
+class RegisterReactor final
+    : public OrderedReactor<grpc::ServerReadReactor<v1::RegisterModelRequest>> {
  public:
   RegisterReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                   v1::RegisterModelResponse* response)
@@ -32,6 +34,7 @@ class RegisterReactor final : public grpc::ServerReadReactor<v1::RegisterModelRe
   }
 
   void OnReadDone(bool ok) override {
+    AcquireFromGrpc(this);
     if (!ok) {  // the client half-closed (or the call ended)
       if (!have_spec_)
         return Finish(ToGrpcStatus(
@@ -52,7 +55,10 @@ class RegisterReactor final : public grpc::ServerReadReactor<v1::RegisterModelRe
     StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AcquireFromGrpc(this);
+    delete this;
+  }
 
  private:
   absl::Status Consume() {
@@ -161,7 +167,8 @@ class RegisterReactor final : public grpc::ServerReadReactor<v1::RegisterModelRe
   std::string file_;
 };
 
-class DescribeReactor final : public grpc::ServerWriteReactor<v1::DescribeModelResponse> {
+class DescribeReactor final
+    : public OrderedReactor<grpc::ServerWriteReactor<v1::DescribeModelResponse>> {
  public:
   DescribeReactor(ServiceContext* ctx, std::shared_ptr<const Model> model, bool include_rotation)
       : model_(std::move(model)), include_rotation_(include_rotation) {
@@ -170,6 +177,7 @@ class DescribeReactor final : public grpc::ServerWriteReactor<v1::DescribeModelR
   }
 
   void OnWriteDone(bool ok) override {
+    AcquireFromGrpc(this);
     if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
     if (!include_rotation_ || next_layer_ >= model_->num_layers) return Finish(grpc::Status::OK);
     const int layer = next_layer_++;
@@ -183,7 +191,10 @@ class DescribeReactor final : public grpc::ServerWriteReactor<v1::DescribeModelR
     StartWrite(&message_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AcquireFromGrpc(this);
+    delete this;
+  }
 
  private:
   const std::shared_ptr<const Model> model_;
@@ -192,10 +203,14 @@ class DescribeReactor final : public grpc::ServerWriteReactor<v1::DescribeModelR
   v1::DescribeModelResponse message_;
 };
 
-class ErrorWriteReactor final : public grpc::ServerWriteReactor<v1::DescribeModelResponse> {
+class ErrorWriteReactor final
+    : public OrderedReactor<grpc::ServerWriteReactor<v1::DescribeModelResponse>> {
  public:
   explicit ErrorWriteReactor(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AcquireFromGrpc(this);
+    delete this;
+  }
 };
 
 }  // namespace

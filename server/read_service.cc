@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "server/grpc_reactor_order.h"
 #include "server/proto_convert.h"
 
 namespace kvpool::server {
@@ -17,10 +18,13 @@ size_t TargetMessageBytes(const ServerConfig& cfg) {
 }
 
 template <typename Response>
-class ErrorReactor final : public grpc::ServerWriteReactor<Response> {
+class ErrorReactor final : public OrderedReactor<grpc::ServerWriteReactor<Response>> {
  public:
   explicit ErrorReactor(const absl::Status& s) { this->Finish(ToGrpcStatus(s)); }
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AcquireFromGrpc(this);
+    delete this;
+  }
 };
 
 std::vector<int> RequestedLayers(const google::protobuf::RepeatedField<int32_t>& layers) {
@@ -30,7 +34,8 @@ std::vector<int> RequestedLayers(const google::protobuf::RepeatedField<int32_t>&
 // ---------------------------------------------------------------------------------------------
 // ReadBlocks: header, then per layer the sink rows, the history blocks, the recent rows.
 
-class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksResponse> {
+class ReadBlocksReactor final
+    : public OrderedReactor<grpc::ServerWriteReactor<v1::ReadBlocksResponse>> {
  public:
   ReadBlocksReactor(ServiceContext* ctx, std::unique_ptr<SequenceSnapshot> snap)
       : ctx_(ctx), snap_(std::move(snap)), target_(TargetMessageBytes(*ctx->config)) {
@@ -48,6 +53,7 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
   }
 
   void OnWriteDone(bool ok) override {
+    AcquireFromGrpc(this);
     if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
     message_.Clear();
     if (!Next()) {
@@ -57,7 +63,10 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
     StartWrite(&message_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AcquireFromGrpc(this);
+    delete this;
+  }
 
  private:
   // Fills message_ with the next piece; false when everything was sent or reading failed
@@ -136,7 +145,7 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
 // ---------------------------------------------------------------------------------------------
 // ReadKv: dequantized rows in the original basis, by layer then token.
 
-class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> {
+class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::ReadKvResponse>> {
  public:
   ReadKvReactor(ServiceContext* ctx, std::unique_ptr<SequenceSnapshot> snap, int start, int count,
                 v1::DType dtype)
@@ -163,6 +172,7 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
   }
 
   void OnWriteDone(bool ok) override {
+    AcquireFromGrpc(this);
     if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
     if (layer_ >= snap_->layers().size() || start_ == end_) {
       snap_.reset();
@@ -176,7 +186,10 @@ class ReadKvReactor final : public grpc::ServerWriteReactor<v1::ReadKvResponse> 
     });
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    AcquireFromGrpc(this);
+    delete this;
+  }
 
  private:
   absl::Status Produce() {

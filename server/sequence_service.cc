@@ -12,6 +12,7 @@
 #include "grpc/support/time.h"
 #include "grpcpp/alarm.h"
 #include "common/status_macros.h"
+#include "server/grpc_reactor_order.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
 
@@ -31,7 +32,7 @@ void CountIngest(ServiceContext* ctx, const Model& m, int tokens) {
       static_cast<uint64_t>(tokens) * m.bf16_token_bytes() * m.num_layers;
 }
 
-class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest> {
+class AppendKvReactor final : public OrderedReactor<grpc::ServerReadReactor<v1::AppendKvRequest>> {
  public:
   AppendKvReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                   v1::AppendKvResponse* response)
@@ -41,6 +42,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   }
 
   void OnReadDone(bool ok) override {
+    AcquireFromGrpc(this);
     absl::Status error;
     {
       absl::MutexLock lock(&mu_);
@@ -86,7 +88,10 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
     Finish(ToGrpcStatus(error));
   }
 
-  void OnDone() override { delete this; }  // an uncommitted transaction rolls back here
+  void OnDone() override {  // an uncommitted transaction rolls back here
+    AcquireFromGrpc(this);
+    delete this;
+  }
 
  private:
   // Received chunks wait for the worker (one more is being staged and one more may be
@@ -125,6 +130,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
   }
 
   void OnResumeRead() {
+    AcquireFromGrpc(this);
     grpc::Status answer;
     {
       absl::MutexLock lock(&mu_);
@@ -171,6 +177,7 @@ class AppendKvReactor final : public grpc::ServerReadReactor<v1::AppendKvRequest
         }
       }
       if (resume != nullptr) {
+        ReleaseToGrpc(this);
         resume->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { OnResumeRead(); });
       }
       if (status.ok() && chunk != nullptr) {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/grpc_status.h"
+#include "proto/status.h"
 #include "grpcpp/grpcpp.h"
 #include "server/attention_engine.h"
 #include "server/backend.h"

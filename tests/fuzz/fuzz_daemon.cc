@@ -4,7 +4,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "common/grpc_status.h"
+#include "proto/status.h"
 #include "kvpool/v1/model_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "spdlog/spdlog.h"

@@ -156,11 +156,14 @@ if [ "$MODE" = transport ]; then
   sed -n '/^gpu-transport benchmark/,$p' "$OUT/transport.log" | head -n 40
 fi
 if [ "$MODE" = ab ]; then
-  # Same-machine A/B of the decode attention: the benchmark of this bundle and of a base bundle
-  # (.gpu-carry-base/bundle.tar.xz, packed from the commit to compare against), and of this
-  # bundle under each variant of AB_VARIANTS, AB_ROUNDS (2) times each, interleaved; the mean of
-  # the rounds is printed per shape. A variant is one or more tuning flags of kvpool-gpu-bench
-  # joined by commas (kernels/cuda/kernel_tuning.h), variants are separated by spaces, e.g.
+  # Same-machine A/B against a base bundle (.gpu-carry-base/bundle.tar.xz, packed from the commit
+  # to compare against: kvpool-gpu-bench, kvpoold, kvpool-gpu-daemon-bench): the kernel benchmark
+  # (decode attention, arrival, dequantize, demotion) and the GPU daemon's benchmark (remote
+  # attention round trip, ingest), AB_ROUNDS (2) rounds each, interleaved, plus this bundle's
+  # kernels under each variant of AB_VARIANTS. tests/gpu/ab_summary.py prints, per row, the mean
+  # of each, the slowdown against the base and the spread of repeated runs of the same binary.
+  # A variant is one or more tuning flags of kvpool-gpu-bench joined by commas
+  # (kernels/cuda/kernel_tuning.h), variants separated by spaces, e.g.
   #   AB_VARIANTS="--tail_merge=never --programmatic_launch=0,--tiers_beside_history=0"
   BASE=${TMPDIR:-/tmp}/kvpool-gpu-base
   rm -rf "$BASE" && mkdir -p "$BASE" && tar -C "$BASE" -xJf .gpu-carry-base/bundle.tar.xz
@@ -170,37 +173,25 @@ if [ "$MODE" = ab ]; then
   }
   TAGS=()
   for v in ${AB_VARIANTS:-}; do TAGS+=("$(tag_of "$v")"); done
+  BASE_ENV=(env LD_LIBRARY_PATH="$BASE/lib:$LD_LIBRARY_PATH")
   for r in $ROUNDS; do
-    step "benchmark new ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-bench" --skip-codec \
-      --out "$OUT/ab-new-$r.json"
-    step "benchmark base ($r)" "$OUT/ab.log" env LD_LIBRARY_PATH="$BASE/lib:$LD_LIBRARY_PATH" \
-      "$BASE/bin/kvpool-gpu-bench" --skip-codec --out "$OUT/ab-base-$r.json"
+    step "kernels new ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-bench" --out "$OUT/ab-kernels-new-$r.json"
+    step "kernels base ($r)" "$OUT/ab.log" "${BASE_ENV[@]}" "$BASE/bin/kvpool-gpu-bench" \
+      --out "$OUT/ab-kernels-base-$r.json"
+    step "daemon new ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-daemon-bench" --kvpoold "$BIN/kvpoold" \
+      --device cuda:0 --quick --out "$OUT/ab-daemon-new-$r.json"
+    step "daemon base ($r)" "$OUT/ab.log" "${BASE_ENV[@]}" "$BASE/bin/kvpool-gpu-daemon-bench" \
+      --kvpoold "$BASE/bin/kvpoold" --device cuda:0 --quick --out "$OUT/ab-daemon-base-$r.json"
     for v in ${AB_VARIANTS:-}; do
       # shellcheck disable=SC2086
-      step "benchmark $v ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-bench" --skip-codec ${v//,/ } \
-        --out "$OUT/ab-$(tag_of "$v")-$r.json"
+      step "kernels $v ($r)" "$OUT/ab.log" "$BIN/kvpool-gpu-bench" --skip-codec ${v//,/ } \
+        --out "$OUT/ab-kernels-$(tag_of "$v")-$r.json"
     done
   done
-  python3 - "$OUT" "${AB_ROUNDS:-2}" base new "${TAGS[@]}" <<'PY'
-import json, sys, statistics
-out, rounds, tags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-def load(tag):
-    runs = []
-    for r in range(1, rounds + 1):
-        rows = {}
-        for x in json.load(open(f"{out}/ab-{tag}-{r}.json"))["results"]:
-            if x["name"] == "int2_decode_attention":
-                p = x["params"]
-                rows[(p["model"], p["batch"], p["context"])] = x["value"]
-        runs.append(rows)
-    return {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
-res = {t: load(t) for t in tags}
-print(f"{'model':10s} {'B':>3s} {'ctx':>7s} " + " ".join(f"{t[-14:]:>14s}" for t in tags) + "  (us; ratio to base)")
-for k in sorted(res["base"]):
-    b = res["base"][k]
-    cells = [f"{b:14.1f}"] + [f"{res[t][k]:7.1f} {res[t][k] / b:6.3f}" for t in tags[1:]]
-    print(f"{k[0]:10s} {k[1]:3d} {k[2]:7d} " + " ".join(cells))
-PY
+  python3 tests/gpu/ab_summary.py "$OUT" "${AB_ROUNDS:-2}" ab-kernels base new "${TAGS[@]}" \
+    | tee "$OUT/ab-kernels.txt"
+  python3 tests/gpu/ab_summary.py "$OUT" "${AB_ROUNDS:-2}" ab-daemon base new \
+    | tee "$OUT/ab-daemon.txt"
 fi
 if [ "$MODE" = profile ]; then
   # Nsight Compute on one decode step's kernels at each shape of PROFILE_SHAPES (model:batch:ctx,

@@ -46,19 +46,9 @@ class HostileClientTest : public DaemonTest {
     client::RemoveTree(model_dir_);
   }
 
-  // Runs `call`, expects `code`, a short message, and the pool's fingerprint unchanged; then
-  // checks that the daemon still serves.
   void ExpectRejected(absl::StatusCode code, const std::string& what,
                       const std::function<absl::Status()>& call) {
-    absl::StatusOr<std::string> before = PoolFingerprint(client());
-    ASSERT_TRUE(before.ok()) << before.status();
-    const absl::Status s = call();
-    EXPECT_EQ(s.code(), code) << what << ": got " << s;
-    EXPECT_FALSE(s.message().empty()) << what << ": no message";
-    EXPECT_LE(s.message().size(), 2048u) << what << ": message of " << s.message().size();
-    absl::StatusOr<std::string> after = PoolFingerprint(client());
-    ASSERT_TRUE(after.ok()) << what << ": the daemon stopped serving: " << after.status();
-    EXPECT_EQ(*after, *before) << what << " changed the pool";
+    ExpectRejectedAndPoolUnchanged(client(), code, what, call);
   }
 
   v1::ModelSpec PathSpec(const std::string& id, const std::string& path) {

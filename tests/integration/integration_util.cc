@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::integration {
@@ -100,13 +101,13 @@ std::vector<Bf16> GaussianBf16(size_t n, uint64_t seed, float stddev) {
 
 std::vector<Bf16> Bf16FromBytes(absl::string_view bytes) {
   std::vector<Bf16> out(bytes.size() / sizeof(Bf16));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(Bf16));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(Bf16));
   return out;
 }
 
 std::vector<float> FloatFromBytes(absl::string_view bytes) {
   std::vector<float> out(bytes.size() / sizeof(float));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(float));
   return out;
 }
 
@@ -209,6 +210,25 @@ absl::StatusOr<std::string> PoolFingerprint(const KvpoolClient& c) {
   std::sort(seqs.begin(), seqs.end());
   for (const std::string& q : seqs) out += q;
   return out;
+}
+
+void ExpectRejectedAndPoolUnchanged(const KvpoolClient& c, absl::StatusCode code,
+                                    const std::string& what,
+                                    const std::function<absl::Status()>& call) {
+  absl::StatusOr<std::string> before = PoolFingerprint(c);
+  ASSERT_TRUE(before.ok()) << before.status();
+  const absl::Status s = call();
+  EXPECT_EQ(s.code(), code) << what << ": got " << s;
+  EXPECT_FALSE(s.message().empty()) << what << ": no message";
+  EXPECT_LE(s.message().size(), 2048u) << what << ": message of " << s.message().size();
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<std::string> after = PoolFingerprint(c);
+  while (after.ok() && *after != *before && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+    after = PoolFingerprint(c);
+  }
+  ASSERT_TRUE(after.ok()) << what << ": the daemon stopped serving: " << after.status();
+  EXPECT_EQ(*after, *before) << what << " changed the pool";
 }
 
 }  // namespace kvpool::integration

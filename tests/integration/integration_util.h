@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -132,5 +133,14 @@ absl::StatusOr<RotationSet> KernelRotation(const v1::ModelInfo& m);
 // bytes, prefix units, per-model token and byte totals, every sequence), as one string, so two
 // fingerprints are equal exactly when the pool's contents and accounting are unchanged.
 absl::StatusOr<std::string> PoolFingerprint(const KvpoolClient& c);
+
+// Runs `call` and expects status `code` with a message (non-empty, at most 2 KiB: messages quote
+// ids short), the daemon still serving, and the pool's fingerprint unchanged. A call that failed
+// at the gRPC level (cancelled, message too large) is rolled back when the daemon tears it down,
+// which may finish just after the client sees the status: the fingerprint is given up to a
+// minute to come back, but never accepted changed.
+void ExpectRejectedAndPoolUnchanged(const KvpoolClient& c, absl::StatusCode code,
+                                    const std::string& what,
+                                    const std::function<absl::Status()>& call);
 
 }  // namespace kvpool::integration

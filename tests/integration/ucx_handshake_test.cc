@@ -19,7 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
-#include "common/grpc_status.h"
+#include "proto/status.h"
 #include "dataplane/ucx_runtime.h"
 #include "dataplane/ucx_wire.h"
 #include "grpcpp/grpcpp.h"

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "common/grpc_status.h"
+#include "proto/status.h"
 #include "server/server_test_util.h"
 #include "spdlog/spdlog.h"
 

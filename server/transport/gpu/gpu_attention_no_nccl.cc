@@ -5,7 +5,8 @@ namespace kvpool::server {
 
 std::unique_ptr<grpc::Service> NewGpuAttentionService(ServiceContext* /*ctx*/) {
   return NewUnavailableGpuAttentionService(
-      "NCCL attention channels need a kvpoold built with CUDA and NCCL");
+      "NCCL attention channels need a kvpoold built with CUDA and NCCL, run with "
+      "--device=cuda:N");
 }
 
 }  // namespace kvpool::server

@@ -1,0 +1,201 @@
+#include "server/admission/admission.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/quote.h"
+#include "proto/status.h"
+
+namespace kvpool::server {
+namespace {
+
+absl::Status LimitError(const std::string& what, absl::string_view cap, uint64_t limit,
+                        uint64_t in_use, uint64_t asked) {
+  return WithReason(
+      absl::ResourceExhaustedError(absl::StrCat(what, ": ", cap, " is ", limit, " (", in_use,
+                                                " in use, ", asked, " more asked)")),
+      ErrorReason::kLimit,
+      {{"limit", std::string(cap)},
+       {"value", absl::StrCat(limit)},
+       {"in_use", absl::StrCat(in_use)}});
+}
+
+}  // namespace
+
+Admission::Ticket::~Ticket() {
+  if (admission_ != nullptr) admission_->Close(id_);
+}
+
+absl::Status Admission::Ticket::Reserve(size_t bytes) { return admission_->Reserve(id_, bytes); }
+void Admission::Ticket::Unreserve(size_t bytes) { admission_->Unreserve(id_, bytes); }
+void Admission::Ticket::Touch() { admission_->Touch(id_); }
+
+size_t Admission::Ticket::reserved() const {
+  absl::MutexLock lock(&admission_->mu_);
+  auto it = admission_->entries_.find(id_);
+  return it == admission_->entries_.end() ? 0 : it->second.reserved;
+}
+
+bool Admission::Ticket::expired() const {
+  absl::MutexLock lock(&admission_->mu_);
+  auto it = admission_->entries_.find(id_);
+  return it != admission_->entries_.end() && it->second.expired;
+}
+
+Admission::Admission(AdmissionLimits limits) : limits_(std::move(limits)) {
+  reaper_ = std::thread([this] { Reap(); });
+}
+
+Admission::~Admission() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  reaper_.join();
+}
+
+absl::StatusOr<std::unique_ptr<Admission::Ticket>> Admission::Open(
+    const TenantId& tenant, const std::string& connection, const std::string& what,
+    std::function<void()> on_expire) {
+  absl::MutexLock lock(&mu_);
+  auto usage_of = [](const auto& map, const auto& key) {
+    auto it = map.find(key);
+    return it == map.end() ? Usage{} : it->second;
+  };
+  const Usage c = usage_of(connections_, connection);
+  const Usage t = usage_of(tenants_, tenant);
+  if (limits_.max_streams_per_connection > 0 &&
+      c.streams >= static_cast<uint64_t>(limits_.max_streams_per_connection)) {
+    ++refused_;
+    return LimitError(what, "open streams per connection", limits_.max_streams_per_connection,
+                      c.streams, 1);
+  }
+  if (limits_.max_streams_per_tenant > 0 &&
+      t.streams >= static_cast<uint64_t>(limits_.max_streams_per_tenant)) {
+    ++refused_;
+    return LimitError(what, "open streams per tenant", limits_.max_streams_per_tenant, t.streams,
+                      1);
+  }
+  const uint64_t id = next_id_++;
+  Entry& e = entries_[id];
+  e.tenant = tenant;
+  e.connection = connection;
+  e.what = what;
+  e.opened = e.last_progress = absl::Now();
+  e.on_expire = std::move(on_expire);
+  ++connections_[connection].streams;
+  ++tenants_[tenant].streams;
+  auto ticket = std::unique_ptr<Ticket>(new Ticket());
+  ticket->admission_ = this;
+  ticket->id_ = id;
+  return ticket;
+}
+
+absl::Status Admission::Reserve(uint64_t id, size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return absl::InternalError("reserve on a closed admission ticket");
+  Entry& e = it->second;
+  Usage& c = connections_[e.connection];
+  Usage& t = tenants_[e.tenant];
+  if (limits_.max_reserved_bytes_per_connection > 0 &&
+      c.bytes + bytes > limits_.max_reserved_bytes_per_connection) {
+    ++refused_;
+    return LimitError(e.what, "reserved bytes per connection",
+                      limits_.max_reserved_bytes_per_connection, c.bytes, bytes);
+  }
+  if (limits_.max_reserved_bytes_per_tenant > 0 &&
+      t.bytes + bytes > limits_.max_reserved_bytes_per_tenant) {
+    ++refused_;
+    return LimitError(e.what, "reserved bytes per tenant", limits_.max_reserved_bytes_per_tenant,
+                      t.bytes, bytes);
+  }
+  e.reserved += bytes;
+  c.bytes += bytes;
+  t.bytes += bytes;
+  e.last_progress = absl::Now();
+  return absl::OkStatus();
+}
+
+void Admission::Unreserve(uint64_t id, size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  Entry& e = it->second;
+  bytes = std::min(bytes, e.reserved);
+  e.reserved -= bytes;
+  connections_[e.connection].bytes -= bytes;
+  tenants_[e.tenant].bytes -= bytes;
+}
+
+void Admission::Touch(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it != entries_.end()) it->second.last_progress = absl::Now();
+}
+
+void Admission::Close(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return;
+  const Entry& e = it->second;
+  // Usage entries go when they are empty, so that a stream of new peers leaves nothing behind.
+  auto c = connections_.find(e.connection);
+  c->second.streams -= 1;
+  c->second.bytes -= e.reserved;
+  if (c->second.streams == 0) connections_.erase(c);
+  auto t = tenants_.find(e.tenant);
+  t->second.streams -= 1;
+  t->second.bytes -= e.reserved;
+  if (t->second.streams == 0) tenants_.erase(t);
+  entries_.erase(it);
+}
+
+void Admission::Reap() {
+  while (true) {
+    std::vector<std::function<void()>> due;
+    {
+      absl::MutexLock lock(&mu_);
+      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stop), limits_.reap_period);
+      if (stopping_) return;
+      const absl::Time now = absl::Now();
+      for (auto& [id, e] : entries_) {
+        if (e.expired) continue;
+        const bool idle = now - e.last_progress > limits_.idle_timeout;
+        const bool total = now - e.opened > limits_.total_timeout;
+        if (!idle && !total) continue;
+        e.expired = true;
+        ++(total ? expired_total_ : expired_idle_);
+        if (e.on_expire) due.push_back(std::move(e.on_expire));
+      }
+    }
+    for (auto& fn : due) fn();
+  }
+}
+
+AdmissionCounters Admission::Counters() const {
+  absl::MutexLock lock(&mu_);
+  AdmissionCounters c;
+  c.open_streams = entries_.size();
+  for (const auto& [id, e] : entries_) c.reserved_bytes += e.reserved;
+  c.refused = refused_;
+  c.expired_idle = expired_idle_;
+  c.expired_total = expired_total_;
+  return c;
+}
+
+AdmissionCounters Admission::TenantCounters(const TenantId& tenant) const {
+  absl::MutexLock lock(&mu_);
+  AdmissionCounters c;
+  auto it = tenants_.find(tenant);
+  if (it != tenants_.end()) {
+    c.open_streams = it->second.streams;
+    c.reserved_bytes = it->second.bytes;
+  }
+  return c;
+}
+
+}  // namespace kvpool::server
