@@ -64,9 +64,7 @@ absl::Status BlockPool::CheckPageBytes(size_t page_bytes) const {
     return absl::InvalidArgumentError(
         absl::StrCat("page size must be a positive multiple of 16, got ", page_bytes));
   }
-  // Every page offset a multiple of the stride: whole block ids.
-  const size_t stride = static_cast<size_t>(block_stride_);
-  page_bytes = (page_bytes + stride - 1) / stride * stride;
+  page_bytes = StridePageBytes(page_bytes);
   if (page_bytes > slab_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("page of ", page_bytes,
                                                    " bytes does not fit a slab of ", slab_bytes_,
@@ -75,8 +73,15 @@ absl::Status BlockPool::CheckPageBytes(size_t page_bytes) const {
   return absl::OkStatus();
 }
 
+size_t BlockPool::StridePageBytes(size_t page_bytes) const {
+  // Every page offset a multiple of the stride: whole block ids.
+  const size_t stride = static_cast<size_t>(block_stride_);
+  return (page_bytes + stride - 1) / stride * stride;
+}
+
 absl::StatusOr<PageClassId> BlockPool::RegisterClass(size_t page_bytes) {
   KVPOOL_RETURN_IF_ERROR(CheckPageBytes(page_bytes));
+  page_bytes = StridePageBytes(page_bytes);
   absl::MutexLock lock(&mu_);
   for (size_t i = 0; i < classes_.size(); ++i) {
     if (classes_[i].page_bytes == page_bytes) return static_cast<PageClassId>(i);

@@ -121,6 +121,9 @@ class BlockPool {
   const Arena& arena() const { return *arena_; }
 
  private:
+  // `page_bytes` rounded up to a multiple of the block stride.
+  size_t StridePageBytes(size_t page_bytes) const;
+
   struct Slab {
     PageClassId cls = -1;
     size_t page_bytes = 0;  // cached for Data()
