@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/bf16.h"
 #include "kernels/codec_config.h"
 #include "kernels/rotation.h"
@@ -37,10 +38,10 @@ namespace v1 = ::kvpool::v1;
 [[nodiscard]] absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype,
                                                              absl::string_view bytes, size_t values,
                                                              const char* what);
-// Same to fp32.
-[[nodiscard]] absl::StatusOr<std::vector<float>> DecodeToFloat(v1::DType dtype,
-                                                               absl::string_view bytes,
-                                                               size_t values, const char* what);
+// Same to fp32, into `out` (which holds exactly the expected values; nothing is written on
+// error).
+[[nodiscard]] absl::Status DecodeToFloat(v1::DType dtype, absl::string_view bytes,
+                                         absl::Span<float> out, const char* what);
 
 // A request QuantConfig (absent fields = defaults) to the kernels' one. InvalidArgument for an
 // unknown enum value. Validation against head_dim happens at registration.

@@ -529,7 +529,7 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
   req.set_layer(0);
   req.set_dtype(v1::DTYPE_FP32);
   std::vector<client::UcxSequenceQuery> uq;
-  std::vector<server::AttentionQuery> local;
+  server::AttentionRequest local;
   for (int b = 0; b < batch; ++b) {
     const std::string seq = absl::StrCat("a", b);
     v1::SequenceQuery* sq = req.add_queries();
@@ -537,7 +537,9 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
     sq->set_num_queries(1);
     sq->set_q(reinterpret_cast<const char*>(q[b].data()), qv * 4);
     uq.push_back({seq, 1, q[b].data()});
-    local.push_back({seq, 1, q[b]});
+    local.sequence_ids.push_back(seq);
+    local.num_queries.push_back(1);
+    local.queries.insert(local.queries.end(), q[b].begin(), q[b].end());
   }
   server::ServiceContext* ctx = d->server()->context();
   auto model = ctx->registry->Get(server::kDefaultTenant, "attn");
@@ -555,7 +557,7 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
     absl::Notification done;
     absl::Status status;
     Die(ctx->attention->Start(server::kDefaultTenant, *model, 0, local,
-                              [&](absl::StatusOr<std::vector<server::AttentionResult>> r) {
+                              [&](absl::StatusOr<server::AttentionAnswer> r) {
                                 status = r.status();
                                 done.Notify();
                               }),

@@ -874,47 +874,49 @@ void UcxTransport::RunAttention(const std::shared_ptr<Session>& session,
         return static_cast<size_t>(model->q_heads) * model->head_dim;
       });
   if (!parsed.ok()) return SendAttendError(session, h.call_id, parsed.status());
-  std::vector<AttentionQuery> queries(parsed->queries.size());
-  for (size_t i = 0; i < queries.size(); ++i) {
-    queries[i].sequence_id = std::move(parsed->queries[i].sequence_id);
-    queries[i].num_queries = static_cast<int>(parsed->queries[i].num_queries);
-    queries[i].q = std::move(parsed->queries[i].q);
+  // The parsed queries, one after the other in the buffer the backend reads.
+  AttentionRequest request;
+  size_t values = 0;
+  for (const wire::AttendQuery& q : parsed->queries) values += q.q.size();
+  request.queries.reserve(values);
+  for (wire::AttendQuery& q : parsed->queries) {
+    request.sequence_ids.push_back(std::move(q.sequence_id));
+    request.num_queries.push_back(static_cast<int>(q.num_queries));
+    request.queries.insert(request.queries.end(), q.q.begin(), q.q.end());
   }
   ++attention_calls_;
   ctx_->counters.attention_calls++;
   ctx_->counters.attention_sequences += h.batch;
   const uint64_t call_id = h.call_id;
+  std::vector<int> num_queries = request.num_queries;
   absl::Status started = ctx_->attention->Start(
-      session->tenant, model, h.layer, std::move(queries),
-      [this, session, call_id, model](absl::StatusOr<std::vector<AttentionResult>> results) {
-        if (!results.ok()) {
-          absl::Status st = results.status();
+      session->tenant, model, h.layer, std::move(request),
+      [this, session, call_id, model,
+       num_queries = std::move(num_queries)](absl::StatusOr<AttentionAnswer> answer) {
+        if (!answer.ok()) {
+          absl::Status st = answer.status();
           rt_->Post([this, session, call_id, st] { SendAttendError(session, call_id, st); });
           return;
         }
         wire::AttendDoneHeader d{};
         d.call_id = call_id;
         d.status_code = 0;
-        d.batch = static_cast<uint32_t>(results->size());
+        d.batch = static_cast<uint32_t>(num_queries.size());
         d.q_heads = static_cast<uint32_t>(model->q_heads);
         d.head_dim = static_cast<uint32_t>(model->head_dim);
-        size_t floats = 0;
-        for (const AttentionResult& r : *results) floats += r.out.size() + r.lse.size();
+        // The metas, then every output and every LSE: the answer's buffers as they are.
         std::string payload;
-        payload.reserve(results->size() * sizeof(wire::SequenceResultMeta) +
-                        floats * sizeof(float));
-        for (const AttentionResult& r : *results) {
-          const size_t per_query = static_cast<size_t>(model->q_heads) * model->head_dim;
-          wire::SequenceResultMeta m{static_cast<uint32_t>(r.attended_tokens),
-                                     static_cast<uint32_t>(r.out.size() / per_query)};
+        payload.reserve(num_queries.size() * sizeof(wire::SequenceResultMeta) +
+                        (answer->out.size() + answer->lse.size()) * sizeof(float));
+        for (size_t i = 0; i < num_queries.size(); ++i) {
+          wire::SequenceResultMeta m{static_cast<uint32_t>(answer->attended_tokens[i]),
+                                     static_cast<uint32_t>(num_queries[i])};
           payload.append(reinterpret_cast<const char*>(&m), sizeof(m));
         }
-        for (const AttentionResult& r : *results) {
-          payload.append(reinterpret_cast<const char*>(r.out.data()), r.out.size() * 4);
-        }
-        for (const AttentionResult& r : *results) {
-          payload.append(reinterpret_cast<const char*>(r.lse.data()), r.lse.size() * 4);
-        }
+        payload.append(reinterpret_cast<const char*>(answer->out.data()),
+                       answer->out.size() * sizeof(float));
+        payload.append(reinterpret_cast<const char*>(answer->lse.data()),
+                       answer->lse.size() * sizeof(float));
         rt_->Post([this, session, d, payload = std::move(payload)]() mutable {
           if (session->dead) return;
           ucx::SendAm(rt_.get(), session->ep, wire::kAttendDone,
