@@ -17,12 +17,15 @@
 #include "kvpool/v1/stats_service.grpc.pb.h"
 #include "server/model_registry.h"
 #include "server/server_test_util.h"
+#include "tests/support/api_requests.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::server {
 namespace {
 
 namespace v1 = ::kvpool::v1;
+using testing::AppendChunkMessage;
+using testing::AppendHeaderMessage;
 using testing::TestRows;
 
 constexpr int kLayers = 2, kHq = 4, kHkv = 2, kD = 32;
@@ -97,27 +100,18 @@ class ServerTest : public ::testing::Test {
     grpc::ClientContext ctx;
     v1::AppendKvResponse resp;
     auto w = seqs_->AppendKv(&ctx, &resp);
-    v1::AppendKvRequest req;
-    v1::AppendKvHeader* h = req.mutable_header();
-    h->set_sequence_id(id);
-    h->set_token_start(start);
-    h->set_num_tokens(tokens);
-    h->set_dtype(v1::DTYPE_BF16);
-    h->set_end_of_prefill(final);
-    for (uint32_t t : ids) h->add_token_ids(t);
+    v1::AppendKvRequest req = AppendHeaderMessage(id, start, tokens, v1::DTYPE_BF16, final);
+    for (uint32_t t : ids) req.mutable_header()->add_token_ids(t);
     bool ok = w->Write(req);
+    auto rows = [](const std::vector<Bf16>& layer, int off, int n) {
+      return std::string(reinterpret_cast<const char*>(layer.data() + off * kRow), n * kRow * 2);
+    };
     for (int layer = 0; layer < static_cast<int>(k.size()) && ok; ++layer) {
       if (layer == skip_layer) continue;
       for (int off = 0; off < tokens && ok; off += chunk) {
         const int n = std::min(chunk, tokens - off);
-        v1::AppendKvRequest c;
-        v1::KvChunk* ch = c.mutable_chunk();
-        ch->set_layer(layer);
-        ch->set_token_offset(off);
-        ch->set_num_tokens(n);
-        ch->set_k(reinterpret_cast<const char*>(k[layer].data() + off * kRow), n * kRow * 2);
-        ch->set_v(reinterpret_cast<const char*>(v[layer].data() + off * kRow), n * kRow * 2);
-        ok = w->Write(c);
+        ok = w->Write(
+            AppendChunkMessage(layer, off, n, rows(k[layer], off, n), rows(v[layer], off, n)));
       }
     }
     w->WritesDone();

@@ -6,6 +6,7 @@
 #include "proto/status.h"
 #include "server/server_test_util.h"
 #include "spdlog/spdlog.h"
+#include "tests/support/api_requests.h"
 
 namespace kvpool::server::testing {
 
@@ -62,14 +63,9 @@ absl::Status TestDaemon::RegisterModel(const ModelShapeSpec& spec) {
   v1::RegisterModelResponse resp;
   auto w = models_->RegisterModel(&ctx, &resp);
   v1::RegisterModelRequest req;
-  v1::ModelSpec* m = req.mutable_spec();
-  m->set_model_id(spec.model_id);
-  m->mutable_shape()->set_num_layers(spec.num_layers);
-  m->mutable_shape()->set_q_heads(spec.q_heads);
-  m->mutable_shape()->set_kv_heads(spec.kv_heads);
-  m->mutable_shape()->set_head_dim(spec.head_dim);
-  m->mutable_data_free()->set_kind(spec.rotation);
-  v1::QuantConfig* q = m->mutable_quant();
+  *req.mutable_spec() =
+      kvpool::testing::DataFreeModelSpec(spec.model_id, spec, spec.rotation, /*seed=*/0);
+  v1::QuantConfig* q = req.mutable_spec()->mutable_quant();
   q->set_method(spec.method);
   q->set_block_tokens(spec.block_tokens);
   q->set_sink_tokens(spec.sink_tokens);
@@ -97,26 +93,15 @@ absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
   Deadline(&ctx);
   v1::AppendKvResponse resp;
   auto w = seqs_->AppendKv(&ctx, &resp);
-  v1::AppendKvRequest req;
-  v1::AppendKvHeader* h = req.mutable_header();
-  h->set_sequence_id(id);
-  h->set_token_start(token_start);
-  h->set_num_tokens(tokens);
-  h->set_dtype(v1::DTYPE_BF16);
-  h->set_end_of_prefill(end_of_prefill);
-  bool ok = w->Write(req);
+  bool ok = w->Write(kvpool::testing::AppendHeaderMessage(id, token_start, tokens, v1::DTYPE_BF16,
+                                                          end_of_prefill));
   for (size_t layer = 0; layer < k.size() && ok; ++layer) {
     const size_t token_bytes = k[layer].size() / tokens;
     for (uint32_t off = 0; off < tokens && ok; off += chunk_tokens) {
       const uint32_t n = std::min(chunk_tokens, tokens - off);
-      v1::AppendKvRequest c;
-      v1::KvChunk* ch = c.mutable_chunk();
-      ch->set_layer(static_cast<int>(layer));
-      ch->set_token_offset(off);
-      ch->set_num_tokens(n);
-      ch->set_k(k[layer].substr(off * token_bytes, n * token_bytes));
-      ch->set_v(v[layer].substr(off * token_bytes, n * token_bytes));
-      ok = w->Write(c);
+      ok = w->Write(kvpool::testing::AppendChunkMessage(
+          static_cast<int>(layer), off, n, k[layer].substr(off * token_bytes, n * token_bytes),
+          v[layer].substr(off * token_bytes, n * token_bytes)));
     }
   }
   w->WritesDone();
