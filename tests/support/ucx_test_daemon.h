@@ -29,6 +29,14 @@ namespace kvpool::server::testing {
 
 namespace v1 = ::kvpool::v1;
 
+// One UCX transport selection (UCX_TLS) the transport tests run under; `name` names the case.
+struct UcxTls {
+  const char* name;
+  const char* tls;
+};
+// The loopback selections: shared memory and TCP.
+inline constexpr UcxTls kLoopbackTls[] = {{"shm", "posix,sysv,cma"}, {"tcp", "tcp"}};
+
 struct TestDaemonOptions {
   std::string ucx_tls = "posix,sysv,cma";
   std::string ucx_net_devices = "lo";

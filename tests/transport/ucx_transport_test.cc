@@ -28,13 +28,9 @@ using testing::ModelShapeSpec;
 using testing::TestDaemon;
 using testing::TestDaemonOptions;
 using testing::TestRowBytes;
+using testing::UcxTls;
 
-struct Tls {
-  const char* name;
-  const char* tls;
-};
-
-class UcxTransportTest : public ::testing::TestWithParam<Tls> {
+class UcxTransportTest : public ::testing::TestWithParam<UcxTls> {
  protected:
   void StartDaemon(TestDaemonOptions o = {}) {
     o.ucx_tls = GetParam().tls;
@@ -64,6 +60,27 @@ class UcxTransportTest : public ::testing::TestWithParam<Tls> {
       k->push_back(TestRowBytes(tokens, row, seed + 2 * l));
       v->push_back(TestRowBytes(tokens, row, seed + 2 * l + 1));
     }
+  }
+
+  // A 64-token push into sequence "s" of model `m` whose layer 0 is sent and acknowledged and
+  // whose other layers never come, so the push stays open. `push` is null when it did not begin.
+  struct OpenPush {
+    std::unique_ptr<UcxChannel> channel;
+    std::unique_ptr<UcxLayerPush> push;
+  };
+  OpenPush PushFirstLayerOnly(const ModelShapeSpec& m) {
+    OpenPush open;
+    open.channel = Connect();
+    if (open.channel == nullptr) return open;
+    std::vector<std::string> k, v;
+    MakeKv(m, 64, 5, &k, &v);
+    auto push = open.channel->BeginPush(UcxPushSpec{"s", 0, 64, true, {}});
+    EXPECT_TRUE(push.ok()) << push.status();
+    if (!push.ok()) return open;
+    EXPECT_TRUE((*push)->PushLayer(0, 0, 64, k[0], v[0]).ok());
+    EXPECT_TRUE((*push)->WaitLayer(0).ok());
+    open.push = *std::move(push);
+    return open;
   }
 
   v1::TransportStats TransportStats() {
@@ -384,21 +401,15 @@ TEST_P(UcxTransportTest, IdlePushTimesOutAndRollsBack) {
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "s").ok());
   const uint64_t before = UsedBytes();
-  auto ch = Connect();
-  ASSERT_NE(ch, nullptr);
-  std::vector<std::string> k, v;
-  MakeKv(m, 64, 5, &k, &v);
-  auto push = ch->BeginPush(UcxPushSpec{"s", 0, 64, true, {}});
-  ASSERT_TRUE(push.ok());
-  ASSERT_TRUE((*push)->PushLayer(0, 0, 64, k[0], v[0]).ok());
-  ASSERT_TRUE((*push)->WaitLayer(0).ok());
+  OpenPush open = PushFirstLayerOnly(m);
+  ASSERT_NE(open.push, nullptr);
   // The prefill "stalls": the daemon rolls the push back on its own.
   EXPECT_TRUE(Eventually([&] { return TransportStats().timeouts() == 1; }));
   EXPECT_TRUE(Eventually([&] {
     auto t = TransportStats();
     return t.open_pushes() == 0 && UsedBytes() == before;
   }));
-  auto r = (*push)->Finish();
+  auto r = open.push->Finish();
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
 }
 
@@ -407,25 +418,18 @@ TEST_P(UcxTransportTest, ClientSeesDaemonGoneWithinDeadline) {
   ModelShapeSpec m;
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "s").ok());
-  auto ch = Connect();
-  ASSERT_NE(ch, nullptr);
-  std::vector<std::string> k, v;
-  MakeKv(m, 64, 5, &k, &v);
-  auto push = ch->BeginPush(UcxPushSpec{"s", 0, 64, true, {}});
-  ASSERT_TRUE(push.ok());
-  ASSERT_TRUE((*push)->PushLayer(0, 0, 64, k[0], v[0]).ok());
-  ASSERT_TRUE((*push)->WaitLayer(0).ok());
+  OpenPush open = PushFirstLayerOnly(m);
+  ASSERT_NE(open.push, nullptr);
   daemon_->Kill();
   // The push ends with an error (the daemon rolled it back while shutting down and said so),
   // not a hang.
-  auto r = (*push)->Finish();
+  auto r = open.push->Finish();
   EXPECT_FALSE(r.ok());
   EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsDeadlineExceeded(r.status()))
       << r.status();
 }
 
-INSTANTIATE_TEST_SUITE_P(Loopback, UcxTransportTest,
-                         ::testing::Values(Tls{"shm", "posix,sysv,cma"}, Tls{"tcp", "tcp"}),
+INSTANTIATE_TEST_SUITE_P(Loopback, UcxTransportTest, ::testing::ValuesIn(testing::kLoopbackTls),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
