@@ -40,11 +40,7 @@ absl::StatusOr<std::unique_ptr<TestDaemon>> TestDaemon::Start(const TestDaemonOp
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   d->channel_ = grpc::CreateCustomChannel(d->target(), grpc::InsecureChannelCredentials(), args);
-  d->models_ = v1::ModelService::NewStub(d->channel_);
-  d->seqs_ = v1::SequenceService::NewStub(d->channel_);
-  d->reads_ = v1::ReadService::NewStub(d->channel_);
-  d->attn_ = v1::AttentionService::NewStub(d->channel_);
-  d->stats_ = v1::StatsService::NewStub(d->channel_);
+  d->stubs_ = std::make_unique<kvpool::testing::ServiceStubs>(d->channel_);
   return d;
 }
 
@@ -61,7 +57,7 @@ absl::Status TestDaemon::RegisterModel(const ModelShapeSpec& spec) {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::RegisterModelResponse resp;
-  auto w = models_->RegisterModel(&ctx, &resp);
+  auto w = stubs_->models->RegisterModel(&ctx, &resp);
   v1::RegisterModelRequest req;
   *req.mutable_spec() =
       kvpool::testing::DataFreeModelSpec(spec.model_id, spec, spec.rotation, /*seed=*/0);
@@ -83,7 +79,7 @@ absl::Status TestDaemon::CreateSequence(const std::string& model_id, const std::
   req.set_model_id(model_id);
   req.set_sequence_id(id);
   v1::CreateSequenceResponse resp;
-  return FromGrpcStatus(seqs_->CreateSequence(&ctx, req, &resp), "CreateSequence");
+  return FromGrpcStatus(stubs_->sequences->CreateSequence(&ctx, req, &resp), "CreateSequence");
 }
 
 absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
@@ -92,7 +88,7 @@ absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::AppendKvResponse resp;
-  auto w = seqs_->AppendKv(&ctx, &resp);
+  auto w = stubs_->sequences->AppendKv(&ctx, &resp);
   bool ok = w->Write(kvpool::testing::AppendHeaderMessage(id, token_start, tokens, v1::DTYPE_BF16,
                                                           end_of_prefill));
   for (size_t layer = 0; layer < k.size() && ok; ++layer) {
@@ -117,7 +113,7 @@ absl::Status TestDaemon::ReadAll(const std::string& id, std::vector<std::string>
   v1::ReadKvRequest req;
   req.set_sequence_id(id);
   req.set_dtype(v1::DTYPE_BF16);
-  auto r = reads_->ReadKv(&ctx, req);
+  auto r = stubs_->reads->ReadKv(&ctx, req);
   v1::ReadKvResponse msg;
   k->clear();
   v->clear();
@@ -138,7 +134,7 @@ absl::StatusOr<v1::AttendResponse> TestDaemon::AttendInline(const v1::AttendRequ
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::AttendResponse resp;
-  absl::Status s = FromGrpcStatus(attn_->Attend(&ctx, request, &resp), "Attend");
+  absl::Status s = FromGrpcStatus(stubs_->attention->Attend(&ctx, request, &resp), "Attend");
   if (!s.ok()) return s;
   return resp;
 }
@@ -147,7 +143,8 @@ absl::StatusOr<v1::GetStatsResponse> TestDaemon::Stats() {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::GetStatsResponse resp;
-  absl::Status s = FromGrpcStatus(stats_->GetStats(&ctx, v1::GetStatsRequest(), &resp), "GetStats");
+  absl::Status s =
+      FromGrpcStatus(stubs_->stats->GetStats(&ctx, v1::GetStatsRequest(), &resp), "GetStats");
   if (!s.ok()) return s;
   return resp;
 }
@@ -158,7 +155,8 @@ absl::StatusOr<v1::SequenceInfo> TestDaemon::Describe(const std::string& id) {
   v1::DescribeSequenceRequest req;
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
-  absl::Status s = FromGrpcStatus(seqs_->DescribeSequence(&ctx, req, &resp), "DescribeSequence");
+  absl::Status s =
+      FromGrpcStatus(stubs_->sequences->DescribeSequence(&ctx, req, &resp), "DescribeSequence");
   if (!s.ok()) return s;
   return resp;
 }
@@ -169,7 +167,7 @@ absl::Status TestDaemon::Release(const std::string& id) {
   v1::ReleaseSequenceRequest req;
   req.set_sequence_id(id);
   v1::ReleaseSequenceResponse resp;
-  return FromGrpcStatus(seqs_->ReleaseSequence(&ctx, req, &resp), "ReleaseSequence");
+  return FromGrpcStatus(stubs_->sequences->ReleaseSequence(&ctx, req, &resp), "ReleaseSequence");
 }
 
 std::string TestRowBytes(int tokens, size_t row_values, uint64_t seed) {

@@ -24,6 +24,7 @@
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
 #include "server/server.h"
+#include "tests/support/service_stubs.h"
 
 namespace kvpool::server::testing {
 
@@ -97,11 +98,7 @@ class TestDaemon {
   TestDaemon() = default;
   std::unique_ptr<KvpoolServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::ModelService::Stub> models_;
-  std::unique_ptr<v1::SequenceService::Stub> seqs_;
-  std::unique_ptr<v1::ReadService::Stub> reads_;
-  std::unique_ptr<v1::AttentionService::Stub> attn_;
-  std::unique_ptr<v1::StatsService::Stub> stats_;
+  std::unique_ptr<kvpool::testing::ServiceStubs> stubs_;
 };
 
 // Deterministic real-like BF16 rows as bytes: `tokens` x `row_values` values.
