@@ -39,6 +39,15 @@ class UcxTransportTest : public ::testing::TestWithParam<UcxTls> {
     daemon_ = *std::move(d);
   }
 
+  // 16 KiB messages and one staging slot (32 KiB: a message's K and V halves), so a layer takes
+  // many chunks and pushes wait for the slot.
+  void StartDaemonWithOneStagingSlot() {
+    TestDaemonOptions o;
+    o.message_bytes = 16 << 10;
+    o.staging_bytes = 32 << 10;
+    StartDaemon(o);
+  }
+
   std::unique_ptr<UcxChannel> Connect() {
     UcxChannelOptions o;
     o.runtime.tls = GetParam().tls;
@@ -181,10 +190,7 @@ TEST_P(UcxTransportTest, LayerwisePushStoresExactlyWhatWasSent) {
 
 TEST_P(UcxTransportTest, QuantizedPushEqualsInlineAppend) {
   // Small messages and staging: many chunks per layer, out-of-order layers, backpressure.
-  TestDaemonOptions o;
-  o.message_bytes = 16 << 10;
-  o.staging_bytes = 32 << 10;
-  StartDaemon(o);
+  StartDaemonWithOneStagingSlot();
   ModelShapeSpec m;
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "ucx").ok());
@@ -224,10 +230,7 @@ TEST_P(UcxTransportTest, ConcurrentPushesShareOneStagingSlot) {
   // push stores exactly what was sent, and the slot comes back. (Whether another session's K
   // lands between a chunk's K and V depends on timing; the rule that a chunk's second half
   // never queues behind it is in UcxTransport::OnLayerData and ServePending.)
-  TestDaemonOptions o;
-  o.message_bytes = 16 << 10;
-  o.staging_bytes = 32 << 10;
-  StartDaemon(o);
+  StartDaemonWithOneStagingSlot();
   ModelShapeSpec m;
   m.rotation = v1::ROTATION_KIND_IDENTITY;
   m.method = v1::QUANT_METHOD_BYPASS;
