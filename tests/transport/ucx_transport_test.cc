@@ -48,6 +48,14 @@ class UcxTransportTest : public ::testing::TestWithParam<UcxTls> {
     StartDaemon(o);
   }
 
+  // Model "m" stored exactly (identity rotation, bypass quantizer): reads return what was sent.
+  static ModelShapeSpec ExactModel() {
+    ModelShapeSpec m;
+    m.rotation = v1::ROTATION_KIND_IDENTITY;
+    m.method = v1::QUANT_METHOD_BYPASS;
+    return m;
+  }
+
   std::unique_ptr<UcxChannel> Connect() {
     UcxChannelOptions o;
     o.runtime.tls = GetParam().tls;
@@ -155,9 +163,7 @@ TEST_P(UcxTransportTest, FallsBackToGrpcInlineWithoutUcx) {
 
 TEST_P(UcxTransportTest, LayerwisePushStoresExactlyWhatWasSent) {
   StartDaemon();
-  ModelShapeSpec m;
-  m.rotation = v1::ROTATION_KIND_IDENTITY;
-  m.method = v1::QUANT_METHOD_BYPASS;
+  const ModelShapeSpec m = ExactModel();
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "s").ok());
   auto ch = Connect();
@@ -231,9 +237,7 @@ TEST_P(UcxTransportTest, ConcurrentPushesShareOneStagingSlot) {
   // lands between a chunk's K and V depends on timing; the rule that a chunk's second half
   // never queues behind it is in UcxTransport::OnLayerData and ServePending.)
   StartDaemonWithOneStagingSlot();
-  ModelShapeSpec m;
-  m.rotation = v1::ROTATION_KIND_IDENTITY;
-  m.method = v1::QUANT_METHOD_BYPASS;
+  const ModelShapeSpec m = ExactModel();
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   const int tokens = 700;  // several chunks per layer (256 tokens per 16 KiB message)
   std::vector<std::unique_ptr<UcxChannel>> channels;
