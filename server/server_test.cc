@@ -15,10 +15,10 @@
 #include "kvpool/v1/read_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
+#include "proto/service_stubs.h"
 #include "server/model_registry.h"
 #include "server/server_test_util.h"
 #include "tests/support/api_requests.h"
-#include "tests/support/service_stubs.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::server {
@@ -47,7 +47,7 @@ class ServerTest : public ::testing::Test {
     server_ = *std::move(s);
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
                                    grpc::InsecureChannelCredentials());
-    stubs_ = std::make_unique<kvpool::testing::ServiceStubs>(channel_);
+    stubs_ = std::make_unique<ServiceStubs>(channel_);
   }
 
   grpc::Status RegisterDataFree(const std::string& id, v1::RotationKind kind,
@@ -146,7 +146,7 @@ class ServerTest : public ::testing::Test {
 
   std::unique_ptr<KvpoolServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<kvpool::testing::ServiceStubs> stubs_;
+  std::unique_ptr<ServiceStubs> stubs_;
 };
 
 struct Kv {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "proto/service_stubs.h"
 #include "proto/status.h"
 #include "server/server_test_util.h"
 #include "spdlog/spdlog.h"
@@ -40,7 +41,7 @@ absl::StatusOr<std::unique_ptr<TestDaemon>> TestDaemon::Start(const TestDaemonOp
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   d->channel_ = grpc::CreateCustomChannel(d->target(), grpc::InsecureChannelCredentials(), args);
-  d->stubs_ = std::make_unique<kvpool::testing::ServiceStubs>(d->channel_);
+  d->stubs_ = std::make_unique<ServiceStubs>(d->channel_);
   return d;
 }
 

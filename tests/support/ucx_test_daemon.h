@@ -23,8 +23,8 @@
 #include "kvpool/v1/read_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
+#include "proto/service_stubs.h"
 #include "server/server.h"
-#include "tests/support/service_stubs.h"
 
 namespace kvpool::server::testing {
 
@@ -98,7 +98,7 @@ class TestDaemon {
   TestDaemon() = default;
   std::unique_ptr<KvpoolServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<kvpool::testing::ServiceStubs> stubs_;
+  std::unique_ptr<ServiceStubs> stubs_;
 };
 
 // Deterministic real-like BF16 rows as bytes: `tokens` x `row_values` values.
