@@ -25,8 +25,8 @@ namespace kvpool::server {
 namespace {
 
 namespace v1 = ::kvpool::v1;
-using testing::AppendChunkMessage;
-using testing::AppendHeaderMessage;
+using ::kvpool::testing::AppendChunkMessage;
+using ::kvpool::testing::AppendHeaderMessage;
 using testing::TestRows;
 
 constexpr int kLayers = 2, kHq = 4, kHkv = 2, kD = 32;
