@@ -33,6 +33,8 @@ BlockPool::BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num
       slab_bytes_(slab_bytes),
       num_slabs_(num_slabs),
       slab_page_bytes_(num_slabs, 0),
+      checksums_(num_slabs),
+      checksum_slots_(num_slabs, 0),
       slabs_(num_slabs) {
   for (size_t i = 0; i < num_slabs; ++i) free_slabs_.insert(static_cast<int>(i));
 }
@@ -99,6 +101,10 @@ absl::Status BlockPool::Allocate(PageClassId cls, size_t count, std::vector<Page
       }
       slab.in_use = 0;
       slab_page_bytes_[s] = c.page_bytes;
+      if (checksum_slots_[s] < c.pages_per_slab) {
+        checksums_[s].reset(new std::atomic<uint64_t>[c.pages_per_slab]);
+        checksum_slots_[s] = c.pages_per_slab;
+      }
       ++c.slabs;
       c.slabs_with_free.insert(s);
     }
@@ -107,6 +113,7 @@ absl::Status BlockPool::Allocate(PageClassId cls, size_t count, std::vector<Page
     const uint16_t slot = slab.free_slots.back();
     slab.free_slots.pop_back();
     slab.refcounts[slot] = 1;
+    checksums_[s][slot].store(0, std::memory_order_relaxed);  // published with the page id
     ++slab.in_use;
     if (slab.free_slots.empty()) c.slabs_with_free.erase(s);
     out->push_back((static_cast<PageId>(s) << 16) | slot);

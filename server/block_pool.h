@@ -14,9 +14,16 @@
 //   uint8_t* data = (*pool)->Data(pages[0]);
 //   (*pool)->UnrefAll(pages);                                     // frees them
 //
-// Thread-safe: every method may be called concurrently. Data() is lock-free (pure arithmetic).
+// Beside the pages, the pool keeps each page's checksum record (PageChecksum): which slots were
+// written and the checksum of their rows (kernels/page_checksum.h). Writers set it when their
+// rows become visible (AppendTxn's commit); readers and the scrubber verify against it. A fresh
+// page's record is empty.
+//
+// Thread-safe: every method may be called concurrently. Data() is lock-free (pure arithmetic),
+// and so are Checksum(), SetChecksum() and PageOf() for a page the caller holds a reference on.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -37,6 +44,18 @@ using PageId = uint32_t;
 using PageClassId = int;
 
 inline constexpr PageId kInvalidPage = 0xffffffffu;
+
+// A page's checksum record: slots [first, end) hold written rows whose checksum is `sum`.
+struct PageChecksum {
+  uint32_t first = 0;
+  uint32_t end = 0;
+  uint32_t sum = 0;
+  bool empty() const { return end <= first; }
+  int count() const { return empty() ? 0 : static_cast<int>(end - first); }
+  bool operator==(const PageChecksum& o) const {
+    return first == o.first && end == o.end && sum == o.sum;
+  }
+};
 
 struct PageClassStats {
   size_t page_bytes = 0;
@@ -96,6 +115,26 @@ class BlockPool {
     return base_ + static_cast<size_t>(page >> 16) * slab_bytes_ + slot_offsets_(page);
   }
 
+  // The page holding `data` (a pointer into a live page's bytes, as from Data()).
+  PageId PageOf(const uint8_t* data) const {
+    const size_t off = static_cast<size_t>(data - base_);
+    const size_t slab = off / slab_bytes_;
+    return static_cast<PageId>((slab << 16) | ((off % slab_bytes_) / slab_page_bytes_[slab]));
+  }
+
+  // The page's checksum record (empty for a fresh page), and its replacement. Slot numbers fit
+  // 16 bits (a page holds at most 1024 tokens).
+  PageChecksum Checksum(PageId page) const {
+    const uint64_t v = ChecksumWord(page).load(std::memory_order_acquire);
+    return {static_cast<uint32_t>(v >> 48), static_cast<uint32_t>((v >> 32) & 0xffffu),
+            static_cast<uint32_t>(v)};
+  }
+  void SetChecksum(PageId page, const PageChecksum& c) {
+    ChecksumWord(page).store((static_cast<uint64_t>(c.first & 0xffffu) << 48) |
+                                 (static_cast<uint64_t>(c.end & 0xffffu) << 32) | c.sum,
+                             std::memory_order_release);
+  }
+
   BlockPoolStats Stats() const;
   size_t capacity_bytes() const { return num_slabs_ * slab_bytes_; }
   size_t slab_bytes() const { return slab_bytes_; }
@@ -123,6 +162,9 @@ class BlockPool {
     return static_cast<size_t>(page & 0xffffu) * slab_page_bytes_[page >> 16];
   }
   Slab& SlabOf(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::atomic<uint64_t>& ChecksumWord(PageId page) const {
+    return checksums_[page >> 16][page & 0xffffu];
+  }
   size_t UnrefLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::unique_ptr<Arena> arena_;
@@ -133,6 +175,10 @@ class BlockPool {
   // slab is assigned, before any page of it is handed out (under mu_, which the caller that got
   // the page id also went through).
   std::vector<size_t> slab_page_bytes_;
+  // Checksum records per slab and slot, replaced (under mu_) only when a free slab is assigned to
+  // a class with more pages per slab than its array holds: the same reasoning as above.
+  std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> checksums_;
+  std::vector<size_t> checksum_slots_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex mu_;
   std::vector<Slab> slabs_ ABSL_GUARDED_BY(mu_);

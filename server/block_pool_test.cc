@@ -29,6 +29,35 @@ TEST(BlockPoolTest, RejectsBadGeometry) {
   EXPECT_FALSE(pool->RegisterClass(kSlab + 16).ok());  // larger than a slab
 }
 
+// Checksum records: empty for a fresh page, kept while it lives, empty again when the page is
+// handed out anew, including after its slab moved to a class with more pages per slab.
+TEST(BlockPoolTest, ChecksumRecordsLiveWithTheirPage) {
+  auto pool = MakePool(1);
+  const PageClassId big = *pool->RegisterClass(kSlab / 4);
+  const PageClassId small = *pool->RegisterClass(kSlab / 64);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(big, 4, &pages).ok());
+  for (PageId p : pages) {
+    EXPECT_TRUE(pool->Checksum(p).empty());
+    EXPECT_EQ(p, pool->PageOf(pool->Data(p)));
+    EXPECT_EQ(p, pool->PageOf(pool->Data(p) + kSlab / 4 - 1));
+  }
+  const PageChecksum c{2, 9, 0xdeadbeef};
+  pool->SetChecksum(pages[1], c);
+  EXPECT_EQ(c, pool->Checksum(pages[1]));
+  EXPECT_TRUE(pool->Checksum(pages[0]).empty());
+  pool->UnrefAll(pages);
+  pages.clear();
+  ASSERT_TRUE(pool->Allocate(small, 64, &pages).ok());  // the slab, now of 64 pages
+  for (PageId p : pages) {
+    EXPECT_TRUE(pool->Checksum(p).empty());
+    EXPECT_EQ(p, pool->PageOf(pool->Data(p)));
+  }
+  pool->SetChecksum(pages[63], c);
+  EXPECT_EQ(c, pool->Checksum(pages[63]));
+  pool->UnrefAll(pages);
+}
+
 TEST(BlockPoolTest, ClassesOfEqualSizeAreOne) {
   auto pool = MakePool(2);
   EXPECT_EQ(*pool->RegisterClass(1024), *pool->RegisterClass(1024));
