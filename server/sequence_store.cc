@@ -324,6 +324,7 @@ absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> tx
         seq.chain.push_back(key);
       }
     }
+    txn->PublishChecksums();  // with the state, under the sequence's lock
     seq.append_active = false;
     result.info = seq.InfoLocked(*pool_);
   }
