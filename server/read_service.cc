@@ -114,6 +114,9 @@ class ReadBlocksReactor final
             error_ = ctx_->backend->CopyFromPool(data->data(), snap_->HistoryBlock(layer_, b),
                                                  m.block_bytes);
             if (!error_.ok()) return false;
+            // Verified on the copy that leaves: no second read of pool memory.
+            error_ = snap_->CheckHistoryCopy(layer_, b, reinterpret_cast<uint8_t*>(data->data()));
+            if (!error_.ok()) return false;
             const size_t unit = static_cast<size_t>(b + sink_units);
             if (unit < snap_->prefix_chain().size()) {
               block->set_prefix_hash(PrefixHashHex(snap_->prefix_chain()[unit].hash));

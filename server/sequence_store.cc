@@ -136,6 +136,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
     return absl::InvalidArgumentError(absl::StrCat("token_ids has ", spec.token_ids.size(),
                                                    " entries for ", spec.num_tokens, " tokens"));
   }
+  if (seq->corrupt.load()) return CorruptSequenceError(id);
   const int bt = m.block_tokens();
   auto txn = std::unique_ptr<AppendTxn>(new AppendTxn());
   txn->pool_ = pool_;
@@ -406,7 +407,10 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
           absl::StrCat("layer ", layer, " out of range [0, ", m.num_layers, ")"));
     }
   }
+  if (seq->corrupt.load()) return CorruptSequenceError(id);
   auto snap = std::unique_ptr<SequenceSnapshot>(new SequenceSnapshot());
+  snap->seq_ = seq;
+  snap->counters_ = integrity_;
   snap->model_ = seq->model;
   snap->id_ = seq->id;
   absl::MutexLock lock(&seq->mu);
@@ -443,6 +447,14 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   pool_->RefAll(snap->refs_);
   snap->pool_ = pool_;
   return snap;
+}
+
+std::vector<std::pair<TenantId, std::string>> SequenceStore::Keys() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<TenantId, std::string>> keys;
+  keys.reserve(sequences_.size());
+  for (const auto& entry : sequences_) keys.push_back(entry.first);
+  return keys;
 }
 
 std::vector<SequenceInfo> SequenceStore::List(const TenantId& tenant) const {

@@ -36,6 +36,7 @@
 #include "server/block_pool.h"
 #include "server/demotion_batcher.h"
 #include "server/model_registry.h"
+#include "server/page_verifier.h"
 #include "server/prefix_index.h"
 #include "server/sequence_info.h"
 #include "server/sequence_snapshot.h"
@@ -86,11 +87,16 @@ class SequenceStore {
   [[nodiscard]] absl::StatusOr<SequenceInfo> Describe(const TenantId& tenant,
                                                       const std::string& id) const;
   // A snapshot of `layers` (all when empty; repeats merged, first occurrence kept). NotFound,
-  // InvalidArgument (layer range).
+  // InvalidArgument (layer range), DataLoss (reason CORRUPT: the sequence failed a checksum;
+  // BeginAppend answers the same).
   [[nodiscard]] absl::StatusOr<std::unique_ptr<SequenceSnapshot>> Snapshot(
       const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const;
 
   std::vector<SequenceInfo> List(const TenantId& tenant) const;
+  // (tenant, id) of every live sequence, for the scrubber.
+  std::vector<std::pair<TenantId, std::string>> Keys() const;
+  // Integrity counters (page_verifier.h), shared with the snapshots and the scrubber.
+  IntegrityCounters& integrity() const { return *integrity_; }
   // Totals per model id (of every tenant when `tenant` is null).
   std::map<std::string, StoreTotals> TotalsByModel(const TenantId& tenant) const;
   size_t size() const;
@@ -107,6 +113,7 @@ class SequenceStore {
   BlockPool* const pool_;
   PrefixIndex* const index_;
   ComputeBackend* const backend_;
+  const std::shared_ptr<IntegrityCounters> integrity_ = std::make_shared<IntegrityCounters>();
   DemotionBatcher demotions_;  // concurrent appends' demotions share backend calls
   mutable absl::Mutex mu_;
   std::map<std::pair<TenantId, std::string>, std::shared_ptr<internal::Sequence>> sequences_

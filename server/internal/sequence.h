@@ -6,6 +6,7 @@
 //   const SequenceInfo info = seq->InfoLocked(*pool);
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -37,6 +38,9 @@ class Sequence {
   const TenantId tenant;
   const std::string id;
   const std::shared_ptr<const Model> model;
+
+  // Set when a page of the sequence failed its checksum; never cleared (release ends it).
+  std::atomic<bool> corrupt{false};
 
   mutable absl::Mutex mu;
   MixedSequenceLayout layout ABSL_GUARDED_BY(mu);
