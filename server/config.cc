@@ -79,6 +79,12 @@ ABSL_FLAG(int32_t, transport_idle_timeout_ms, 30000,
           "A UCX push with no progress for this long is rolled back");
 ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
           "UCX keepalive interval: how fast a vanished peer is noticed");
+ABSL_FLAG(absl::Duration, scrub_period, absl::Minutes(5),
+          "One full checksum sweep of every stored page per this period (e.g. 300s, 10m; 0 = no "
+          "scrubber)");
+ABSL_FLAG(uint64_t, scrub_max_bytes_per_second, uint64_t{256} << 20,
+          "Most bytes of pool memory the scrubber reads per second (a sweep that needs more "
+          "takes longer than --scrub_period)");
 ABSL_FLAG(bool, cuda_programmatic_launch, kvpool::cuda::AttentionTuning{}.programmatic_launch,
           "CUDA backend: the attention kernels after the query rotation start while their "
           "predecessor finishes (programmatic dependent launch); false launches them in plain "
@@ -160,6 +166,12 @@ absl::Status ServerConfig::Validate() const {
   }
   if (cuda_tuning.attention.max_history_chunk_tokens < 0) {
     return absl::InvalidArgumentError("--cuda_history_chunk_tokens must be >= 0 (0 = no cap)");
+  }
+  if (scrub_period < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--scrub_period must be >= 0 (0 = no scrubber)");
+  }
+  if (scrub_max_bytes_per_second < 1) {
+    return absl::InvalidArgumentError("--scrub_max_bytes_per_second must be >= 1");
   }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error"};
   bool level_ok = false;
@@ -298,6 +310,8 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);
+  c.scrub_period = absl::GetFlag(FLAGS_scrub_period);
+  c.scrub_max_bytes_per_second = absl::GetFlag(FLAGS_scrub_max_bytes_per_second);
   c.transport_keepalive_ms = absl::GetFlag(FLAGS_transport_keepalive_ms);
   c.cuda_tuning.attention.programmatic_launch = absl::GetFlag(FLAGS_cuda_programmatic_launch);
   c.cuda_tuning.attention.max_history_chunk_tokens = absl::GetFlag(FLAGS_cuda_history_chunk_tokens);

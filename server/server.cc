@@ -54,7 +54,8 @@ void SetHealth(grpc::Server* server, bool serving) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerConfig& config) {
+absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
+    const ServerConfig& config, const ServiceFactory& extra_service) {
   KVPOOL_RETURN_IF_ERROR(config.Validate());
   TuneMalloc(config.malloc_retain_bytes);
   auto s = std::unique_ptr<KvpoolServer>(new KvpoolServer());
@@ -135,12 +136,20 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   builder.RegisterService(s->transport_service_.get());
   if (s->gpu_transport_service_ != nullptr)
     builder.RegisterService(s->gpu_transport_service_.get());
+  if (extra_service != nullptr) {
+    s->extra_service_ = extra_service(&ctx);
+    builder.RegisterService(s->extra_service_.get());
+  }
   builder.RegisterService(s->gpu_attention_service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot serve on ", config.listen));
   }
   s->listener_->Start(s->acceptor_.get(), max_connections);
+  s->scrubber_ = std::make_unique<Scrubber>(
+      s->store_.get(), s->backend_.get(), s->pool_.get(),
+      ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second});
+  s->scrubber_->Start();
   spdlog::info("serving on port {}, at most {} connections", s->port_, max_connections);
   SetHealth(s->server_.get(), true);
   return s;
@@ -159,6 +168,7 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
   }
   SetHealth(server_.get(), false);
   listener_->Stop();
+  scrubber_->Stop();
   for (const auto& t : transports_) t->Shutdown();  // rolls back open pushes
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   workers_->Shutdown();

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "server/config.h"
+#include "server/scrubber.h"
 #include "server/service_context.h"
 
 namespace kvpool::server {
@@ -37,7 +39,10 @@ class KvpoolServer {
  public:
   // Builds everything and starts listening. InvalidArgument (config), Unavailable (cannot bind
   // the address), ResourceExhausted (pool memory).
-  static absl::StatusOr<std::unique_ptr<KvpoolServer>> Start(const ServerConfig& config);
+  // `extra_service`, when set, builds one more service to register (a test daemon's).
+  using ServiceFactory = std::function<std::unique_ptr<grpc::Service>(ServiceContext*)>;
+  static absl::StatusOr<std::unique_ptr<KvpoolServer>> Start(
+      const ServerConfig& config, const ServiceFactory& extra_service = nullptr);
   ~KvpoolServer();
 
   KvpoolServer(const KvpoolServer&) = delete;
@@ -69,6 +74,7 @@ class KvpoolServer {
   std::unique_ptr<SequenceStore> store_;
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
+  std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;
   std::unique_ptr<ModelServiceImpl> model_service_;
@@ -79,6 +85,7 @@ class KvpoolServer {
   std::unique_ptr<TransportServiceImpl> transport_service_;
   std::unique_ptr<grpc::Service> gpu_transport_service_;  // null unless the pool is on a GPU
   std::unique_ptr<grpc::Service> gpu_attention_service_;  // UNAVAILABLE unless on a GPU
+  std::unique_ptr<grpc::Service> extra_service_;
   std::unique_ptr<ConnectionListener> listener_;          // accepts connections for server_
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;

@@ -67,6 +67,15 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   s->set_attention_device_seconds(times.attention_seconds);
 
   const ServerConfig& cfg = *ctx_->config;
+  const IntegrityCounters& ic = ctx_->store->integrity();
+  v1::IntegrityStats* integrity = response->mutable_integrity();
+  integrity->set_corrupt_sequences(ic.corrupt_sequences.load());
+  integrity->set_pages_scrubbed(ic.pages_scrubbed.load());
+  integrity->set_bytes_scrubbed(ic.bytes_scrubbed.load());
+  integrity->set_sweeps_completed(ic.sweeps_completed.load());
+  integrity->set_scrub_period_seconds(absl::ToDoubleSeconds(cfg.scrub_period));
+  integrity->set_scrub_max_bytes_per_second(cfg.scrub_max_bytes_per_second);
+
   v1::ServerLimits* l = response->mutable_limits();
   l->set_max_message_bytes(cfg.max_message_bytes);
   l->set_max_chunk_bytes(cfg.max_chunk_bytes);
