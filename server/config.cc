@@ -82,7 +82,7 @@ ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
 ABSL_FLAG(absl::Duration, scrub_period, absl::Minutes(5),
           "One full checksum sweep of every stored page per this period (e.g. 300s, 10m; 0 = no "
           "scrubber)");
-ABSL_FLAG(uint64_t, scrub_max_bytes_per_second, uint64_t{256} << 20,
+ABSL_FLAG(uint64_t, scrub_max_bytes_per_second, uint64_t{128} << 20,
           "Most bytes of pool memory the scrubber reads per second (a sweep that needs more "
           "takes longer than --scrub_period)");
 ABSL_FLAG(bool, cuda_programmatic_launch, kvpool::cuda::AttentionTuning{}.programmatic_launch,

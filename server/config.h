@@ -65,7 +65,7 @@ struct ServerConfig {
   // Integrity (server/scrubber.h): one full checksum sweep of the stored pages per period
   // (zero: no scrubber), reading pool memory at most this fast.
   absl::Duration scrub_period = absl::Minutes(5);
-  size_t scrub_max_bytes_per_second = 256u << 20;
+  size_t scrub_max_bytes_per_second = 128u << 20;
   // Kernels of the CUDA backend (--device=cuda:N): the measured defaults with
   // --cuda_programmatic_launch and --cuda_history_chunk_tokens applied.
   cuda::KernelTuning cuda_tuning;

@@ -9,12 +9,6 @@
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
-namespace {
-
-// Pages verified per backend call: small enough that pacing stays smooth.
-constexpr size_t kPagesPerBatch = 64;
-
-}  // namespace
 
 Scrubber::Scrubber(SequenceStore* store, ComputeBackend* backend, BlockPool* pool,
                    ScrubberOptions options)
@@ -61,21 +55,22 @@ bool Scrubber::SweepOnce() {
   absl::flat_hash_set<PageId> verified;  // shared pages: once per sweep
   uint64_t bytes = 0;
   for (const auto& [tenant, id] : store_->Keys()) {
-    // Snapshots hold references: a page cannot be freed and rewritten while it is verified.
+    // One layer at a time: its snapshot holds references (a page cannot be freed and rewritten
+    // while it is read) only while it is verified, never while the sweep waits for its pace.
     // Released and already corrupt sequences answer an error here and are skipped.
-    absl::StatusOr<std::unique_ptr<SequenceSnapshot>> snap = store_->Snapshot(tenant, id, {});
-    if (!snap.ok()) continue;
-    std::vector<PageToVerify> pages;
-    for (const PageToVerify& p : (*snap)->AllPages()) {
-      if (!verified.contains(p.page)) pages.push_back(p);
-    }
-    for (size_t at = 0; at < pages.size(); at += kPagesPerBatch) {
-      const auto batch =
-          absl::MakeConstSpan(pages).subspan(at, std::min(kPagesPerBatch, pages.size() - at));
-      const size_t batch_bytes = VerifiedBytes(*pool_, (*snap)->model(), batch);
-      const absl::Status s = VerifyPages(backend_, *pool_, (*snap)->model(), batch);
+    for (int layer = 0, layers = 1; layer < layers; ++layer) {
+      absl::StatusOr<std::unique_ptr<SequenceSnapshot>> snap =
+          store_->Snapshot(tenant, id, {layer});
+      if (!snap.ok()) break;
+      layers = (*snap)->model().num_layers;
+      std::vector<PageToVerify> pages;
+      for (const PageToVerify& p : (*snap)->AllPages()) {
+        if (!verified.contains(p.page)) pages.push_back(p);
+      }
+      const size_t layer_bytes = VerifiedBytes(*pool_, (*snap)->model(), pages);
+      const absl::Status s = VerifyPages(backend_, *pool_, (*snap)->model(), pages);
       if (absl::IsDataLoss(s)) {
-        spdlog::error("scrubber: sequence of model {}: {}", (*snap)->model().id,
+        spdlog::error("scrubber: a sequence of model {}: {}", (*snap)->model().id,
                       std::string(s.message()));
         (void)(*snap)->MarkCorrupt();
         break;
@@ -84,10 +79,11 @@ bool Scrubber::SweepOnce() {
         spdlog::warn("scrubber: verification failed: {}", s.ToString());
         break;
       }
-      for (const PageToVerify& p : batch) verified.insert(p.page);
-      counters.pages_scrubbed.fetch_add(batch.size());
-      counters.bytes_scrubbed.fetch_add(batch_bytes);
-      bytes += batch_bytes;
+      for (const PageToVerify& p : pages) verified.insert(p.page);
+      counters.pages_scrubbed.fetch_add(pages.size());
+      counters.bytes_scrubbed.fetch_add(layer_bytes);
+      bytes += layer_bytes;
+      snap->reset();
       if (rate > 0 && !WaitUntil(start + absl::Seconds(static_cast<double>(bytes) / rate))) {
         return false;
       }

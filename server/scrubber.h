@@ -3,13 +3,14 @@
 // bounded rate. A page that fails marks its sequence corrupt (DATA_LOSS, reason CORRUPT, until
 // released); the counters are the store's IntegrityCounters.
 //
-//   Scrubber scrubber(&store, backend, pool, {absl::Seconds(300), 256 << 20});
+//   Scrubber scrubber(&store, backend, pool, {absl::Seconds(300), 128 << 20});
 //   scrubber.Start();   // no thread when the period is zero
 //   ...                 // the destructor stops it
 //
 // Pacing: a sweep reads the written slots of the pages in use when it starts at
 // used_bytes / period per second, never above max_bytes_per_second (then the sweep takes longer
-// than the period). Pages shared by several sequences are read once per sweep. Thread-safe.
+// than the period), one layer of one sequence at a time. Pages shared by several sequences are
+// read once per sweep. Thread-safe.
 #pragma once
 
 #include <cstdint>
