@@ -11,6 +11,7 @@
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Dense>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -176,6 +177,22 @@ double Seconds(Fn&& fn) {
   return now() - t0;
 }
 
+// Times of `run(false)` and `run(true)` back to back per iteration; the medians (a pair's two
+// runs see the same machine load, the median drops the pairs another process disturbed).
+template <typename Run>
+std::pair<double, double> MedianPairSeconds(benchmark::State& state, Run&& run) {
+  std::vector<double> without, with;
+  for (auto _ : state) {
+    without.push_back(Seconds([&] { run(false); }));
+    with.push_back(Seconds([&] { run(true); }));
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  return {median(without), median(with)};
+}
+
 // Arrival as the CPU backend runs it (server/cpu_backend.cc): per block, rotate + quantize K and
 // V, then (with checksums) the checksum of the block's slots while they are in cache. Each
 // iteration runs both variants back to back, so drift on a shared machine hits both alike.
@@ -208,12 +225,8 @@ void BM_ArrivalChecksumCost(benchmark::State& state) {
     benchmark::DoNotOptimize(blocks.data());
     benchmark::DoNotOptimize(sums.data());
   };
-  double with = 0, without = 0;
-  for (auto _ : state) {
-    without += Seconds([&] { run(false); });
-    with += Seconds([&] { run(true); });
-  }
-  const double bytes = 2.0 * rows * kHeadDim * sizeof(Bf16) * state.iterations();
+  const auto [without, with] = MedianPairSeconds(state, run);
+  const double bytes = 2.0 * rows * kHeadDim * sizeof(Bf16);
   state.counters["with_bytes_per_second"] = bytes / with;
   state.counters["without_bytes_per_second"] = bytes / without;
 }
@@ -252,13 +265,9 @@ void BM_DecodeAppendChecksumCost(benchmark::State& state) {
     benchmark::DoNotOptimize(pages.data());
     benchmark::DoNotOptimize(sums.data());
   };
-  double with = 0, without = 0;
-  for (auto _ : state) {
-    without += Seconds([&] { run(false); });
-    with += Seconds([&] { run(true); });
-  }
-  state.counters["with_steps_per_second"] = kSteps * state.iterations() / with;
-  state.counters["without_steps_per_second"] = kSteps * state.iterations() / without;
+  const auto [without, with] = MedianPairSeconds(state, run);
+  state.counters["with_steps_per_second"] = kSteps / with;
+  state.counters["without_steps_per_second"] = kSteps / without;
 }
 
 // The checksum alone over 64 MiB of INT2 blocks (the scrubber's work per byte).
@@ -311,21 +320,15 @@ void BM_AttentionWhileScrubbing(benchmark::State& state) {
       b = (b + 1) % other.blocks.size();
     }
   });
-  double with = 0, without = 0;
-  for (auto _ : state) {
-    without += Seconds([&] {
-      benchmark::DoNotOptimize(AttendBlocks(shape, codec, h.layout, h.blocks, g_context, q));
-    });
-    scrub = true;
-    with += Seconds([&] {
-      benchmark::DoNotOptimize(AttendBlocks(shape, codec, h.layout, h.blocks, g_context, q));
-    });
+  const auto [without, with] = MedianPairSeconds(state, [&](bool scrubbing) {
+    scrub = scrubbing;
+    benchmark::DoNotOptimize(AttendBlocks(shape, codec, h.layout, h.blocks, g_context, q));
     scrub = false;
-  }
+  });
   stop = true;
   scrubber.join();
-  state.counters["with_seconds_per_call"] = with / state.iterations();
-  state.counters["without_seconds_per_call"] = without / state.iterations();
+  state.counters["with_seconds_per_call"] = with;
+  state.counters["without_seconds_per_call"] = without;
 }
 
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
