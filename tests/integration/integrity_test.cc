@@ -26,7 +26,9 @@ std::string FaultDaemonPath() {
 class IntegrityTest : public ::testing::Test {
  protected:
   void StartWith(std::vector<std::string> flags) {
-    flags.insert(flags.end(), {"--pool_bytes=268435456", "--worker_threads=2"});
+    // Host memory even where KVPOOL_TEST_DEVICE names a GPU: CorruptPage writes the pool from
+    // the host (a GPU pool's checksums are the same code, kernels/cuda/page_checksum_cuda_test).
+    flags.insert(flags.end(), {"--pool_bytes=268435456", "--worker_threads=2", "--device=cpu"});
     absl::StatusOr<std::unique_ptr<LocalDaemon>> d = StartDaemonBinary(FaultDaemonPath(), flags);
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = *std::move(d);
