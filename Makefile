@@ -10,8 +10,8 @@ VENV ?= .venv
 CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run test sanitize bench-cpu bench-service bench-transport format clean venv \
-	fidelity fuzz
+.PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
+	bench-service bench-transport format clean venv fidelity fuzz
 
 all: build
 
@@ -26,11 +26,39 @@ configure: deps $(BUILD)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The service demo: kvpoold on the CPU, a 70B-class model, KV pushed over gRPC, remote attention,
-# a summary. Without the service (-DKVPOOL_BUILD_SERVICE=OFF) the codec demo runs instead.
-run: build
+# The real-model demo: kvpoold on the CPU, SmolLM2-135M registered with its calibrated rotation
+# (calibration/rotations/), a prefill process pushing each prompt's K/V layer by layer, a decode
+# process generating with remote attention, and the checks against a BF16 cache and the same
+# codec in-process (client/demo/smollm2_split/README.md).
+run: build venv
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python client/demo/smollm2_split/run_split.py \
+	  --kvpoold $(BUILD)/bin/kvpoold --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so
+
+# The split on the GPU daemon (tests/gpu/run.sh split-replay on the lent H200 machine, which has
+# no model and no package index): one prompt of the split on the CPU daemon, captured and
+# packed into .gpu-replay/replay.safetensors.xz (carried there beside .gpu-carry); the unpacked
+# file stays in $(BUILD)/split-capture/ for replay_tokens.py.
+gpu-replay-capture: build venv
+	rm -rf $(BUILD)/split-capture .gpu-replay && mkdir -p .gpu-replay
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python client/demo/smollm2_split/run_split.py \
+	  --kvpoold $(BUILD)/bin/kvpoold --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so \
+	  --prompts 1 --document-tokens 1280 --capture $(BUILD)/split-capture \
+	  || test -f $(BUILD)/split-capture/decode.json  # (a 1323-token prompt fails the demo's 2048)
+	$(VENV)/bin/python client/demo/smollm2_split/export_replay.py \
+	  --capture $(BUILD)/split-capture --out $(BUILD)/split-capture/replay.safetensors
+	xz -T0 -6 -c $(BUILD)/split-capture/replay.safetensors > .gpu-replay/replay.safetensors.xz
+	@du -h .gpu-replay/replay.safetensors.xz
+
+# The synthetic service demo: a 70B-class shape, random keys, a data-free rotation. Without the
+# service (-DKVPOOL_BUILD_SERVICE=OFF) the codec demo runs instead.
+run-synthetic: build
 	@if [ -x $(BUILD)/bin/kvpool-service-demo ]; then $(BUILD)/bin/kvpool-service-demo; \
 	else $(BUILD)/bin/kvpool-codec-demo; fi
+
+# Downloads the pinned vLLM and SGLang wheels once (no install) and checks by parsing their
+# source that the connectors in kvpool.connectors implement the engines' interfaces.
+check-connectors: venv
+	$(VENV)/bin/python client/python/tools/check_connectors.py
 
 venv: deps
 	@./calibration/setup_env.sh $(VENV)

@@ -78,10 +78,44 @@ class Model:
         self._inv_freq = inv_freq
 
     @staticmethod
-    def load(path: Optional[str] = None) -> "Model":
+    def load(path: Optional[str] = None, cache: bool = False) -> "Model":
+        """Loads the GGUF file. With `cache`, the dequantized float32 weights are kept as .npy
+        files next to it (written once, then memory-mapped: a process starts in a second and
+        processes on one machine share the pages)."""
+        path = path or default_gguf_path()
+        if cache:
+            return Model._load_cached(path)
+        return Model._load_gguf(path)
+
+    @staticmethod
+    def _load_cached(path: str) -> "Model":
+        st = os.stat(path)
+        folder = f"{path}.f32-{st.st_size}-{int(st.st_mtime)}"
+        done = os.path.join(folder, "config.json")
+        if not os.path.exists(done):
+            model = Model._load_gguf(path)
+            tmp = f"{folder}.tmp-{os.getpid()}"
+            os.makedirs(tmp, exist_ok=True)
+            for name, arr in model.w.items():
+                np.save(os.path.join(tmp, name + ".npy"), arr)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(dataclasses.asdict(model.cfg), f)
+            try:
+                os.rename(tmp, folder)
+            except OSError:  # another process finished first
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+            return model
+        with open(done) as f:
+            cfg = Config(**json.load(f))
+        w = {name[:-4]: np.load(os.path.join(folder, name), mmap_mode="r")
+             for name in os.listdir(folder) if name.endswith(".npy")}
+        return Model(cfg, w)
+
+    @staticmethod
+    def _load_gguf(path: str) -> "Model":
         import gguf  # imported here so that tokenizer-only users need not load it
 
-        path = path or default_gguf_path()
         r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
         if arch != "llama":

@@ -1,6 +1,6 @@
-// The bytes a remote attention call moves over an NCCL attention channel (kvpool.v1.
-// GpuAttentionService, proto/kvpool/v1/gpu_attention_service.proto), shared by the daemon
-// (gpu_attention_service.cc) and the client (client/transport/gpu_attention.h).
+// The bytes a remote attention call moves over an NCCL attention channel (an NCCL session of use
+// ATTENTION, proto/kvpool/v1/transport_service.proto), shared by the daemon
+// (server/transport/nccl/attention_channel.cc) and the client (client/transport/gpu_attention.h).
 //
 // Once the communicator is up, both ends first send each other kConnectBytes (any content) in
 // one group, which connects both directions before the first call (NCCL connects each direction

@@ -1,7 +1,6 @@
 #include "dataplane/ucx_wire_parse.h"
 
 #include <algorithm>
-#include <climits>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -49,17 +48,10 @@ std::vector<float> Floats(const char* bytes, size_t n) {
 
 }  // namespace
 
-absl::StatusOr<PushBegin> ParsePushBegin(const PushBeginHeader& h, absl::string_view payload,
-                                         int max_append_tokens) {
+absl::StatusOr<PushBegin> ParsePushBegin(const PushBeginHeader& h, absl::string_view payload) {
   if (payload.size() != size_t{h.sequence_id_bytes} + size_t{4} * h.num_token_ids ||
       (h.num_token_ids != 0 && h.num_token_ids != h.num_tokens)) {
     return absl::InvalidArgumentError("PUSH_BEGIN payload does not match its header");
-  }
-  if (max_append_tokens < 1 || h.num_tokens < 1 ||
-      h.num_tokens > static_cast<uint32_t>(max_append_tokens) ||
-      h.token_start > static_cast<uint32_t>(INT32_MAX - max_append_tokens)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_tokens must be in [1, ", max_append_tokens, "], got ", h.num_tokens));
   }
   PushBegin begin;
   begin.sequence_id.assign(payload.data(), h.sequence_id_bytes);

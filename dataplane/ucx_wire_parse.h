@@ -5,7 +5,7 @@
 // (tests/fuzz/ucx_wire_fuzz.cc) runs them on arbitrary bytes.
 //
 //   std::optional<PushBeginHeader> h = Decode<PushBeginHeader>(header, header_length);
-//   KVPOOL_ASSIGN_OR_RETURN(PushBegin begin, ParsePushBegin(*h, payload, max_append_tokens));
+//   KVPOOL_ASSIGN_OR_RETURN(PushBegin begin, ParsePushBegin(*h, payload));
 //
 // Pure functions; thread-safe.
 #pragma once
@@ -33,10 +33,10 @@ struct PushBegin {
   std::vector<uint32_t> token_ids;
 };
 
-// InvalidArgument when the payload does not match the header or num_tokens is outside
-// [1, max_append_tokens] (or token_start + max_append_tokens would pass INT32_MAX).
-absl::StatusOr<PushBegin> ParsePushBegin(const PushBeginHeader& h, absl::string_view payload,
-                                         int max_append_tokens);
+// InvalidArgument when the payload does not match the header (the sequence id's bytes, then 0 or
+// num_tokens token ids). The append's own fields (token range, sequence id) are the daemon's
+// header validation, the same for every ingest (server/ingest/append_checks.h).
+absl::StatusOr<PushBegin> ParsePushBegin(const PushBeginHeader& h, absl::string_view payload);
 
 // LAYER_DATA: InvalidArgument unless num_tokens >= 1, the tensor is K or V, the payload holds
 // exactly num_tokens rows of `row_bytes` and at most `max_bytes`.

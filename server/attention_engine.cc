@@ -2,73 +2,117 @@
 
 #include <atomic>
 #include <cmath>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
+#include "kernels/paged_kv.h"
 #include "kernels/value_range.h"
 
 namespace kvpool::server {
+namespace {
 
-struct AttentionEngine::Batch {
-  TenantId tenant;
-  std::shared_ptr<const Model> model;
-  int layer = 0;
-  std::vector<AttentionQuery> queries;
-  std::vector<std::unique_ptr<SequenceSnapshot>> snapshots;
-  std::vector<size_t> row_offset;  // first query row of each sequence in `q`
-  std::vector<float> q;            // all queries [rows][head_dim]: rotated unless batched
-  std::vector<float> out;          // all outputs, same shape: rotated basis unless batched
-  std::vector<AttentionResult> results;
-  std::vector<absl::Status> errors;  // per sequence (per-sequence CPU path)
-  std::atomic<size_t> pending{0};
-  AttentionDone done;
-};
+size_t RowValues(const Model& m) { return static_cast<size_t>(m.q_heads) * m.head_dim; }
+
+absl::Status CheckLayerAndBatch(const Model& model, int layer, size_t sequences) {
+  if (layer < 0 || layer >= model.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", model.num_layers, ")"));
+  }
+  if (sequences == 0) return absl::InvalidArgumentError("attention batch is empty");
+  return absl::OkStatus();
+}
+
+absl::Status CheckQueryRows(const std::string& id, int num_queries) {
+  if (num_queries < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", Quote(id), ": num_queries must be >= 1"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckQueryValues(const std::string& id, absl::Span<const float> q) {
+  for (float x : q) {
+    if (!std::isfinite(x)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", Quote(id), ": q contains NaN or Inf"));
+    }
+    if (std::fabs(x) >= kValueMagnitudeLimit) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "sequence ", Quote(id), ": q has a value of magnitude >= ", kValueMagnitudeLimit,
+          " (kvpool takes |q| < 2^16)"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 // A result the caller can merge: over a non-empty sequence every output and LSE is finite.
 // (An empty sequence answers output 0 and LSE -inf, the documented "nothing attended"; an
 // overflow must never look like that.) The value range (kernels/value_range.h) makes overflow
 // impossible on the CPU; this check is what guarantees it on every backend.
-absl::Status AttentionEngine::CheckFinite(const AttentionResult& r) {
-  if (r.attended_tokens == 0) return absl::OkStatus();
+absl::Status CheckFinite(const std::string& id, int attended_tokens, absl::Span<const float> out,
+                         absl::Span<const float> lse) {
+  if (attended_tokens == 0) return absl::OkStatus();
   bool finite = true;
-  for (float x : r.lse) finite = finite && std::isfinite(x);
-  for (float x : r.out) finite = finite && std::isfinite(x);
+  for (float x : lse) finite = finite && std::isfinite(x);
+  for (float x : out) finite = finite && std::isfinite(x);
   if (finite) return absl::OkStatus();
   return absl::OutOfRangeError(absl::StrCat(
-      "attention over sequence ", Quote(r.sequence_id),
+      "attention over sequence ", Quote(id),
       " overflowed the float range (queries and keys too large); nothing was answered"));
 }
 
+// Layer 0 of each snapshot as a sequence of a paged KV batch, attended by rows[i] query rows.
+void AddKvSequences(const std::vector<std::unique_ptr<SequenceSnapshot>>& snapshots,
+                    absl::Span<const int> rows, std::vector<PagedKvTables::Sequence>* out) {
+  for (size_t i = 0; i < snapshots.size(); ++i)
+    out->push_back(snapshots[i]->KvSequence(0, rows[i]));
+}
+
+}  // namespace
+
+struct AttentionEngine::Batch {
+  TenantId tenant;
+  std::shared_ptr<const Model> model;
+  int layer = 0;
+  AttentionRequest request;
+  std::vector<std::unique_ptr<SequenceSnapshot>> snapshots;
+  std::vector<size_t> first_row;  // of each sequence
+  int rows = 0;
+  std::optional<PagedKvTables> kv;  // the request's batch (host backend)
+  AttentionAnswer answer;
+  std::vector<absl::Status> errors;  // per sequence (host backend)
+  std::atomic<size_t> pending{0};
+  AttentionDone done;
+};
+
 absl::Status AttentionEngine::Validate(const Model& model, int layer,
-                                       const std::vector<AttentionQuery>& queries) {
-  if (layer < 0 || layer >= model.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " out of range [0, ", model.num_layers, ")"));
+                                       const AttentionRequest& request) {
+  KVPOOL_RETURN_IF_ERROR(CheckLayerAndBatch(model, layer, request.sequence_ids.size()));
+  const size_t n = request.sequence_ids.size();
+  if (request.num_queries.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("attention batch of ", n, " sequences has ",
+                                                   request.num_queries.size(), " query counts"));
   }
-  if (queries.empty()) return absl::InvalidArgumentError("attention batch is empty");
-  const size_t per_query = static_cast<size_t>(model.q_heads) * model.head_dim;
-  for (const AttentionQuery& q : queries) {
-    if (q.num_queries < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence ", Quote(q.sequence_id), ": num_queries must be >= 1"));
-    }
-    if (q.q.size() != per_query * q.num_queries) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence ", Quote(q.sequence_id), ": q must hold num_queries x q_heads x head_dim = ",
-          q.num_queries, " x ", model.q_heads, " x ", model.head_dim, " values, got ", q.q.size()));
-    }
-    for (float x : q.q) {
-      if (!std::isfinite(x)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sequence ", Quote(q.sequence_id), ": q contains NaN or Inf"));
-      }
-      if (std::fabs(x) >= kValueMagnitudeLimit) {
-        return absl::OutOfRangeError(
-            absl::StrCat("sequence ", Quote(q.sequence_id), ": q has a value of magnitude >= ",
-                         kValueMagnitudeLimit, " (kvpool takes |q| < 2^16)"));
-      }
-    }
+  size_t rows = 0;
+  for (size_t i = 0; i < n; ++i) {
+    KVPOOL_RETURN_IF_ERROR(CheckQueryRows(request.sequence_ids[i], request.num_queries[i]));
+    rows += static_cast<size_t>(request.num_queries[i]);
+  }
+  const size_t per_query = RowValues(model);
+  if (request.queries.size() != rows * per_query) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries must hold rows x q_heads x head_dim = ", rows, " x ", model.q_heads,
+                     " x ", model.head_dim, " values, got ", request.queries.size()));
+  }
+  size_t at = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t len = per_query * request.num_queries[i];
+    KVPOOL_RETURN_IF_ERROR(CheckQueryValues(request.sequence_ids[i],
+                                            absl::MakeConstSpan(request.queries).subspan(at, len)));
+    at += len;
   }
   return absl::OkStatus();
 }
@@ -87,66 +131,47 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> AttentionEngine::SnapshotOf(
 
 absl::Status AttentionEngine::Prepare(Batch* b) {
   const Model& m = *b->model;
-  size_t rows = 0;
-  for (const AttentionQuery& q : b->queries) {
+  const AttentionRequest& req = b->request;
+  const size_t n = req.sequence_ids.size();
+  for (size_t i = 0; i < n; ++i) {
     KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
-                            SnapshotOf(b->tenant, m, b->layer, q.sequence_id));
+                            SnapshotOf(b->tenant, m, b->layer, req.sequence_ids[i]));
+    b->answer.attended_tokens.push_back(snap->total());
     b->snapshots.push_back(std::move(snap));
-    b->row_offset.push_back(rows);
-    rows += static_cast<size_t>(q.num_queries) * m.q_heads;
+    b->first_row.push_back(static_cast<size_t>(b->rows));
+    b->rows += req.num_queries[i];
   }
-  std::vector<float> q_all;
-  q_all.reserve(rows * m.head_dim);
-  for (const AttentionQuery& q : b->queries) q_all.insert(q_all.end(), q.q.begin(), q.q.end());
-  b->out.assign(q_all.size(), 0.0f);
-  b->results.resize(b->queries.size());
-  b->errors.assign(b->queries.size(), absl::OkStatus());
-  for (size_t i = 0; i < b->queries.size(); ++i) {
-    b->results[i].sequence_id = b->queries[i].sequence_id;
-    b->results[i].attended_tokens = b->snapshots[i]->total();
-    b->results[i].lse.resize(static_cast<size_t>(b->queries[i].num_queries) * m.q_heads);
+  b->answer.out.resize(static_cast<size_t>(b->rows) * RowValues(m));
+  b->answer.lse.resize(static_cast<size_t>(b->rows) * m.q_heads);
+  b->errors.assign(n, absl::OkStatus());
+  if (backend_->device() < 0) {
+    // The host backend attends sequence by sequence on the workers, over rows of this batch.
+    std::vector<PagedKvTables::Sequence> seqs;
+    AddKvSequences(b->snapshots, req.num_queries, &seqs);
+    const SequenceSnapshot& first = *b->snapshots.front();
+    b->kv.emplace(first.history_pool(), first.bf16_pool(), seqs);
   }
-  if (backend_->batched_attention()) {  // the backend rotates on the device
-    b->q = std::move(q_all);
-    return absl::OkStatus();
-  }
-  // One batched rotation for every query row of the request.
-  b->q.resize(q_all.size());
-  return m.codec.rotations.Rotate(b->layer, KvTensor::kKey, q_all, absl::MakeSpan(b->q));
+  return absl::OkStatus();
 }
 
 absl::Status AttentionEngine::AttendBatched(absl::Span<Batch* const> group) {
-  // One backend call for every query row of every request in `group` (same model and layer).
+  // One backend call for every query row of every request in `group` (same model and layer):
+  // each request's queries and answer are one run of rows.
   const Model& m = *group.front()->model;
-  std::vector<std::vector<SequenceTiers>> tiers(group.size());
-  AttentionBatch batch;
-  batch.layer = group.front()->layer;
-  std::vector<float> q, out;
-  for (size_t g = 0; g < group.size(); ++g) {
-    Batch* b = group[g];
-    tiers[g].reserve(b->snapshots.size());
-    for (const auto& snap : b->snapshots) tiers[g].push_back(snap->Tiers(0));
-    for (size_t i = 0; i < tiers[g].size(); ++i) {
-      for (int j = 0; j < b->queries[i].num_queries; ++j) batch.tiers.push_back(&tiers[g][i]);
-    }
-    q.insert(q.end(), b->q.begin(), b->q.end());
-  }
-  out.resize(q.size());
-  std::vector<float> lse(batch.tiers.size() * m.q_heads);
-  batch.queries = q;
-  batch.out = absl::MakeSpan(out);
-  batch.lse = absl::MakeSpan(lse);
-  KVPOOL_RETURN_IF_ERROR(backend_->AttendBatch(m, batch));
-  size_t out_at = 0, lse_at = 0;
+  std::vector<PagedKvTables::Sequence> seqs;
+  std::vector<AttentionRows> io;
   for (Batch* b : group) {
-    std::copy(out.begin() + out_at, out.begin() + out_at + b->out.size(), b->out.begin());
-    out_at += b->out.size();
-    for (AttentionResult& r : b->results) {
-      std::copy(lse.begin() + lse_at, lse.begin() + lse_at + r.lse.size(), r.lse.begin());
-      lse_at += r.lse.size();
-    }
+    AddKvSequences(b->snapshots, b->request.num_queries, &seqs);
+    io.push_back({b->request.queries.data(), b->answer.out.data(), b->answer.lse.data(), b->rows});
   }
-  return absl::OkStatus();
+  const SequenceSnapshot& first = *group.front()->snapshots.front();
+  const PagedKvTables kv(first.history_pool(), first.bf16_pool(), seqs);
+  AttentionCall call;
+  call.layer = group.front()->layer;
+  call.kv = kv.batch();
+  call.kv_words = kv.words();
+  call.io = io;
+  return backend_->Attend(m, call);
 }
 
 void AttentionEngine::AttendCoalesced(std::shared_ptr<Batch> b) {
@@ -193,59 +218,52 @@ void AttentionEngine::AttendCoalesced(std::shared_ptr<Batch> b) {
 
 void AttentionEngine::AttendOne(Batch* b, size_t i) {
   const Model& m = *b->model;
-  const SequenceTiers tiers = b->snapshots[i]->Tiers(0);
-  const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
-  AttentionResult& r = b->results[i];
-  for (int j = 0; j < b->queries[i].num_queries; ++j) {
-    const size_t at = (b->row_offset[i] + static_cast<size_t>(j) * m.q_heads) * m.head_dim;
-    absl::StatusOr<AttentionOutput> o =
-        backend_->AttendRotated(m, tiers, absl::MakeConstSpan(b->q).subspan(at, per_query));
-    if (!o.ok()) {
-      b->errors[i] = o.status();
-      return;
-    }
-    std::copy(o->out.begin(), o->out.end(), b->out.begin() + at);
-    std::copy(o->lse.begin(), o->lse.end(), r.lse.begin() + static_cast<size_t>(j) * m.q_heads);
-  }
+  const size_t first = b->first_row[i];
+  const int rows = b->request.num_queries[i];
+  const size_t per_row = RowValues(m);
+  const AttentionRows io{b->request.queries.data() + first * per_row,
+                         b->answer.out.data() + first * per_row,
+                         b->answer.lse.data() + first * m.q_heads, rows};
+  AttentionCall call;
+  call.layer = b->layer;
+  call.kv = b->kv->batch().Rows(static_cast<int>(first), rows);
+  call.kv_words = b->kv->words();
+  call.io = absl::MakeConstSpan(&io, 1);
+  b->errors[i] = backend_->Attend(m, call);
 }
 
-absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Finish(Batch* b) {
+absl::StatusOr<AttentionAnswer> AttentionEngine::Finish(Batch* b) {
   const Model& m = *b->model;
   for (const absl::Status& s : b->errors) KVPOOL_RETURN_IF_ERROR(s);
-  std::vector<float> unrotated;
-  if (backend_->batched_attention()) {
-    unrotated = std::move(b->out);  // already in the original basis
-  } else {
-    unrotated.resize(b->out.size());
-    KVPOOL_RETURN_IF_ERROR(
-        m.codec.rotations.Unrotate(b->layer, KvTensor::kValue, b->out, absl::MakeSpan(unrotated)));
-  }
-  const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
-  for (size_t i = 0; i < b->results.size(); ++i) {
-    const size_t at = b->row_offset[i] * m.head_dim;
-    const size_t n = per_query * b->queries[i].num_queries;
-    b->results[i].out.assign(unrotated.begin() + at, unrotated.begin() + at + n);
-    KVPOOL_RETURN_IF_ERROR(CheckFinite(b->results[i]));
+  const size_t per_row = RowValues(m);
+  const AttentionAnswer& a = b->answer;
+  for (size_t i = 0; i < b->snapshots.size(); ++i) {
+    const size_t rows = static_cast<size_t>(b->request.num_queries[i]);
+    KVPOOL_RETURN_IF_ERROR(CheckFinite(
+        b->request.sequence_ids[i], a.attended_tokens[i],
+        absl::MakeConstSpan(a.out).subspan(b->first_row[i] * per_row, rows * per_row),
+        absl::MakeConstSpan(a.lse).subspan(b->first_row[i] * m.q_heads, rows * m.q_heads)));
   }
   b->snapshots.clear();  // drop page references before answering
-  return std::move(b->results);
+  b->kv.reset();
+  return std::move(b->answer);
 }
 
-absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Run(
-    const TenantId& tenant, std::shared_ptr<const Model> model, int layer,
-    std::vector<AttentionQuery> queries) {
-  KVPOOL_RETURN_IF_ERROR(Validate(*model, layer, queries));
+absl::StatusOr<AttentionAnswer> AttentionEngine::Run(const TenantId& tenant,
+                                                     std::shared_ptr<const Model> model, int layer,
+                                                     AttentionRequest request) {
+  KVPOOL_RETURN_IF_ERROR(Validate(*model, layer, request));
   Batch b;
   b.tenant = tenant;
   b.model = std::move(model);
   b.layer = layer;
-  b.queries = std::move(queries);
+  b.request = std::move(request);
   KVPOOL_RETURN_IF_ERROR(Prepare(&b));
-  if (backend_->batched_attention()) {
+  if (backend_->device() >= 0) {
     Batch* one[1] = {&b};
     KVPOOL_RETURN_IF_ERROR(AttendBatched(one));
   } else {
-    for (size_t i = 0; i < b.queries.size(); ++i) AttendOne(&b, i);
+    for (size_t i = 0; i < b.snapshots.size(); ++i) AttendOne(&b, i);
   }
   return Finish(&b);
 }
@@ -253,17 +271,13 @@ absl::StatusOr<std::vector<AttentionResult>> AttentionEngine::Run(
 absl::StatusOr<std::vector<int>> AttentionEngine::RunOnDevice(const TenantId& tenant,
                                                               std::shared_ptr<const Model> model,
                                                               const DeviceAttentionCall& call) {
-  if (backend_->device() < 0 || !backend_->batched_attention()) {
+  if (backend_->device() < 0) {
     return absl::UnavailableError(
         absl::StrCat("attention on device buffers needs a GPU backend; this daemon runs on '",
                      backend_->name(), "'"));
   }
   const Model& m = *model;
-  if (call.layer < 0 || call.layer >= m.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", call.layer, " out of range [0, ", m.num_layers, ")"));
-  }
-  if (call.sequence_ids.empty()) return absl::InvalidArgumentError("attention batch is empty");
+  KVPOOL_RETURN_IF_ERROR(CheckLayerAndBatch(m, call.layer, call.sequence_ids.size()));
   if (call.num_queries < 1) return absl::InvalidArgumentError("num_queries must be >= 1");
   if (call.queries == nullptr || call.out == nullptr || call.lse == nullptr) {
     return absl::InvalidArgumentError("device attention needs query, output and LSE buffers");
@@ -275,18 +289,17 @@ absl::StatusOr<std::vector<int>> AttentionEngine::RunOnDevice(const TenantId& te
                             SnapshotOf(tenant, m, call.layer, id));
     snapshots.push_back(std::move(snap));
   }
-  std::vector<SequenceTiers> tiers;
-  tiers.reserve(snapshots.size());
-  for (const auto& snap : snapshots) tiers.push_back(snap->Tiers(0));
-  AttentionBatch batch;
-  batch.layer = call.layer;
-  for (const SequenceTiers& t : tiers) {
-    for (int j = 0; j < call.num_queries; ++j) batch.tiers.push_back(&t);
-  }
-  batch.device_queries = call.queries;
-  batch.device_out = call.out;
-  batch.device_lse = call.lse;
-  KVPOOL_RETURN_IF_ERROR(backend_->AttendBatch(m, batch));
+  std::vector<PagedKvTables::Sequence> seqs;
+  AddKvSequences(snapshots, std::vector<int>(snapshots.size(), call.num_queries), &seqs);
+  const PagedKvTables kv(snapshots.front()->history_pool(), snapshots.front()->bf16_pool(), seqs);
+  const AttentionRows io{call.queries, call.out, call.lse, kv.batch().num_seqs};
+  AttentionCall c;
+  c.layer = call.layer;
+  c.kv = kv.batch();
+  c.kv_words = kv.words();
+  c.io = absl::MakeConstSpan(&io, 1);
+  c.on_device = true;
+  KVPOOL_RETURN_IF_ERROR(backend_->Attend(m, c));
   std::vector<int> attended;
   attended.reserve(snapshots.size());
   for (const auto& snap : snapshots) attended.push_back(snap->total());
@@ -294,26 +307,25 @@ absl::StatusOr<std::vector<int>> AttentionEngine::RunOnDevice(const TenantId& te
 }
 
 absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<const Model> model,
-                                    int layer, std::vector<AttentionQuery> queries,
-                                    AttentionDone done) {
-  KVPOOL_RETURN_IF_ERROR(Validate(*model, layer, queries));
+                                    int layer, AttentionRequest request, AttentionDone done) {
+  KVPOOL_RETURN_IF_ERROR(Validate(*model, layer, request));
   auto b = std::make_shared<Batch>();
   b->tenant = tenant;
   b->model = std::move(model);
   b->layer = layer;
-  b->queries = std::move(queries);
+  b->request = std::move(request);
   b->done = std::move(done);
   if (workers_ == nullptr) {
-    b->done(Run(b->tenant, b->model, b->layer, std::move(b->queries)));
+    b->done(Run(b->tenant, b->model, b->layer, std::move(b->request)));
     return absl::OkStatus();
   }
   auto finish_one = [this, b]() {
-    // The last sequence to finish un-rotates everything and answers.
+    // The last sequence to finish answers.
     if (b->pending.fetch_sub(1) == 1) b->done(Finish(b.get()));
   };
   const bool queued = workers_->TrySubmit([this, b, finish_one]() {
     absl::Status s = Prepare(b.get());
-    if (s.ok() && backend_->batched_attention()) {
+    if (s.ok() && backend_->device() >= 0) {
       AttendCoalesced(b);  // with whatever other requests are waiting
       return;
     }
@@ -322,7 +334,7 @@ absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<cons
       b->done(s);
       return;
     }
-    const size_t n = b->queries.size();
+    const size_t n = b->snapshots.size();
     b->pending.store(n);
     // Sequences 1..n-1 go to other workers (never refused: the request was admitted);
     // this worker takes sequence 0.

@@ -1,18 +1,18 @@
 // AttentionEngine: remote decode attention for a batch of sequences of one model and one layer.
 //
-// Per request: snapshot every sequence's layer (references keep its pages alive), then either
-// (CPU) rotate all queries with M_K in one batched call, attend each sequence over its BF16 sink
-// + recent rows and its INT2 history (per-tier passes merged exactly through the log-sum-exp) in
-// parallel on the worker pool, and un-rotate all outputs with M_V^T in one batched call; or (a
-// backend with batched_attention(), the GPU) hand the request, together with every other
-// request of the same model and layer waiting at that moment, to one backend call that
-// rotates, attends and un-rotates on the device. The output is in the engine's original basis
-// with the natural-log LSE per query head.
+// Per request: snapshot every sequence's layer (references keep its pages alive; the snapshots
+// make the request's paged KV batch, kernels/paged_kv.h), then hand it to the backend's one
+// Attend method. The host backend gets one sequence's rows per call, spread over the worker pool;
+// a backend on a device gets the whole request, together with every other request of the same
+// model and layer waiting at that moment, in one call. The queries are read where the request
+// decoded them and the outputs written once into the answer (original basis, natural-log LSE
+// per query head).
 //
 //   AttentionEngine engine(&store, backend.get(), &workers);
-//   KVPOOL_RETURN_IF_ERROR(engine.Start(tenant, model, /*layer=*/3, std::move(queries),
-//       [](absl::StatusOr<std::vector<AttentionResult>> r) { ... }));   // runs on a worker
-//   auto results = engine.Run(tenant, model, 3, queries);                 // same, on this thread
+//   AttentionRequest request{{"seq-1"}, {1}, std::move(queries)};   // decoded from the wire
+//   KVPOOL_RETURN_IF_ERROR(engine.Start(tenant, model, /*layer=*/3, std::move(request),
+//       [](absl::StatusOr<AttentionAnswer> a) { ... }));             // runs on a worker
+//   auto answer = engine.Run(tenant, model, 3, std::move(request));  // same, on this thread
 //
 // Thread-safe.
 #pragma once
@@ -34,20 +34,21 @@
 
 namespace kvpool::server {
 
-struct AttentionQuery {
-  std::string sequence_id;
-  int num_queries = 1;
-  std::vector<float> q;  // [num_queries][q_heads][head_dim], unrotated
+// A request's queries, decoded once from the wire into the buffer the backend reads.
+struct AttentionRequest {
+  std::vector<std::string> sequence_ids;
+  std::vector<int> num_queries;  // query rows per sequence, >= 1
+  std::vector<float> queries;    // [rows][q_heads][head_dim], sequence after sequence, unrotated
 };
 
-struct AttentionResult {
-  std::string sequence_id;
-  std::vector<float> out;  // [num_queries][q_heads][head_dim], original basis
-  std::vector<float> lse;  // [num_queries][q_heads], natural log; -inf for no tokens
-  int attended_tokens = 0;
+// The answer, written once by the backend; the response is built from it.
+struct AttentionAnswer {
+  std::vector<int> attended_tokens;  // per sequence
+  std::vector<float> out;            // [rows][q_heads][head_dim], original basis
+  std::vector<float> lse;            // [rows][q_heads], natural log; -inf for no tokens
 };
 
-using AttentionDone = std::function<void(absl::StatusOr<std::vector<AttentionResult>>)>;
+using AttentionDone = std::function<void(absl::StatusOr<AttentionAnswer>)>;
 
 // One call with queries and outputs in the backend's GPU memory (an NCCL attention channel,
 // server/transport/gpu/gpu_attention_service.h): num_queries query rows per sequence.
@@ -67,17 +68,15 @@ class AttentionEngine {
       : store_(store), backend_(backend), workers_(workers) {}
 
   // Checks shapes and values of the request (InvalidArgument), then queues the work; `done`
-  // is called exactly once, on a worker thread, with the results in request order or the first
-  // error (NotFound for an unknown sequence, InvalidArgument for one of another model).
+  // is called exactly once, on a worker thread, with the answer (sequences in request order) or
+  // the first error (NotFound for an unknown sequence, InvalidArgument for one of another model).
   // ResourceExhausted when the worker queue is full (`done` is then not called).
   [[nodiscard]] absl::Status Start(const TenantId& tenant, std::shared_ptr<const Model> model,
-                                   int layer, std::vector<AttentionQuery> queries,
-                                   AttentionDone done);
-
+                                   int layer, AttentionRequest request, AttentionDone done);
   // The same computation on the calling thread.
-  [[nodiscard]] absl::StatusOr<std::vector<AttentionResult>> Run(
-      const TenantId& tenant, std::shared_ptr<const Model> model, int layer,
-      std::vector<AttentionQuery> queries);
+  [[nodiscard]] absl::StatusOr<AttentionAnswer> Run(const TenantId& tenant,
+                                                    std::shared_ptr<const Model> model, int layer,
+                                                    AttentionRequest request);
 
   // One call whose queries and outputs stay in the backend's device memory, on the calling
   // thread (not coalesced with other requests): the same snapshot, validation and kernels as
@@ -92,9 +91,7 @@ class AttentionEngine {
 
   // Validation alone (shapes, finiteness and range of the queries, layer range).
   [[nodiscard]] static absl::Status Validate(const Model& model, int layer,
-                                             const std::vector<AttentionQuery>& queries);
-  // OutOfRange when a result over a non-empty sequence holds a non-finite output or LSE.
-  [[nodiscard]] static absl::Status CheckFinite(const AttentionResult& result);
+                                             const AttentionRequest& request);
 
  private:
   struct Batch;
@@ -103,13 +100,13 @@ class AttentionEngine {
                                                                const Model& m, int layer,
                                                                const std::string& id) const;
   absl::Status Prepare(Batch* batch);
-  void AttendOne(Batch* batch, size_t i);  // one sequence, rotated queries (CPU)
-  // Batched backends (GPU): one backend call for a group of requests of one model and layer.
+  void AttendOne(Batch* batch, size_t i);  // one sequence's rows (host backend)
+  // Device backends: one backend call for a group of requests of one model and layer.
   absl::Status AttendBatched(absl::Span<Batch* const> group);
   // Queues a prepared request; the first thread to find no round running leads rounds that
   // take every waiting request, so concurrent requests share device calls.
   void AttendCoalesced(std::shared_ptr<Batch> batch);
-  absl::StatusOr<std::vector<AttentionResult>> Finish(Batch* batch);
+  absl::StatusOr<AttentionAnswer> Finish(Batch* batch);
 
   SequenceStore* const store_;
   ComputeBackend* const backend_;

@@ -3,8 +3,9 @@
 #include <cmath>
 
 #include "absl/synchronization/notification.h"
-#include "gtest/gtest.h"
 #include "common/status_macros.h"
+#include "gtest/gtest.h"
+#include "kernels/attention.h"
 #include "server/server_test_util.h"
 #include "tests/support/test_data.h"
 
@@ -14,6 +15,20 @@ namespace {
 using testing::AppendAll;
 using testing::SmallQuant;
 using testing::TestCore;
+
+// One sequence's queries and results, the per-sequence view the tests compare.
+struct AttentionQuery {
+  std::string sequence_id;
+  int num_queries = 1;
+  std::vector<float> q;  // [num_queries][q_heads][head_dim], unrotated
+};
+
+struct AttentionResult {
+  std::string sequence_id;
+  std::vector<float> out;  // [num_queries][q_heads][head_dim], original basis
+  std::vector<float> lse;  // [num_queries][q_heads], natural log; -inf for no tokens
+  int attended_tokens = 0;
+};
 
 std::vector<AttentionQuery> Queries(const Model& m, const std::vector<std::string>& ids) {
   std::vector<AttentionQuery> qs;
@@ -25,6 +40,46 @@ std::vector<AttentionQuery> Queries(const Model& m, const std::vector<std::strin
     qs.push_back(std::move(q));
   }
   return qs;
+}
+
+// The request form of `qs`: every query in one buffer, as the wire decodes it.
+AttentionRequest RequestOf(const std::vector<AttentionQuery>& qs) {
+  AttentionRequest r;
+  for (const AttentionQuery& q : qs) {
+    r.sequence_ids.push_back(q.sequence_id);
+    r.num_queries.push_back(q.num_queries);
+    r.queries.insert(r.queries.end(), q.q.begin(), q.q.end());
+  }
+  return r;
+}
+
+// `answer` to `request`, per sequence.
+std::vector<AttentionResult> ResultsOf(const Model& m, const AttentionRequest& request,
+                                       const AttentionAnswer& answer) {
+  const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
+  std::vector<AttentionResult> out;
+  size_t row = 0;
+  for (size_t i = 0; i < request.sequence_ids.size(); ++i) {
+    const size_t n = request.num_queries[i];
+    AttentionResult r;
+    r.sequence_id = request.sequence_ids[i];
+    r.attended_tokens = answer.attended_tokens[i];
+    r.out.assign(answer.out.begin() + row * per_query, answer.out.begin() + (row + n) * per_query);
+    r.lse.assign(answer.lse.begin() + row * m.q_heads, answer.lse.begin() + (row + n) * m.q_heads);
+    out.push_back(std::move(r));
+    row += n;
+  }
+  return out;
+}
+
+// Run's answer per sequence.
+absl::StatusOr<std::vector<AttentionResult>> RunPerSequence(AttentionEngine& engine,
+                                                            const std::shared_ptr<const Model>& m,
+                                                            int layer,
+                                                            const std::vector<AttentionQuery>& qs) {
+  const AttentionRequest request = RequestOf(qs);
+  KVPOOL_ASSIGN_OR_RETURN(AttentionAnswer answer, engine.Run(kDefaultTenant, m, layer, request));
+  return ResultsOf(*m, request, answer);
 }
 
 TEST(AttentionEngineTest, BatchMatchesDenseAttentionOverStoredKv) {
@@ -46,19 +101,22 @@ TEST(AttentionEngineTest, BatchMatchesDenseAttentionOverStoredKv) {
   WorkerPool workers(3, 64);
   AttentionEngine inline_engine(core.store.get(), core.backend.get(), nullptr);
   AttentionEngine engine(core.store.get(), core.backend.get(), &workers);
-  auto want = inline_engine.Run(kDefaultTenant, m, 1, Queries(*m, ids));
+  auto want = RunPerSequence(inline_engine, m, 1, Queries(*m, ids));
   ASSERT_TRUE(want.ok()) << want.status();
+  // Start on the workers.
+  const AttentionRequest request = RequestOf(Queries(*m, ids));
   absl::Notification done;
-  absl::StatusOr<std::vector<AttentionResult>> got;
+  absl::StatusOr<AttentionAnswer> answer;
   ASSERT_TRUE(engine
-                  .Start(kDefaultTenant, m, 1, Queries(*m, ids),
-                         [&](absl::StatusOr<std::vector<AttentionResult>> r) {
-                           got = std::move(r);
+                  .Start(kDefaultTenant, m, 1, request,
+                         [&](absl::StatusOr<AttentionAnswer> a) {
+                           answer = std::move(a);
                            done.Notify();
                          })
                   .ok());
   done.WaitForNotification();
-  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  const absl::StatusOr<std::vector<AttentionResult>> got = ResultsOf(*m, request, *answer);
   ASSERT_EQ(got->size(), ids.size());
   const std::vector<AttentionQuery> qs = Queries(*m, ids);
   const AttentionShape shape{m->q_heads, m->kv_heads, m->head_dim};
@@ -104,18 +162,17 @@ TEST(AttentionEngineTest, RejectsBadRequests) {
   ASSERT_TRUE(core.store->Create(kDefaultTenant, other, "o", {}).ok());
   AttentionEngine engine(core.store.get(), core.backend.get(), nullptr);
   auto q = Queries(*m, {"s"});
-  EXPECT_TRUE(absl::IsInvalidArgument(engine.Run(kDefaultTenant, m, 2, q).status()));
-  EXPECT_TRUE(absl::IsInvalidArgument(engine.Run(kDefaultTenant, m, 0, {}).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(RunPerSequence(engine, m, 2, q).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(RunPerSequence(engine, m, 0, {}).status()));
   auto short_q = q;
   short_q[0].q.pop_back();
-  EXPECT_TRUE(absl::IsInvalidArgument(engine.Run(kDefaultTenant, m, 0, short_q).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(RunPerSequence(engine, m, 0, short_q).status()));
   auto nan_q = q;
   nan_q[0].q[3] = std::nanf("");
-  EXPECT_TRUE(absl::IsInvalidArgument(engine.Run(kDefaultTenant, m, 0, nan_q).status()));
-  EXPECT_TRUE(absl::IsNotFound(engine.Run(kDefaultTenant, m, 0, Queries(*m, {"x"})).status()));
-  EXPECT_TRUE(
-      absl::IsInvalidArgument(engine.Run(kDefaultTenant, m, 0, Queries(*m, {"o"})).status()));
-  EXPECT_TRUE(engine.Run(kDefaultTenant, m, 0, q).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(RunPerSequence(engine, m, 0, nan_q).status()));
+  EXPECT_TRUE(absl::IsNotFound(RunPerSequence(engine, m, 0, Queries(*m, {"x"})).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(RunPerSequence(engine, m, 0, Queries(*m, {"o"})).status()));
+  EXPECT_TRUE(RunPerSequence(engine, m, 0, q).ok());
 }
 
 TEST(AttentionEngineTest, FullQueueIsResourceExhausted) {
@@ -132,7 +189,7 @@ TEST(AttentionEngineTest, FullQueueIsResourceExhausted) {
   ASSERT_TRUE(workers.TrySubmit([] {}));  // the queue is now full
   AttentionEngine engine(core.store.get(), core.backend.get(), &workers);
   const absl::Status s =
-      engine.Start(kDefaultTenant, m, 0, Queries(*m, {"s"}), [](auto) { FAIL(); });
+      engine.Start(kDefaultTenant, m, 0, RequestOf(Queries(*m, {"s"})), [](auto) { FAIL(); });
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
   release.Notify();
   workers.Shutdown();
@@ -150,30 +207,20 @@ TEST(AttentionEngineTest, DeviceCallIsUnavailableOnTheCpuBackend) {
   EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
 }
 
-// A "GPU" backend whose device memory is host memory: AttendBatch with device I/O attends each
-// query row with the CPU backend (rotate, AttendRotated, un-rotate), so RunOnDevice's mapping of
-// rows to sequences can be checked against Run without a GPU.
+// A "GPU" backend whose device memory is host memory: Attend with device I/O hands the same
+// call to the CPU backend, its buffers read as host memory, so RunOnDevice's mapping of rows to
+// sequences can be checked against Run without a GPU.
 class HostMemoryAsDevice final : public testing::ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   absl::string_view name() const override { return "host-as-device"; }
   int device() const override { return 0; }
-  bool batched_attention() const override { return true; }
-  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
+  absl::Status Attend(const Model& m, const AttentionCall& call) override {
     ++calls;
-    if (!b.on_device() || !b.queries.empty()) return absl::InternalError("expected device I/O");
-    const size_t per_row = static_cast<size_t>(m.q_heads) * m.head_dim;
-    for (size_t i = 0; i < b.tiers.size(); ++i) {
-      std::vector<float> rotated(per_row);
-      KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Rotate(
-          b.layer, KvTensor::kKey, absl::MakeConstSpan(b.device_queries + i * per_row, per_row),
-          absl::MakeSpan(rotated)));
-      KVPOOL_ASSIGN_OR_RETURN(AttentionOutput o, inner()->AttendRotated(m, *b.tiers[i], rotated));
-      KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Unrotate(
-          b.layer, KvTensor::kValue, o.out, absl::MakeSpan(b.device_out + i * per_row, per_row)));
-      std::copy(o.lse.begin(), o.lse.end(), b.device_lse + i * m.q_heads);
-    }
-    return absl::OkStatus();
+    if (!call.on_device || call.io.size() != 1) return absl::InternalError("expected device I/O");
+    AttentionCall host = call;
+    host.on_device = false;
+    return inner()->Attend(m, host);
   }
   // The rest is the CPU backend's (ForwardingBackend: the store writes through the real one).
   int calls = 0;
@@ -198,7 +245,7 @@ TEST(AttentionEngineTest, DeviceCallMatchesRunRowForRow) {
     q.insert(q.end(), hq.q.begin(), hq.q.end());
   }
   AttentionEngine cpu_engine(core.store.get(), core.backend.get(), nullptr);
-  auto want = cpu_engine.Run(kDefaultTenant, m, 1, host);
+  auto want = RunPerSequence(cpu_engine, m, 1, host);
   ASSERT_TRUE(want.ok()) << want.status();
 
   HostMemoryAsDevice device(core.backend.get());

@@ -25,31 +25,53 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     }
     v1::DType dtype = request->dtype();
     if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_FP32;
-    std::vector<AttentionQuery> queries;
-    queries.reserve(batch);
+    // The queries are decoded once, straight into the buffer the backend reads. It is sized by
+    // the payloads (so by the message size, whatever the counts claim); each sequence's payload
+    // is checked against its count before it is decoded.
     const size_t per_query = static_cast<size_t>(model->q_heads) * model->head_dim;
+    const size_t elem = DTypeSize(dtype);
+    size_t values = 0;
     for (const v1::SequenceQuery& sq : request->queries()) {
-      AttentionQuery q;
-      q.sequence_id = sq.sequence_id();
-      q.num_queries = sq.num_queries() == 0 ? 1 : static_cast<int>(sq.num_queries());
+      if (elem > 0) values += sq.q().size() / elem;
+    }
+    AttentionRequest queries;
+    queries.sequence_ids.reserve(batch);
+    queries.num_queries.reserve(batch);
+    queries.queries.resize(values);
+    size_t at = 0;
+    for (const v1::SequenceQuery& sq : request->queries()) {
+      const int num_queries = sq.num_queries() == 0 ? 1 : static_cast<int>(sq.num_queries());
       if (sq.num_queries() > 1024) {
         return absl::InvalidArgumentError("num_queries must be at most 1024");
       }
-      KVPOOL_ASSIGN_OR_RETURN(q.q, DecodeToFloat(dtype, sq.q(), per_query * q.num_queries, "q"));
-      queries.push_back(std::move(q));
+      const size_t n = per_query * num_queries;
+      KVPOOL_RETURN_IF_ERROR(CheckPayload(dtype, sq.q(), n, "q"));
+      KVPOOL_RETURN_IF_ERROR(
+          DecodeToFloat(dtype, sq.q(), absl::MakeSpan(queries.queries).subspan(at, n), "q"));
+      at += n;
+      queries.sequence_ids.push_back(sq.sequence_id());
+      queries.num_queries.push_back(num_queries);
     }
     ctx->counters.attention_calls++;
     ctx->counters.attention_sequences += batch;
+    const size_t per_lse = static_cast<size_t>(model->q_heads);
     return ctx->attention->Start(
         tenant, std::move(model), request->layer(), std::move(queries),
-        [response, reactor](absl::StatusOr<std::vector<AttentionResult>> results) {
-          if (!results.ok()) return reactor->Finish(ToGrpcStatus(results.status()));
-          for (const AttentionResult& r : *results) {
+        [request, response, reactor, per_query, per_lse](absl::StatusOr<AttentionAnswer> answer) {
+          if (!answer.ok()) return reactor->Finish(ToGrpcStatus(answer.status()));
+          // Built from the buffers the backend wrote (the one copy the message needs).
+          size_t row = 0;
+          for (int i = 0; i < request->queries_size(); ++i) {
+            const v1::SequenceQuery& sq = request->queries(i);
+            const size_t rows = sq.num_queries() == 0 ? 1 : sq.num_queries();
             v1::SequenceAttention* out = response->add_results();
-            out->set_sequence_id(r.sequence_id);
-            out->set_out(reinterpret_cast<const char*>(r.out.data()), r.out.size() * sizeof(float));
-            out->mutable_lse()->Assign(r.lse.begin(), r.lse.end());
-            out->set_attended_tokens(r.attended_tokens);
+            out->set_sequence_id(sq.sequence_id());
+            out->set_out(reinterpret_cast<const char*>(answer->out.data() + row * per_query),
+                         rows * per_query * sizeof(float));
+            out->mutable_lse()->Assign(answer->lse.begin() + row * per_lse,
+                                       answer->lse.begin() + (row + rows) * per_lse);
+            out->set_attended_tokens(answer->attended_tokens[i]);
+            row += rows;
           }
           reactor->Finish(grpc::Status::OK);
         });

@@ -27,11 +27,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "kernels/attention.h"
 #include "kernels/bf16.h"
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
 #include "kernels/cuda/kernel_tuning.h"
+#include "kernels/paged_kv.h"
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"
 
@@ -85,45 +85,35 @@ struct SlotRange {
   bool history = false;
 };
 
-// One tier of one sequence's layer: tokens [first_token, first_token + tokens) of the block
-// list (block i holds positions [i*T, (i+1)*T)).
-struct TierBlocks {
-  std::vector<const uint8_t*> blocks;
-  int first_token = 0;
-  int tokens = 0;
+// Query rows of an attention call and their outputs: `rows` consecutive rows of the batch.
+struct AttentionRows {
+  const float* queries = nullptr;  // [rows][Hq][D], original basis
+  float* out = nullptr;            // [rows][Hq][D], original basis
+  float* lse = nullptr;            // [rows][Hq], natural log
+  int rows = 0;
 };
 
-// What one sequence's layer holds, for attention: BF16 sink and recent pages, INT2 history.
-struct SequenceTiers {
-  TierBlocks sink;
-  TierBlocks history;
-  TierBlocks recent;
-};
-
-// A batch of decode queries of one model and layer: query row i ([Hq][D], original basis)
-// attends over *tiers[i]; out[i] ([Hq][D], original basis) and lse[i] ([Hq], natural log).
+// Decode attention of one model and layer: query row i attends over sequence i of `kv` (the
+// paged KV description, kernels/paged_kv.h, made by the sequences' snapshots; its arrays lie in
+// the host words `kv_words`, which a GPU backend copies to the device as they are). The rows of
+// `io` follow each other and cover kv.num_seqs rows.
 //
-// Queries and outputs are in host memory (the spans) by default. A GPU backend also takes them
-// in its device memory (remote attention over an NCCL channel): then device_queries, device_out
-// and device_lse are all set, the spans are empty, and the caller guarantees the queries are
-// complete (no write pending on any stream) and the three buffers stay valid until AttendBatch
-// returns, when the outputs are complete.
-struct AttentionBatch {
+// The io buffers are host memory by default. A GPU backend also takes them in its device memory
+// (on_device: remote attention over an NCCL channel): then `io` is one run, the caller guarantees
+// the queries are complete (no write pending on any stream) and the buffers stay valid until
+// Attend returns, when the outputs are complete.
+struct AttentionCall {
   int layer = 0;
-  std::vector<const SequenceTiers*> tiers;
-  absl::Span<const float> queries;
-  absl::Span<float> out;
-  absl::Span<float> lse;
-  const float* device_queries = nullptr;  // [rows][Hq][D] on the backend's GPU
-  float* device_out = nullptr;            // [rows][Hq][D]
-  float* device_lse = nullptr;            // [rows][Hq]
-  bool on_device() const { return device_queries != nullptr; }
+  PagedKvBatch kv;
+  absl::Span<const int32_t> kv_words;
+  absl::Span<const AttentionRows> io;
+  bool on_device = false;
 };
 
 // Device time spent in the backend's kernels since start (zero where nothing measures it).
 struct BackendTimes {
   double arrival_seconds = 0;    // StageRows and DemoteRows kernels
-  double attention_seconds = 0;  // AttendBatch kernels
+  double attention_seconds = 0;  // Attend kernels
 };
 
 class ComputeBackend {
@@ -175,18 +165,13 @@ class ComputeBackend {
   // Raw bytes out of pool memory (attention-ready blocks for clients).
   virtual absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) = 0;
 
-  // Whether AttendBatch computes a whole request at once (GPU). Otherwise the caller spreads
-  // AttendRotated calls for single sequences over its worker threads (CPU).
-  virtual bool batched_attention() const = 0;
-  // Decode attention of every query row of `batch` (queries unrotated, outputs in the original
-  // basis). Unimplemented where batched_attention() is false; device I/O (batch.on_device())
-  // only where device() >= 0.
-  virtual absl::Status AttendBatch(const Model& model, const AttentionBatch& batch) = 0;
-  // Decode attention of rotated queries `q` ([Hq][D]) over one sequence's tiers; output in the
-  // rotated V basis, natural-log LSE per head.
-  virtual absl::StatusOr<AttentionOutput> AttendRotated(const Model& model,
-                                                        const SequenceTiers& tiers,
-                                                        absl::Span<const float> q) = 0;
+  // Decode attention of every query row of `call`: the queries are rotated by M_K, attended
+  // over their sequences' sink, history and recent tokens, and the outputs un-rotated by M_V^T
+  // (an empty sequence answers output 0 and LSE -inf). A backend on a device (device() >= 0)
+  // takes whole requests at once, several coalesced; the host backend computes on the calling
+  // thread, so callers give it one sequence's rows per call and spread the calls over their
+  // workers. Device I/O (call.on_device) only where device() >= 0.
+  virtual absl::Status Attend(const Model& model, const AttentionCall& call) = 0;
 };
 
 // The backend of `name`: "cpu", or "cuda:N" (GPU N) in a build with CUDA, whose kernels run with

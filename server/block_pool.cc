@@ -1,11 +1,25 @@
 #include "server/block_pool.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace kvpool::server {
+namespace {
+
+// Block ids are int32 byte offsets / stride: 16 bytes (every page size is a multiple of 16) up to
+// a 32 GiB arena, a larger power of two beyond.
+int64_t BlockStrideFor(size_t arena_bytes) {
+  int64_t stride = 16;
+  while (arena_bytes / static_cast<uint64_t>(stride) > static_cast<uint64_t>(INT32_MAX)) {
+    stride *= 2;
+  }
+  return stride;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(std::unique_ptr<Arena> arena,
                                                              size_t slab_bytes) {
@@ -24,14 +38,22 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(std::unique_ptr<Are
     return absl::InvalidArgumentError(absl::StrCat(
         "pool has ", num_slabs, " slabs; at most 65534 are addressable: raise --slab_bytes"));
   }
-  return std::unique_ptr<BlockPool>(new BlockPool(std::move(arena), slab_bytes, num_slabs));
+  const int64_t stride = BlockStrideFor(arena->size());
+  if (slab_bytes % stride != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("slab size ", slab_bytes,
+                                                   " must be a multiple of ", stride,
+                                                   " for a pool of ", arena->size(), " bytes"));
+  }
+  return std::unique_ptr<BlockPool>(new BlockPool(std::move(arena), slab_bytes, num_slabs, stride));
 }
 
-BlockPool::BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num_slabs)
+BlockPool::BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num_slabs,
+                     int64_t block_stride)
     : arena_(std::move(arena)),
       base_(arena_->data()),
       slab_bytes_(slab_bytes),
       num_slabs_(num_slabs),
+      block_stride_(block_stride),
       slab_page_bytes_(num_slabs, 0),
       checksums_(num_slabs),
       checksum_slots_(num_slabs, 0),
@@ -44,6 +66,7 @@ absl::Status BlockPool::CheckPageBytes(size_t page_bytes) const {
     return absl::InvalidArgumentError(
         absl::StrCat("page size must be a positive multiple of 16, got ", page_bytes));
   }
+  page_bytes = StridePageBytes(page_bytes);
   if (page_bytes > slab_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("page of ", page_bytes,
                                                    " bytes does not fit a slab of ", slab_bytes_,
@@ -52,8 +75,15 @@ absl::Status BlockPool::CheckPageBytes(size_t page_bytes) const {
   return absl::OkStatus();
 }
 
+size_t BlockPool::StridePageBytes(size_t page_bytes) const {
+  // Every page offset a multiple of the stride: whole block ids.
+  const size_t stride = static_cast<size_t>(block_stride_);
+  return (page_bytes + stride - 1) / stride * stride;
+}
+
 absl::StatusOr<PageClassId> BlockPool::RegisterClass(size_t page_bytes) {
   KVPOOL_RETURN_IF_ERROR(CheckPageBytes(page_bytes));
+  page_bytes = StridePageBytes(page_bytes);
   absl::MutexLock lock(&mu_);
   for (size_t i = 0; i < classes_.size(); ++i) {
     if (classes_[i].page_bytes == page_bytes) return static_cast<PageClassId>(i);
@@ -201,6 +231,16 @@ BlockPool::PageTotals BlockPool::Totals(absl::Span<const PageId> pages) const {
 size_t BlockPool::used_bytes() const {
   absl::MutexLock lock(&mu_);
   return used_bytes_;
+}
+
+PagedKvView BlockPool::View(const BlockLayout& layout, ScaleDtype scale_dtype) const {
+  PagedKvView v;
+  v.pool = base_;
+  v.layout = layout;
+  v.scale_dtype = scale_dtype;
+  v.num_blocks = static_cast<int64_t>(arena_->size() / static_cast<size_t>(block_stride_));
+  v.block_stride = block_stride_;
+  return v;
 }
 
 BlockPoolStats BlockPool::Stats() const {

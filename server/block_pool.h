@@ -7,6 +7,10 @@
 // with count 1, Ref/Unref adjust it and a page returns to its slab's free list at 0. Accounting
 // is exact: used bytes are always the sum of live pages' sizes.
 //
+// Besides its PageId (the allocator's handle), a page has a block id: its byte offset in the arena
+// / block_stride(), the int32 that the paged KV description (kernels/paged_kv.h) and the kernels
+// address it by through View().
+//
 //   auto pool = BlockPool::Create(std::move(arena), /*slab_bytes=*/4 << 20);
 //   PageClassId cls = *(*pool)->RegisterClass(layout.block_bytes());
 //   std::vector<PageId> pages;
@@ -35,6 +39,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "kernels/block_layout.h"
+#include "kernels/codec_config.h"
+#include "kernels/paged_kv.h"
 #include "server/backend.h"
 
 namespace kvpool::server {
@@ -76,16 +83,17 @@ struct BlockPoolStats {
 
 class BlockPool {
  public:
-  // Takes the arena; slab_bytes must be a multiple of 64 and at most the arena size.
-  // InvalidArgument otherwise.
+  // Takes the arena; slab_bytes must be a multiple of 64 (and of the block stride) and at most
+  // the arena size. InvalidArgument otherwise.
   static absl::StatusOr<std::unique_ptr<BlockPool>> Create(std::unique_ptr<Arena> arena,
                                                            size_t slab_bytes);
 
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // The class for pages of `page_bytes` (a multiple of 16, at most slab_bytes); classes of equal
-  // size are one class. InvalidArgument when the size does not fit.
+  // The class for pages of `page_bytes` (a multiple of 16, at most slab_bytes; rounded up to the
+  // block stride); classes of equal size are one class. InvalidArgument when the size does not
+  // fit.
   [[nodiscard]] absl::StatusOr<PageClassId> RegisterClass(size_t page_bytes);
   // RegisterClass's checks alone (nothing is registered).
   [[nodiscard]] absl::Status CheckPageBytes(size_t page_bytes) const;
@@ -115,11 +123,26 @@ class BlockPool {
     return base_ + static_cast<size_t>(page >> 16) * slab_bytes_ + slot_offsets_(page);
   }
 
+  // The page's block id: (Data(page) - arena start) / block_stride(), below 2^31.
+  int32_t BlockId(PageId page) const {
+    return static_cast<int32_t>(static_cast<int64_t>(Data(page) - base_) / block_stride_);
+  }
+  // Bytes between consecutive block ids: 16, or the smallest larger power of two that keeps the
+  // ids of an arena beyond 32 GiB below 2^31.
+  int64_t block_stride() const { return block_stride_; }
+  // The arena as a pool of blocks of `layout` addressed by block id.
+  PagedKvView View(const BlockLayout& layout, ScaleDtype scale_dtype) const;
+
   // The page holding `data` (a pointer into a live page's bytes, as from Data()).
   PageId PageOf(const uint8_t* data) const {
     const size_t off = static_cast<size_t>(data - base_);
     const size_t slab = off / slab_bytes_;
     return static_cast<PageId>((slab << 16) | ((off % slab_bytes_) / slab_page_bytes_[slab]));
+  }
+
+  // The page whose bytes start at block id `block` (the inverse of BlockId).
+  PageId PageOfBlock(int32_t block) const {
+    return PageOf(base_ + static_cast<size_t>(block) * static_cast<size_t>(block_stride_));
   }
 
   // The page's checksum record (empty for a fresh page), and its replacement. Slot numbers fit
@@ -142,6 +165,9 @@ class BlockPool {
   const Arena& arena() const { return *arena_; }
 
  private:
+  // `page_bytes` rounded up to a multiple of the block stride.
+  size_t StridePageBytes(size_t page_bytes) const;
+
   struct Slab {
     PageClassId cls = -1;
     size_t page_bytes = 0;  // cached for Data()
@@ -157,7 +183,8 @@ class BlockPool {
     std::set<int> slabs_with_free;  // lowest index first: keeps usage compact
   };
 
-  BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num_slabs);
+  BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num_slabs,
+            int64_t block_stride);
   size_t slot_offsets_(PageId page) const {
     return static_cast<size_t>(page & 0xffffu) * slab_page_bytes_[page >> 16];
   }
@@ -171,6 +198,7 @@ class BlockPool {
   uint8_t* base_;
   const size_t slab_bytes_;
   const size_t num_slabs_;
+  const int64_t block_stride_;
   // Page size of each slab, read without the lock by Data(): an entry is written only while its
   // slab is assigned, before any page of it is handed out (under mu_, which the caller that got
   // the page id also went through).

@@ -163,5 +163,53 @@ TEST(BlockPoolTest, ConcurrentAllocateAndFreeKeepExactAccounting) {
   EXPECT_EQ(st.slabs_in_use, 0u);
 }
 
+TEST(BlockPoolTest, BlockIdsAddressPagesThroughTheView) {
+  auto pool = MakePool(4);
+  EXPECT_EQ(pool->block_stride(), 16);
+  const PageClassId small = *pool->RegisterClass(48);
+  const PageClassId large = *pool->RegisterClass(4096);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(small, 30, &pages).ok());
+  ASSERT_TRUE(pool->Allocate(large, 10, &pages).ok());
+  const PagedKvView view = pool->View(BlockLayout{}, ScaleDtype::kFp16);
+  EXPECT_EQ(view.pool, pool->arena().data());
+  EXPECT_EQ(view.num_blocks, static_cast<int64_t>(pool->arena().size() / 16));
+  std::set<int32_t> ids;
+  for (PageId p : pages) {
+    const int32_t id = pool->BlockId(p);
+    EXPECT_GE(id, 0);
+    EXPECT_LT(id, view.num_blocks);
+    EXPECT_EQ(view.Block(id), pool->Data(p));
+    ids.insert(id);
+  }
+  EXPECT_EQ(ids.size(), pages.size());
+}
+
+TEST(BlockPoolTest, ArenaBeyond32GiBWidensTheBlockStride) {
+  // 40 GiB of address space; no page is ever touched.
+  constexpr size_t kArena = size_t{40} << 30, kBigSlab = size_t{4} << 20;
+  auto arena = NewHostArena(kArena);
+  if (!arena.ok()) GTEST_SKIP() << "no 40 GiB of address space: " << arena.status();
+  auto pool = BlockPool::Create(*std::move(arena), kBigSlab);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  BlockPool& p = **pool;
+  EXPECT_EQ(p.block_stride(), 32);
+  const PageClassId odd = *p.RegisterClass(48);
+  EXPECT_EQ(p.ClassPageBytes(odd), 64u);  // rounded up to whole block ids
+  // Every slab, so that the last pages lie beyond 32 GiB (past int32 ids of 16 bytes).
+  const PageClassId slab = *p.RegisterClass(kBigSlab);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(p.Allocate(slab, kArena / kBigSlab - 1, &pages).ok());
+  ASSERT_TRUE(p.Allocate(odd, 3, &pages).ok());
+  const PagedKvView view = p.View(BlockLayout{}, ScaleDtype::kFp16);
+  for (PageId page : {pages.front(), pages[pages.size() - 4], pages.back()}) {
+    const int32_t id = p.BlockId(page);
+    EXPECT_GE(id, 0);
+    EXPECT_LT(id, view.num_blocks);
+    EXPECT_EQ(view.Block(id), p.Data(page));
+  }
+  EXPECT_GT(p.Data(pages[pages.size() - 4]) - p.arena().data(), int64_t{32} << 30);
+}
+
 }  // namespace
 }  // namespace kvpool::server

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <initializer_list>
 #include <map>
+#include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -21,6 +23,7 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/page_checksum_cuda.h"
+#include "kernels/paged_kv.h"
 #include "server/model_registry.h"
 
 namespace kvpool::server {
@@ -110,10 +113,12 @@ struct RunTable {
   int rows() const { return row_offsets.back(); }
 };
 
+size_t AlignUp(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
 // Appends `v` to the host staging vector `bytes` at a 16-byte aligned offset; returns it.
 template <typename T>
 size_t Append(std::vector<uint8_t>* bytes, const T* v, size_t n) {
-  const size_t at = (bytes->size() + 15) / 16 * 16;
+  const size_t at = AlignUp(bytes->size());
   bytes->resize(at + n * sizeof(T));
   if (n > 0) std::memcpy(bytes->data() + at, v, n * sizeof(T));
   return at;
@@ -275,110 +280,105 @@ class CudaBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  bool batched_attention() const override { return true; }
-
-  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
-    const int n = static_cast<int>(b.tiers.size());
-    const size_t per_query = static_cast<size_t>(m.q_heads) * m.head_dim;
+  absl::Status Attend(const Model& m, const AttentionCall& call) override {
+    const PagedKvBatch& kv = call.kv;
+    const int n = kv.num_seqs;
     if (n == 0) return absl::OkStatus();
-    // Device I/O (an NCCL attention channel): the kernel reads the queries and writes the
-    // outputs where they are, with no copy through the host.
-    const bool on_device = b.on_device();
-    if (on_device ? (b.device_out == nullptr || b.device_lse == nullptr || !b.queries.empty() ||
-                     !b.out.empty() || !b.lse.empty())
-                  : (b.queries.size() != n * per_query || b.out.size() != n * per_query ||
-                     b.lse.size() != static_cast<size_t>(n) * m.q_heads)) {
-      return absl::InternalError("AttendBatch: query/output sizes do not match the batch");
+    const size_t per_row = static_cast<size_t>(m.q_heads) * m.head_dim;
+    int rows = 0;
+    for (const AttentionRows& io : call.io) {
+      if (io.rows < 0 || io.queries == nullptr || io.out == nullptr || io.lse == nullptr) {
+        return absl::InternalError("Attend: a run of query rows has no buffers");
+      }
+      rows += io.rows;
     }
-    KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, b.layer, KvTensor::kKey));
-    KVPOOL_ASSIGN_OR_RETURN(const float* rot_v, DeviceRotation(m, b.layer, KvTensor::kValue));
+    // Device I/O (an NCCL attention channel) is one run: the kernel reads the queries and
+    // writes the outputs where they are, with no copy through the host.
+    const bool on_device = call.on_device;
+    if (rows != n || (on_device && call.io.size() != 1)) {
+      return absl::InternalError("Attend: query/output rows do not match the batch");
+    }
+    KVPOOL_ASSIGN_OR_RETURN(const float* rot_k, DeviceRotation(m, call.layer, KvTensor::kKey));
+    KVPOOL_ASSIGN_OR_RETURN(const float* rot_v, DeviceRotation(m, call.layer, KvTensor::kValue));
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
 
-    TierImage sink, hist, recent;
+    // The kernel reads INT2 histories with one group per row; other models' sequences (INT4,
+    // smaller groups, BF16 bypass) are first copied to BF16 blocks on the device (the
+    // dequantization and bypass kernels) and attended as one BF16 tier (Bf16Copy).
+    const bool int2_kernel = m.block_layout.bits == 2 && m.block_layout.group_size == m.head_dim;
+    std::optional<Bf16Copy> copy;
+    if (!int2_kernel) {
+      KVPOOL_ASSIGN_OR_RETURN(copy, PlanBf16Copy(*lane, m, kv));
+    }
+    // Device layout of the lane's table buffer: the batch's arrays as they are, the copy's plan,
+    // then (host I/O) the queries, the outputs and the LSEs.
+    const size_t words_bytes = call.kv_words.size() * sizeof(int32_t);
+    const size_t plan_at = AlignUp(words_bytes);
+    const size_t plan_bytes = copy ? copy->plan.size() : 0;
+    const size_t q_at = AlignUp(plan_at + plan_bytes);
+    const size_t out_at = AlignUp(q_at + (on_device ? 0 : n * per_row * sizeof(float)));
+    const size_t lse_at = AlignUp(out_at + (on_device ? 0 : n * per_row * sizeof(float)));
+    const size_t total = lse_at + (on_device ? 0 : static_cast<size_t>(n) * m.q_heads * 4);
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total, lane->stream));
+    // From pageable memory: the driver stages it before returning (no device-wide wait, which
+    // pinned allocations can cause; see DeviceBuffer).
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev, call.kv_words.data(), words_bytes,
+                                                      cudaMemcpyHostToDevice, lane->stream),
+                                      "H2D block tables"));
+    if (copy) {
+      KVPOOL_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(dev + plan_at, copy->plan.data(), plan_bytes,
+                                     cudaMemcpyHostToDevice, lane->stream),
+                     "H2D copy plan"));
+    }
+    size_t row = 0;
+    for (const AttentionRows& io : call.io) {
+      if (on_device || io.rows == 0) continue;
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(dev + q_at + row * per_row * sizeof(float), io.queries,
+                          io.rows * per_row * sizeof(float), cudaMemcpyHostToDevice, lane->stream),
+          "H2D queries"));
+      row += io.rows;
+    }
+    PagedKvBatch batch = RebaseArrays(kv, call.kv_words.data(), reinterpret_cast<int32_t*>(dev));
     cuda::DecodeAttentionShape shape;
     shape.cfg = m.codec.quant;
     shape.q_heads = m.q_heads;
-    shape.history_pool = View(m, /*history=*/true);
-    shape.bf16_pool = View(m, /*history=*/false);
-    shape.num_seqs = n;
     shape.tuning = tuning_.attention;
-    if (m.block_layout.bits == 2 && m.block_layout.group_size == m.head_dim) {
-      KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::sink, &sink));
-      KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::history, &hist));
-      KVPOOL_RETURN_IF_ERROR(ImageOf(b, &SequenceTiers::recent, &recent));
-    } else {
-      // The kernel reads INT2 histories with one group per row; other models' sequences (INT4,
-      // smaller groups, BF16 bypass) are first copied to BF16 blocks on the device (the
-      // dequantization and bypass kernels) and attended as one BF16 tier.
-      KVPOOL_RETURN_IF_ERROR(CopyToBf16Blocks(*lane, m, b, &sink, &shape.bf16_pool));
-      EmptyImage(n, &hist);
-      EmptyImage(n, &recent);
-      shape.cfg = QuantConfig{};
-      shape.cfg.block_tokens = m.codec.quant.block_tokens;
-      shape.cfg.scale_dtype = m.codec.quant.scale_dtype;
-      shape.history_pool.layout = BlockLayout::ForModel(shape.cfg, m.kv_heads, m.head_dim);
+    if (copy) {
+      KVPOOL_ASSIGN_OR_RETURN(batch, CopyToBf16Blocks(*lane, m, kv, batch, *copy, dev + plan_at));
+      shape.cfg = copy->cfg;
     }
-    shape.max_history_tokens = hist.max_tokens;
-    for (int i = 0; i < n; ++i) {
-      shape.max_bf16_tokens = std::max(shape.max_bf16_tokens, sink.count[i] + recent.count[i]);
-    }
-    KVPOOL_ASSIGN_OR_RETURN(size_t ws_bytes, cuda::DecodeAttentionWorkspaceBytes(shape));
-
-    std::vector<uint8_t> host;
-    const size_t q_at = on_device ? 0 : Append(&host, b.queries.data(), b.queries.size());
-    size_t at[3][3];
-    TierImage* tiers[3] = {&sink, &hist, &recent};
-    for (int t = 0; t < 3; ++t) {
-      at[t][0] = Append(&host, tiers[t]->table.data(), tiers[t]->table.size());
-      at[t][1] = Append(&host, tiers[t]->first.data(), tiers[t]->first.size());
-      at[t][2] = Append(&host, tiers[t]->count.data(), tiers[t]->count.size());
-    }
-    const size_t out_at = Append<float>(&host, nullptr, 0);
-    const size_t lse_at = (out_at + b.out.size() * sizeof(float) + 15) / 16 * 16;
-    const size_t total = on_device ? host.size() : lse_at + b.lse.size() * sizeof(float);
-
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total, lane->stream));
+    KVPOOL_ASSIGN_OR_RETURN(size_t ws_bytes, cuda::DecodeAttentionWorkspaceBytes(shape, batch));
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * ws,
                             lane->workspace.Reserve(std::max<size_t>(ws_bytes, 16), lane->stream));
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, lane->stream),
-        "H2D attention inputs"));
-    auto tier = [&](int t) {
-      cuda::DecodeTier d;
-      d.block_tables = reinterpret_cast<const int32_t*>(dev + at[t][0]);
-      d.block_table_stride = tiers[t]->stride;
-      d.first_token = reinterpret_cast<const int32_t*>(dev + at[t][1]);
-      d.num_tokens = reinterpret_cast<const int32_t*>(dev + at[t][2]);
-      return d;
-    };
-    const cuda::DecodeBatch batch{tier(0), tier(1), tier(2)};
     cuda::DecodeIo io;
-    io.queries = on_device ? b.device_queries : reinterpret_cast<const float*>(dev + q_at);
+    const AttentionRows& first = call.io.front();
+    io.queries = on_device ? first.queries : reinterpret_cast<const float*>(dev + q_at);
     io.rotation_k = rot_k;
     io.rotation_v = rot_v;
-    io.out = on_device ? b.device_out : reinterpret_cast<float*>(dev + out_at);
-    io.lse = on_device ? b.device_lse : reinterpret_cast<float*>(dev + lse_at);
+    io.out = on_device ? first.out : reinterpret_cast<float*>(dev + out_at);
+    io.lse = on_device ? first.lse : reinterpret_cast<float*>(dev + lse_at);
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DecodeAttention(shape, batch, io, ws, ws_bytes, lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
-    if (!on_device) {
-      KVPOOL_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(b.out.data(), io.out, b.out.size() * sizeof(float),
-                                     cudaMemcpyDeviceToHost, lane->stream),
-                     "D2H attention output"));
-      KVPOOL_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(b.lse.data(), io.lse, b.lse.size() * sizeof(float),
-                                     cudaMemcpyDeviceToHost, lane->stream),
-                     "D2H attention LSE"));
+    // Host I/O: each run's outputs straight into its buffers.
+    row = 0;
+    for (const AttentionRows& r : call.io) {
+      if (on_device || r.rows == 0) continue;
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(r.out, io.out + row * per_row, r.rows * per_row * sizeof(float),
+                          cudaMemcpyDeviceToHost, lane->stream),
+          "D2H attention output"));
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(r.lse, io.lse + row * m.q_heads, r.rows * m.q_heads * sizeof(float),
+                          cudaMemcpyDeviceToHost, lane->stream),
+          "D2H attention LSE"));
+      row += r.rows;
     }
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));  // waits: device outputs are complete
     AddTime(*lane, &BackendTimes::attention_seconds);
     return absl::OkStatus();
-  }
-
-  absl::StatusOr<AttentionOutput> AttendRotated(const Model&, const SequenceTiers&,
-                                                absl::Span<const float>) override {
-    return absl::UnimplementedError("the CUDA backend attends whole batches (AttendBatch)");
   }
 
  private:
@@ -450,8 +450,8 @@ class CudaBackend final : public ComputeBackend {
     return static_cast<int32_t>((block - base) / kBlockStride);
   }
 
-  cuda::PagedKvView View(const Model& m, bool history) const {
-    cuda::PagedKvView v;
+  PagedKvView View(const Model& m, bool history) const {
+    PagedKvView v;
     v.pool = arena_.load();
     v.layout = history ? m.block_layout : m.bf16_layout;
     v.scale_dtype = m.codec.quant.scale_dtype;
@@ -635,108 +635,116 @@ class CudaBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  // Host image of one tier's DecodeTier for every query row of a batch.
-  struct TierImage {
-    std::vector<int32_t> table, first, count;
-    int stride = 1;
-    int max_tokens = 0;
+  // The BF16 copy of a batch whose history the attention kernel cannot read: query row i's
+  // sink, history and recent tokens, in order, in blocks [i * nb, (i + 1) * nb) of the lane's
+  // bf16_copy buffer, described as one BF16 tier (`tables`; its history pool keeps the arena
+  // with an INT2 layout the kernels accept, unread). `plan` holds the tables' words and, per
+  // tier, the copy's row offsets and destination first tokens, for one H2D copy.
+  struct Bf16Copy {
+    std::unique_ptr<PagedKvTables> tables;
+    QuantConfig cfg;  // of the tables' history pool
+    std::vector<uint8_t> plan;
+    size_t tables_at = 0;
+    size_t offsets_at[3] = {0, 0, 0};
+    size_t firsts_at[3] = {0, 0, 0};
+    int tier_rows[3] = {0, 0, 0};
   };
 
-  absl::Status ImageOf(const AttentionBatch& b, TierBlocks SequenceTiers::*member,
-                       TierImage* img) const {
-    const int n = static_cast<int>(b.tiers.size());
-    for (const SequenceTiers* s : b.tiers) {
-      img->stride = std::max<int>(img->stride, static_cast<int>((s->*member).blocks.size()));
-    }
-    img->table.assign(static_cast<size_t>(n) * img->stride, 0);
-    for (int i = 0; i < n; ++i) {
-      const TierBlocks& t = b.tiers[i]->*member;
-      for (size_t j = 0; j < t.blocks.size(); ++j) {
-        KVPOOL_ASSIGN_OR_RETURN(img->table[i * img->stride + j], BlockId(t.blocks[j]));
-      }
-      img->first.push_back(t.first_token);
-      img->count.push_back(t.tokens);
-      img->max_tokens = std::max(img->max_tokens, t.tokens);
-    }
-    return absl::OkStatus();
-  }
-
-  static void EmptyImage(int n, TierImage* img) {
-    img->table.assign(n, 0);
-    img->first.assign(n, 0);
-    img->count.assign(n, 0);
-  }
-
-  // Copies every query row's sink, history and recent tokens, in order, into BF16 blocks of
-  // the lane's bf16_copy buffer (query row i owns blocks [i * nb, (i + 1) * nb)); `sink` and
-  // `view` come back describing them as one BF16 tier.
-  absl::Status CopyToBf16Blocks(Lane& lane, const Model& m, const AttentionBatch& b,
-                                TierImage* sink, cuda::PagedKvView* view) {
-    const int n = static_cast<int>(b.tiers.size());
+  absl::StatusOr<Bf16Copy> PlanBf16Copy(Lane& lane, const Model& m, const PagedKvBatch& kv) {
+    const int n = kv.num_seqs;
     const int bt = m.block_tokens();
+    const PagedKvTier* tiers[3] = {&kv.sink, &kv.history, &kv.recent};
+    std::vector<int> total(n, 0);
     int nb = 1;
-    for (const SequenceTiers* s : b.tiers) {
-      const int total = s->sink.tokens + s->history.tokens + s->recent.tokens;
-      nb = std::max(nb, (total + bt - 1) / bt);
+    for (int i = 0; i < n; ++i) {
+      for (const PagedKvTier* t : tiers) total[i] += t->num_tokens[i];
+      nb = std::max(nb, (total[i] + bt - 1) / bt);
     }
     const size_t block_bytes = m.bf16_layout.block_bytes();
     KVPOOL_ASSIGN_OR_RETURN(
         uint8_t * blocks,
         lane.bf16_copy.Reserve(static_cast<size_t>(n) * nb * block_bytes, lane.stream));
-    *view = cuda::PagedKvView{blocks, m.bf16_layout, m.codec.quant.scale_dtype,
-                              static_cast<int64_t>(n) * nb, 0};
-    sink->stride = nb;
-    sink->table.resize(static_cast<size_t>(n) * nb);
-    for (size_t j = 0; j < sink->table.size(); ++j) sink->table[j] = static_cast<int32_t>(j);
-    sink->first.assign(n, 0);
-    sink->count.clear();
-    for (const SequenceTiers* s : b.tiers) {
-      sink->count.push_back(s->sink.tokens + s->history.tokens + s->recent.tokens);
+    Bf16Copy c;
+    c.cfg.block_tokens = m.codec.quant.block_tokens;
+    c.cfg.scale_dtype = m.codec.quant.scale_dtype;
+    PagedKvView history_pool = kv.history_pool;
+    history_pool.layout = BlockLayout::ForModel(c.cfg, m.kv_heads, m.head_dim);
+    const PagedKvView copy_pool{blocks, m.bf16_layout, m.codec.quant.scale_dtype,
+                                static_cast<int64_t>(n) * nb, 0};
+    std::vector<int32_t> block_ids(static_cast<size_t>(n) * nb);  // 0 .. n * nb - 1
+    for (size_t j = 0; j < block_ids.size(); ++j) block_ids[j] = static_cast<int32_t>(j);
+    std::vector<PagedKvTables::Sequence> rows(n);
+    for (int i = 0; i < n; ++i) {
+      rows[i].sink = {absl::MakeConstSpan(block_ids).subspan(static_cast<size_t>(i) * nb, nb), 0,
+                      total[i]};
     }
-    std::vector<int> offset(n, 0);  // where the next tier starts in query row i's copy
-    for (TierBlocks SequenceTiers::*member :
-         {&SequenceTiers::sink, &SequenceTiers::history, &SequenceTiers::recent}) {
-      const bool history = member == &SequenceTiers::history;
-      TierImage src;
-      KVPOOL_RETURN_IF_ERROR(ImageOf(b, member, &src));
-      RunTable read, write;
-      read.stride = src.stride;
-      read.block = src.table;
-      write.stride = nb;
-      write.block = sink->table;
+    c.tables = std::make_unique<PagedKvTables>(history_pool, copy_pool, rows);
+    c.tables_at = Append(&c.plan, c.tables->words().data(), c.tables->words().size());
+    std::vector<int32_t> offset(n, 0);  // where the next tier starts in query row i's copy
+    for (int t = 0; t < 3; ++t) {
+      std::vector<int32_t> row_offsets{0};
       for (int i = 0; i < n; ++i) {
-        read.row_offsets.push_back(read.row_offsets.back() + src.count[i]);
-        read.first_token.push_back(src.first[i]);
-        write.row_offsets.push_back(write.row_offsets.back() + src.count[i]);
-        write.first_token.push_back(offset[i]);
-        offset[i] += src.count[i];
+        row_offsets.push_back(row_offsets.back() + tiers[t]->num_tokens[i]);
       }
-      if (read.rows() == 0) continue;
-      KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
-                              UploadRuns(lane, {&read, &write}));
-      // Sink and recent rows are BF16 pages already: copied page to page. History rows are
-      // dequantized to a staging buffer first.
-      const cuda::PagedRows pages = PagesOf(m, batch[0]);
+      c.offsets_at[t] = Append(&c.plan, row_offsets.data(), row_offsets.size());
+      c.firsts_at[t] = Append(&c.plan, offset.data(), offset.size());
+      for (int i = 0; i < n; ++i) offset[i] += tiers[t]->num_tokens[i];
+      c.tier_rows[t] = row_offsets.back();
+    }
+    return c;
+  }
+
+  // Runs `copy` (planned by PlanBf16Copy; its plan at `plan` on the device) for the batch `kv`
+  // whose arrays are at `dev` on the device; returns the copy's batch, its arrays on the device.
+  // Sink and recent rows are BF16 pages already: copied page to page. History rows are
+  // dequantized to a staging buffer first.
+  absl::StatusOr<PagedKvBatch> CopyToBf16Blocks(Lane& lane, const Model& m, const PagedKvBatch& kv,
+                                                const PagedKvBatch& dev, const Bf16Copy& copy,
+                                                const uint8_t* plan) {
+    const int n = kv.num_seqs;
+    auto at = [&](size_t offset) { return reinterpret_cast<const int32_t*>(plan + offset); };
+    const PagedKvBatch dst =
+        RebaseArrays(copy.tables->batch(), copy.tables->words().data(), at(copy.tables_at));
+    const PagedKvTier* from[3] = {&dev.sink, &dev.history, &dev.recent};
+    for (int t = 0; t < 3; ++t) {
+      if (copy.tier_rows[t] == 0) continue;
+      const bool history = t == 1;
+      const cuda::SequenceBatch read{n,
+                                     at(copy.offsets_at[t]),
+                                     from[t]->first_token,
+                                     from[t]->block_tables,
+                                     from[t]->block_table_stride,
+                                     copy.tier_rows[t]};
+      const cuda::SequenceBatch write{n,
+                                      at(copy.offsets_at[t]),
+                                      at(copy.firsts_at[t]),
+                                      dst.sink.block_tables,
+                                      dst.sink.block_table_stride,
+                                      copy.tier_rows[t]};
+      const cuda::PagedRows pages{kv.bf16_pool, from[t]->first_token, from[t]->block_tables,
+                                  from[t]->block_table_stride};
       uint8_t* rows = nullptr;
       if (history) {
         KVPOOL_ASSIGN_OR_RETURN(
-            rows,
-            lane.rows.Reserve(static_cast<size_t>(read.rows()) * m.row_values() * 2, lane.stream));
+            rows, lane.rows.Reserve(static_cast<size_t>(copy.tier_rows[t]) * m.row_values() * 2,
+                                    lane.stream));
       }
-      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+      for (KvTensor tensor : {KvTensor::kKey, KvTensor::kValue}) {
         cuda::ArrivalRows in;
         if (history) {
-          KVPOOL_RETURN_IF_ERROR(Dequantize(lane, m, history, batch[0], t, rows));
+          KVPOOL_RETURN_IF_ERROR(cuda::DequantizeToBf16(m.codec.quant, kv.history_pool, read,
+                                                        tensor, reinterpret_cast<uint16_t*>(rows),
+                                                        lane.error_word, lane.stream));
           in.rows = reinterpret_cast<const uint16_t*>(rows);
         } else {
           in.paged = &pages;
         }
-        KVPOOL_RETURN_IF_ERROR(cuda::QuantizeOnArrival(m.bf16_codec.config(), *view, batch[1], t,
-                                                       in, lane.error_word, lane.stream,
+        KVPOOL_RETURN_IF_ERROR(cuda::QuantizeOnArrival(m.bf16_codec.config(), dst.bf16_pool, write,
+                                                       tensor, in, lane.error_word, lane.stream,
                                                        tuning_.arrival));
       }
     }
-    return absl::OkStatus();
+    return dst;
   }
 
   // Enqueues the checksums of `ranges` (kernels/cuda/page_checksum_cuda.h) on the lane's stream,

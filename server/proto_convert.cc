@@ -6,7 +6,7 @@
 
 namespace kvpool::server {
 
-absl::Status CheckPayload(v1::DType dtype, const std::string& bytes, size_t values,
+absl::Status CheckPayload(v1::DType dtype, absl::string_view bytes, size_t values,
                           const char* what) {
   const size_t elem = DTypeSize(dtype);
   if (elem == 0) {
@@ -23,7 +23,7 @@ absl::Status CheckPayload(v1::DType dtype, const std::string& bytes, size_t valu
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype, const std::string& bytes,
+absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype, absl::string_view bytes,
                                                size_t values, const char* what) {
   if (absl::Status s = CheckPayload(dtype, bytes, values, what); !s.ok()) return s;
   std::vector<Bf16> out(values);
@@ -46,12 +46,12 @@ absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype, const std::strin
   return out;
 }
 
-absl::StatusOr<std::vector<float>> DecodeToFloat(v1::DType dtype, const std::string& bytes,
-                                                 size_t values, const char* what) {
+absl::Status DecodeToFloat(v1::DType dtype, absl::string_view bytes, absl::Span<float> out,
+                           const char* what) {
+  const size_t values = out.size();
   if (absl::Status s = CheckPayload(dtype, bytes, values, what); !s.ok()) return s;
-  std::vector<float> out(values);
   if (dtype == v1::DTYPE_FP32) {
-    std::memcpy(out.data(), bytes.data(), bytes.size());
+    if (values > 0) std::memcpy(out.data(), bytes.data(), bytes.size());
   } else {
     for (size_t i = 0; i < values; ++i) {
       uint16_t w;
@@ -59,7 +59,7 @@ absl::StatusOr<std::vector<float>> DecodeToFloat(v1::DType dtype, const std::str
       out[i] = dtype == v1::DTYPE_BF16 ? Bf16::FromBits(w).ToFloat() : Fp16::FromBits(w).ToFloat();
     }
   }
-  return out;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<QuantConfig> QuantFromProto(const v1::QuantConfig& q) {

@@ -12,6 +12,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "kernels/bf16.h"
 #include "kernels/codec_config.h"
 #include "kernels/rotation.h"
@@ -31,15 +33,15 @@ namespace v1 = ::kvpool::v1;
 // nearest even). InvalidArgument for an unknown dtype or a size mismatch (naming `what`).
 // OK when `bytes` holds exactly `values` values of `dtype` (BF16, FP16 or FP32); InvalidArgument
 // naming `what` otherwise. Cheap: lets a caller refuse a payload before reserving anything.
-[[nodiscard]] absl::Status CheckPayload(v1::DType dtype, const std::string& bytes, size_t values,
+[[nodiscard]] absl::Status CheckPayload(v1::DType dtype, absl::string_view bytes, size_t values,
                                         const char* what);
 [[nodiscard]] absl::StatusOr<std::vector<Bf16>> DecodeToBf16(v1::DType dtype,
-                                                             const std::string& bytes,
-                                                             size_t values, const char* what);
-// Same to fp32.
-[[nodiscard]] absl::StatusOr<std::vector<float>> DecodeToFloat(v1::DType dtype,
-                                                               const std::string& bytes,
-                                                               size_t values, const char* what);
+                                                             absl::string_view bytes, size_t values,
+                                                             const char* what);
+// Same to fp32, into `out` (which holds exactly the expected values; nothing is written on
+// error).
+[[nodiscard]] absl::Status DecodeToFloat(v1::DType dtype, absl::string_view bytes,
+                                         absl::Span<float> out, const char* what);
 
 // A request QuantConfig (absent fields = defaults) to the kernels' one. InvalidArgument for an
 // unknown enum value. Validation against head_dim happens at registration.

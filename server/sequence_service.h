@@ -1,14 +1,12 @@
 // SequenceServiceImpl: the kvpool.v1.SequenceService gRPC service (create, AppendKv stream,
 // AppendDecode, seal, release, describe, prefix lookup).
 //
-// AppendKv is a read reactor that overlaps receiving with staging: it starts the next read as
-// soon as a chunk is taken out of the message and queues the chunk (a bounded number of chunks
-// and bytes wait), and one worker-pool task per stream stages the queue in order (rotate and
-// quantize into the transaction's reserved pages, reading BF16 payloads where the message holds
-// them). When the queue is full the read waits, so gRPC flow control pushes back on a fast
-// client; the worker has it resumed on a gRPC thread, so that receiving never runs on a worker.
-// The transaction commits once the client has half-closed and the queue has drained; any error,
-// a cancelled call or a full worker queue drops it, which returns every reserved page.
+// AppendKv and AppendDecode go through the ingest engine (server/ingest/): AppendKv is a thin
+// read reactor (server/ingest_stream_reactor.h) that hands each chunk message to the engine as it
+// arrives and pauses reading while the engine's queue of chunks to stage is full; the engine
+// stages the chunks on the worker pool (reading BF16 payloads where the message holds them),
+// commits once the client has half-closed and every chunk is staged, and rolls back on any
+// error, a cancelled call or a full worker queue, which returns every reserved page.
 //
 //   SequenceServiceImpl sequences(&service_context);
 //   builder.RegisterService(&sequences);

@@ -12,23 +12,18 @@ SequenceSnapshot::~SequenceSnapshot() {
   if (pool_ != nullptr) pool_->UnrefAll(refs_);
 }
 
-SequenceTiers SequenceSnapshot::Tiers(size_t i) const {
+PagedKvTables::Sequence SequenceSnapshot::KvSequence(size_t i, int rows) const {
   const Layer& l = layers_.at(i);
-  SequenceTiers tiers;
-  auto fill = [&](const std::vector<PageId>& pages, int first, int tokens, TierBlocks* out) {
-    out->first_token = first;
-    out->tokens = tokens;
-    out->blocks.reserve(pages.size());
-    for (PageId p : pages) out->blocks.push_back(pool_->Data(p));
-  };
-  fill(l.sink, 0, sink_, &tiers.sink);
-  fill(l.history, 0, history_, &tiers.history);
-  fill(l.recent, recent_head_, recent_, &tiers.recent);
-  return tiers;
+  PagedKvTables::Sequence seq;
+  seq.sink = {l.sink, 0, sink_};
+  seq.history = {l.history, 0, history_};
+  seq.recent = {l.recent, recent_head_, recent_};
+  seq.rows = rows;
+  return seq;
 }
 
 const uint8_t* SequenceSnapshot::HistoryBlock(size_t i, size_t b) const {
-  return pool_->Data(layers_.at(i).history.at(b));
+  return history_pool_.Block(layers_.at(i).history.at(b));
 }
 
 absl::Status SequenceSnapshot::MarkCorrupt() const {
@@ -43,13 +38,13 @@ absl::Status SequenceSnapshot::VerifyTokens(ComputeBackend* backend, size_t i, i
   const int end = start + count;
   std::vector<PageToVerify> pages;
   // Pages of a tier holding positions [tier_begin, tier_end) of the sequence from slot `base`.
-  auto add = [&](const std::vector<PageId>& tier, bool history, int tier_begin, int tier_end,
+  auto add = [&](const std::vector<int32_t>& tier, bool history, int tier_begin, int tier_end,
                  int base) {
     const int a = std::max(start, tier_begin);
     const int b = std::min(end, tier_end);
     if (a >= b) return;
     for (int p = (base + a - tier_begin) / bt; p <= (base + b - 1 - tier_begin) / bt; ++p) {
-      pages.push_back({tier.at(p), history});
+      pages.push_back({pool_->PageOfBlock(tier.at(p)), history});
     }
   };
   add(l.sink, false, 0, sink_, 0);
@@ -62,7 +57,7 @@ absl::Status SequenceSnapshot::VerifyTokens(ComputeBackend* backend, size_t i, i
 }
 
 absl::Status SequenceSnapshot::CheckHistoryCopy(size_t i, size_t b, const uint8_t* copy) const {
-  const PageChecksum c = pool_->Checksum(layers_.at(i).history.at(b));
+  const PageChecksum c = pool_->Checksum(pool_->PageOfBlock(layers_.at(i).history.at(b)));
   if (c.empty()) return absl::OkStatus();
   const uint32_t sum = PageSlotsChecksum(copy, PageChecksumGeometry::Of(model_->block_layout),
                                          static_cast<int>(c.first), c.count());
@@ -72,9 +67,9 @@ absl::Status SequenceSnapshot::CheckHistoryCopy(size_t i, size_t b, const uint8_
 std::vector<PageToVerify> SequenceSnapshot::AllPages() const {
   std::vector<PageToVerify> pages;
   for (const Layer& l : layers_) {
-    for (PageId p : l.sink) pages.push_back({p, false});
-    for (PageId p : l.history) pages.push_back({p, true});
-    for (PageId p : l.recent) pages.push_back({p, false});
+    for (int32_t b : l.sink) pages.push_back({pool_->PageOfBlock(b), false});
+    for (int32_t b : l.history) pages.push_back({pool_->PageOfBlock(b), true});
+    for (int32_t b : l.recent) pages.push_back({pool_->PageOfBlock(b), false});
   }
   return pages;
 }
@@ -86,14 +81,14 @@ absl::Status SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, b
   const int bt = model_->block_tokens();
   const size_t row = model_->row_values();
   const int base = recent_tier ? recent_head_ : 0;
-  const std::vector<PageId>& pages = recent_tier ? l.recent : l.sink;
+  const std::vector<int32_t>& pages = recent_tier ? l.recent : l.sink;
   KVPOOL_RETURN_IF_ERROR(
       VerifyTokens(backend, i, (recent_tier ? sink_ + history_ : 0) + start, count));
   for (int done = 0; done < count;) {
     const int slot = base + start + done;
     const int in_page = slot % bt;
     const int take = std::min(count - done, bt - in_page);
-    const uint8_t* page = pool_->Data(pages[slot / bt]);
+    const uint8_t* page = bf16_pool_.Block(pages[slot / bt]);
     const size_t at = static_cast<size_t>(done) * row;
     const size_t len = static_cast<size_t>(take) * row;
     KVPOOL_RETURN_IF_ERROR(
@@ -115,7 +110,7 @@ absl::Status SequenceSnapshot::ReadRotated(ComputeBackend* backend, size_t i, in
   KVPOOL_RETURN_IF_ERROR(VerifyTokens(backend, i, start, count));
   // Tier by tier: [first, last) of the sequence's positions in `pages`, whose position 0 is
   // at `base` of the page list.
-  auto read = [&](const std::vector<PageId>& pages, bool history, int tier_begin, int tier_end,
+  auto read = [&](const std::vector<int32_t>& pages, bool history, int tier_begin, int tier_end,
                   int base) -> absl::Status {
     const int a = std::max(start, tier_begin);
     const int b = std::min(end, tier_end);
@@ -123,7 +118,7 @@ absl::Status SequenceSnapshot::ReadRotated(ComputeBackend* backend, size_t i, in
       const int pos = base + (t - tier_begin);
       const int slot = pos % bt;
       const int take = std::min(b - t, bt - slot);
-      const uint8_t* block = pool_->Data(pages[pos / bt]);
+      const uint8_t* block = (history ? history_pool_ : bf16_pool_).Block(pages[pos / bt]);
       const size_t out = static_cast<size_t>(t - start) * row;
       const size_t len = static_cast<size_t>(take) * row;
       KVPOOL_RETURN_IF_ERROR(

@@ -6,6 +6,10 @@
 //                           store.Snapshot(tenant, "seq-1", /*layers=*/{3}));
 //   KVPOOL_RETURN_IF_ERROR(snap->ReadRotated(backend, 0, 0, snap->total(), k, v));
 //
+// Its layers are block ids of the pool (BlockPool::BlockId): the rows of a paged KV batch
+// (kernels/paged_kv.h) for attention, made here once (KvSequence) and read as they are by the
+// backends and the kernels.
+//
 // Thread-safe to read from several threads (it never changes after it is taken).
 #pragma once
 
@@ -18,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/bf16.h"
+#include "kernels/paged_kv.h"
 #include "server/backend.h"
 #include "server/block_pool.h"
 #include "server/model_registry.h"
@@ -33,11 +38,12 @@ class Sequence;
 // A consistent, reference-holding view of some layers of a sequence.
 class SequenceSnapshot {
  public:
+  // One layer's tiers as block ids: sink and recent in bf16_pool(), history in history_pool().
   struct Layer {
     int layer = 0;
-    std::vector<PageId> sink;
-    std::vector<PageId> history;
-    std::vector<PageId> recent;
+    std::vector<int32_t> sink;
+    std::vector<int32_t> history;
+    std::vector<int32_t> recent;  // the first recent_head() slots of the first page were demoted
   };
 
   ~SequenceSnapshot();
@@ -56,8 +62,11 @@ class SequenceSnapshot {
   // Prefix units of the sequence whose hashes the daemon knows (needs token ids), in order.
   const std::vector<PrefixUnitKey>& prefix_chain() const { return chain_; }
 
-  // Pointers into pool memory for attention over layers()[i].
-  SequenceTiers Tiers(size_t i) const;
+  // The pools the block ids are in: the model's history blocks and its BF16 pages.
+  const PagedKvView& history_pool() const { return history_pool_; }
+  const PagedKvView& bf16_pool() const { return bf16_pool_; }
+  // layers()[i] as one sequence of a paged KV batch, attended by `rows` query rows.
+  PagedKvTables::Sequence KvSequence(size_t i, int rows = 1) const;
   // Rotated K and V of tokens [start, start + count) of layers()[i], as fp32
   // [count][kv_heads][head_dim] each (sink and recent exact, history dequantized). The pages
   // read are verified first (VerifyTokens).
@@ -89,6 +98,8 @@ class SequenceSnapshot {
   SequenceSnapshot() = default;
 
   BlockPool* pool_ = nullptr;
+  PagedKvView history_pool_;
+  PagedKvView bf16_pool_;
   std::shared_ptr<internal::Sequence> seq_;
   std::shared_ptr<IntegrityCounters> counters_;
   std::shared_ptr<const Model> model_;

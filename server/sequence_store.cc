@@ -420,16 +420,21 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->recent_ = seq->layout.recent();
   snap->recent_head_ = seq->recent_head;
   snap->chain_ = seq->chain;
+  // The snapshot's references, and the block ids its readers address the pages by.
+  auto take = [&](const auto& pages, std::vector<int32_t>* ids) {
+    ids->reserve(pages.size());
+    for (PageId page : pages) {
+      ids->push_back(pool_->BlockId(page));
+      snap->refs_.push_back(page);
+    }
+  };
   auto add = [&](int layer) {
     const LayerPages& p = seq->layers[layer];
     SequenceSnapshot::Layer l;
     l.layer = layer;
-    l.sink = p.sink;
-    l.history = p.history;
-    l.recent.assign(p.recent.begin(), p.recent.end());
-    snap->refs_.insert(snap->refs_.end(), l.sink.begin(), l.sink.end());
-    snap->refs_.insert(snap->refs_.end(), l.history.begin(), l.history.end());
-    snap->refs_.insert(snap->refs_.end(), l.recent.begin(), l.recent.end());
+    take(p.sink, &l.sink);
+    take(p.history, &l.history);
+    take(p.recent, &l.recent);
     snap->layers_.push_back(std::move(l));
   };
   if (layers.empty()) {
@@ -446,6 +451,8 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   }
   pool_->RefAll(snap->refs_);
   snap->pool_ = pool_;
+  snap->history_pool_ = pool_->View(m.block_layout, m.codec.quant.scale_dtype);
+  snap->bf16_pool_ = pool_->View(m.bf16_layout, m.codec.quant.scale_dtype);
   return snap;
 }
 

@@ -7,19 +7,20 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "common/status_macros.h"
 #include "server/attention_service.h"
 #include "server/connection_listener.h"
+#include "server/ingest/ingest_engine.h"
 #include "server/model_service.h"
 #include "server/read_service.h"
 #include "server/sequence_service.h"
 #include "server/stats_service.h"
-#include "server/transport/gpu/gpu_attention_service.h"
-#include "server/transport/gpu/gpu_transport_service.h"
+#include "server/transport/cuda_ipc/cuda_ipc_transport.h"
 #include "server/transport/grpc_inline/grpc_inline_transport.h"
+#include "server/transport/nccl/nccl_transport.h"
 #include "server/transport/transport_service.h"
 #include "server/transport/ucx/ucx_transport.h"
 #include "spdlog/spdlog.h"
@@ -76,6 +77,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
+  s->ingest_ = std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(),
+                                              s->workers_.get(), config.max_append_tokens);
   ServiceContext& ctx = s->ctx_;
   ctx.config = &s->config_;
   ctx.backend = s->backend_.get();
@@ -85,6 +88,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   ctx.store = s->store_.get();
   ctx.workers = s->workers_.get();
   ctx.attention = s->attention_.get();
+  ctx.ingest = s->ingest_.get();
   s->transports_.push_back(std::make_unique<GrpcInlineTransport>());
   if (config.transports == "ucx") {
     absl::StatusOr<std::unique_ptr<UcxTransport>> ucx =
@@ -99,6 +103,22 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                    ucx.status().ToString());
     }
   }
+  if (s->backend_->device() >= 0) {
+    // A pool on a GPU also takes pushes GPU to GPU, and serves attention channels over NCCL.
+    NcclTransportOptions nccl;
+    nccl.watch_timeout = absl::Milliseconds(config.transport_hello_timeout_ms);
+    std::vector<absl::StatusOr<std::unique_ptr<Transport>>> gpu;
+    gpu.push_back(NewNcclTransport(&ctx, nccl));
+    gpu.push_back(NewCudaIpcTransport(&ctx, CudaIpcTransportOptions{}));
+    for (absl::StatusOr<std::unique_ptr<Transport>>& t : gpu) {
+      if (t.ok()) {
+        spdlog::info("data plane: {} on cuda:{}", std::string((*t)->name()), s->backend_->device());
+        s->transports_.push_back(*std::move(t));
+      } else {
+        spdlog::warn("data plane: {}", t.status().ToString());
+      }
+    }
+  }
   for (const auto& t : s->transports_) ctx.transports.push_back(t.get());
   s->model_service_ = std::make_unique<ModelServiceImpl>(&ctx);
   s->sequence_service_ = std::make_unique<SequenceServiceImpl>(&ctx);
@@ -106,8 +126,6 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->attention_service_ = std::make_unique<AttentionServiceImpl>(&ctx);
   s->stats_service_ = std::make_unique<StatsServiceImpl>(&ctx);
   s->transport_service_ = std::make_unique<TransportServiceImpl>(&ctx);
-  s->gpu_transport_service_ = NewGpuTransportService(&ctx);
-  s->gpu_attention_service_ = NewGpuAttentionService(&ctx);  // UNAVAILABLE off the GPU
 
   // The daemon accepts its own connections (server/connection_listener.h) and hands them to
   // gRPC: it owns its descriptor budget.
@@ -134,13 +152,10 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   builder.RegisterService(s->attention_service_.get());
   builder.RegisterService(s->stats_service_.get());
   builder.RegisterService(s->transport_service_.get());
-  if (s->gpu_transport_service_ != nullptr)
-    builder.RegisterService(s->gpu_transport_service_.get());
   if (extra_service != nullptr) {
     s->extra_service_ = extra_service(&ctx);
     builder.RegisterService(s->extra_service_.get());
   }
-  builder.RegisterService(s->gpu_attention_service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot serve on ", config.listen));

@@ -1,6 +1,7 @@
 // KvpoolServer: assembles kvpoold from a ServerConfig — backend, block pool, prefix index, model
-// registry, sequence store, worker pool, attention engine, the data-plane transports
-// (server/transport/: grpc_inline always, UCX unless --transports=''), the six kvpool.v1
+// registry, sequence store, worker pool, attention engine, ingest engine, the data-plane
+// transports (server/transport/: grpc_inline always, UCX unless --transports='', NCCL and CUDA
+// IPC when the pool is on a GPU), the six kvpool.v1
 // services, gRPC's health service (grpc.health.v1) and reflection — and runs the gRPC server.
 //
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolServer> server, KvpoolServer::Start(config));
@@ -74,6 +75,7 @@ class KvpoolServer {
   std::unique_ptr<SequenceStore> store_;
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
+  std::unique_ptr<IngestEngine> ingest_;
   std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;
@@ -83,10 +85,8 @@ class KvpoolServer {
   std::unique_ptr<AttentionServiceImpl> attention_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
   std::unique_ptr<TransportServiceImpl> transport_service_;
-  std::unique_ptr<grpc::Service> gpu_transport_service_;  // null unless the pool is on a GPU
-  std::unique_ptr<grpc::Service> gpu_attention_service_;  // UNAVAILABLE unless on a GPU
   std::unique_ptr<grpc::Service> extra_service_;
-  std::unique_ptr<ConnectionListener> listener_;          // accepts connections for server_
+  std::unique_ptr<ConnectionListener> listener_;  // accepts connections for server_
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -75,13 +75,8 @@ class ForwardingBackend : public ComputeBackend {
   absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
     return inner_->CopyFromPool(dst, src, bytes);
   }
-  bool batched_attention() const override { return inner_->batched_attention(); }
-  absl::Status AttendBatch(const Model& m, const AttentionBatch& b) override {
-    return inner_->AttendBatch(m, b);
-  }
-  absl::StatusOr<AttentionOutput> AttendRotated(const Model& m, const SequenceTiers& tiers,
-                                                absl::Span<const float> q) override {
-    return inner_->AttendRotated(m, tiers, q);
+  absl::Status Attend(const Model& m, const AttentionCall& call) override {
+    return inner_->Attend(m, call);
   }
 
  protected:

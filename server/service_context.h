@@ -29,12 +29,12 @@
 
 namespace kvpool::server {
 
+class IngestEngine;        // server/ingest/ingest_engine.h
 class Transport;           // server/transport/transport.h
 class ConnectionListener;  // server/connection_listener.h
 
+// Ingest counters are the ingest engine's (IngestEngine::counters).
 struct ServiceCounters {
-  std::atomic<uint64_t> ingested_bytes{0};   // BF16-equivalent bytes committed by appends
-  std::atomic<uint64_t> ingested_tokens{0};  // tokens committed (per-layer count)
   std::atomic<uint64_t> attention_calls{0};
   std::atomic<uint64_t> attention_sequences{0};
 };
@@ -48,6 +48,8 @@ struct ServiceContext {
   SequenceStore* store = nullptr;
   WorkerPool* workers = nullptr;
   AttentionEngine* attention = nullptr;
+  // Every append of K/V, whatever carries it, goes through it.
+  IngestEngine* ingest = nullptr;
   // Data-plane transports offered in TransportService.Negotiate (grpc_inline first).
   std::vector<Transport*> transports;
   // The gRPC port's accept loop and its connection cap (null in servers without a port).
@@ -60,9 +62,5 @@ struct ServiceContext {
 // The caller's tenant. Authentication comes later (a token in the call metadata mapped to a
 // tenant); until then every caller is the default tenant.
 inline TenantId TenantOf(const grpc::CallbackServerContext* /*context*/) { return kDefaultTenant; }
-
-inline absl::Status BusyError() {
-  return absl::ResourceExhaustedError("server busy: worker queue full, retry later");
-}
 
 }  // namespace kvpool::server

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "server/connection_listener.h"
+#include "server/ingest/ingest_engine.h"
 #include "server/transport/transport.h"
 
 namespace kvpool::server {
@@ -57,8 +58,8 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   s->set_worker_queue_depth(ctx_->workers->queue_depth());
   s->set_worker_queue_capacity(ctx_->workers->queue_capacity());
   s->set_rejected_busy(ctx_->workers->rejected());
-  s->set_ingested_bytes(ctx_->counters.ingested_bytes.load());
-  s->set_ingested_tokens(ctx_->counters.ingested_tokens.load());
+  s->set_ingested_bytes(ctx_->ingest->counters().ingested_bytes.load());
+  s->set_ingested_tokens(ctx_->ingest->counters().ingested_tokens.load());
   s->set_attention_calls(ctx_->counters.attention_calls.load());
   s->set_attention_sequences(ctx_->counters.attention_sequences.load());
   s->set_version(KvpoolVersion());

@@ -21,9 +21,16 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace kvpool::server {
+
+// What a request gets when TrySubmit refuses its work: RESOURCE_EXHAUSTED, which the client may
+// retry.
+inline absl::Status BusyError() {
+  return absl::ResourceExhaustedError("server busy: worker queue full, retry later");
+}
 
 class WorkerPool {
  public:

@@ -43,7 +43,7 @@ constexpr absl::Duration kSpin = absl::Milliseconds(20);
 }  // namespace
 
 GpuAttentionClient::GpuAttentionClient(std::shared_ptr<grpc::Channel> channel, int device)
-    : stub_(v1::GpuAttentionService::NewStub(std::move(channel))), device_(device) {}
+    : stub_(v1::TransportService::NewStub(std::move(channel))), device_(device) {}
 
 absl::StatusOr<std::unique_ptr<GpuAttentionClient>> GpuAttentionClient::Create(
     std::shared_ptr<grpc::Channel> channel, int device) {
@@ -113,73 +113,42 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   if (comm_ != nullptr) return absl::FailedPreconditionError("the channel is already open");
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
-  ncclUniqueId id;
-  ncclResult_t r = ncclGetUniqueId(&id);
-  if (r != ncclSuccess) return NcclStatus(r, "ncclGetUniqueId");
-  v1::OpenAttentionChannelRequest req;
-  req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
-  req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
-  req.set_client_name("gpu-attention");
-  const bool blocking_ops = gpu_internal::WantBlockingOps();
-  req.set_blocking_ops(blocking_ops);
+  // Connect both directions before the first call (attention_wire.h, kConnectBytes); the daemon
+  // does its half before it answers Negotiate.
+  auto connect = [this](ncclComm_t comm, absl::Time deadline,
+                        const std::function<absl::Status()>& give_up)
+                     ABSL_NO_THREAD_SAFETY_ANALYSIS { return ConnectPeer(comm, deadline, give_up); };
+  KVPOOL_ASSIGN_OR_RETURN(gpu_internal::NcclSessionJoin joined,
+                          gpu_internal::JoinNcclSession(*stub_, v1::NCCL_CHANNEL_USE_ATTENTION,
+                                                        timeout, "gpu-attention", connect));
+  const v1::NcclSession& session = joined.session;
   {
     absl::MutexLock lease_lock(&lease_mu_);
     lease_ended_ = false;
     lease_status_ = absl::OkStatus();
   }
-  // The stream stays open as the channel's lease (no deadline). The daemon answers once both
-  // ranks joined; meanwhile this thread joins as rank 0 (non-blocking, so the wait can end).
+  // The channel's lease: the daemon closes the channel when this stream ends, and ends the
+  // stream when it closes or aborts the channel. It answers once the watch holds.
+  v1::WatchSessionRequest watch;
+  watch.set_session_id(session.session_id());
   lease_context_ = std::make_unique<grpc::ClientContext>();
-  lease_ = stub_->OpenAttentionChannel(lease_context_.get(), req);
-  v1::OpenAttentionChannelResponse resp;
-  enum ReadState : int { kReading, kAnswered, kRefused };
-  std::atomic<int> read{kReading};
-  std::thread reader([&] { read.store(lease_->Read(&resp) ? kAnswered : kRefused); });
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  ncclComm_t comm = nullptr;
-  r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
-  absl::Status joined = (r == ncclSuccess || r == ncclInProgress)
-                            ? absl::OkStatus()
-                            : NcclStatus(r, "ncclCommInitRankConfig");
-  const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
-  // The daemon will not join once it answered the stream with an error: its status says why.
-  auto refused = [&]() -> absl::Status {
-    if (read.load() != kRefused) return absl::OkStatus();
-    return absl::UnavailableError("the daemon refused the channel");
-  };
-  if (joined.ok()) {
-    joined = gpu_internal::AwaitComm(comm, "joining the NCCL communicator", deadline, refused);
-  }
-  if (joined.ok() && blocking_ops) {
-    // The calls run on a blocking communicator split from the joined one (JoinNcclComm).
-    absl::StatusOr<ncclComm_t> child = gpu_internal::SplitBlocking(comm, deadline, refused);
-    comm = child.ok() ? *child : nullptr;  // SplitBlocking aborted the parent
-    joined = child.status();
-  }
-  // Connect both directions before the first call (attention_wire.h, kConnectBytes); the daemon
-  // does its half before it answers.
-  if (joined.ok()) joined = ConnectPeer(comm, deadline, [&] { return read.load() == kRefused; });
-  if (!joined.ok()) lease_context_->TryCancel();  // the daemon's join then gives up
-  reader.join();
-  const bool answered = read.load() == kAnswered;
-  if (!joined.ok() || !answered) {
-    if (comm != nullptr) ncclCommAbort(comm);
-    if (answered) lease_context_->TryCancel();  // the daemon closes its end when the stream ends
+  lease_ = stub_->WatchSession(lease_context_.get(), watch);
+  v1::WatchSessionResponse first;
+  if (!lease_->Read(&first)) {
+    ncclCommAbort(joined.comm);
     const grpc::Status s = lease_->Finish();
     lease_.reset();
     lease_context_.reset();
-    if (!s.ok()) return FromGrpcStatus(s, "OpenAttentionChannel");  // the daemon's reason first
-    return joined.ok() ? absl::UnavailableError("OpenAttentionChannel ended without an answer")
-                       : joined;
+    return s.ok() ? absl::UnavailableError("WatchSession ended without an answer")
+                  : FromGrpcStatus(s, "WatchSession");
   }
-  comm_ = comm;
+  comm_ = joined.comm;
   broken_ = false;
-  channel_id_ = resp.channel_id();
+  channel_id_ = session.session_id();
   next_call_ = 1;
   // The lease's reader: the stream ends when the daemon closes or aborts the channel.
   lease_thread_ = std::thread([this, lease = lease_.get()] {
-    v1::OpenAttentionChannelResponse more;
+    v1::WatchSessionResponse more;
     while (lease->Read(&more)) {
     }
     const grpc::Status s = lease->Finish();
@@ -187,8 +156,8 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
     lease_ended_ = true;
     lease_status_ = FromGrpcStatus(s, "the daemon ended the attention channel");
   });
-  if (resp.call_header_bytes() != kCallHeaderBytes ||
-      resp.call_status_bytes() != kCallStatusBytes) {
+  if (session.call_header_bytes() != kCallHeaderBytes ||
+      session.call_status_bytes() != kCallStatusBytes) {
     (void)CloseLocked();
     return absl::FailedPreconditionError("the daemon speaks another attention wire version");
   }
@@ -196,7 +165,7 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
 }
 
 absl::Status GpuAttentionClient::ConnectPeer(void* peer_comm, absl::Time deadline,
-                                             const std::function<bool()>& refused) {
+                                             const std::function<absl::Status()>& give_up) {
   ncclComm_t comm = Comm(peer_comm);
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   cudaStream_t s = Stream(stream_);
@@ -214,7 +183,7 @@ absl::Status GpuAttentionClient::ConnectPeer(void* peer_comm, absl::Time deadlin
         if (e == cudaSuccess) return absl::OkStatus();
         if (e != cudaErrorNotReady) return CudaStatus(e, "connecting the NCCL channel");
       }
-      if (refused()) return absl::UnavailableError("the daemon refused the channel");
+      KVPOOL_RETURN_IF_ERROR(give_up());
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError("the daemon did not connect the NCCL channel");
       }
@@ -241,7 +210,7 @@ absl::StatusOr<GpuAttentionPlan> GpuAttentionClient::SetPlan(
   }
   if (num_queries < 1) return absl::InvalidArgumentError("num_queries must be >= 1");
   v1::SetAttentionPlanRequest req;
-  req.set_channel_id(channel);
+  req.set_session_id(channel);
   req.set_model_id(model_id);
   for (const std::string& id : sequence_ids) req.add_sequence_ids(id);
   req.set_num_queries(static_cast<uint32_t>(num_queries));
@@ -269,7 +238,7 @@ absl::StatusOr<GpuAttentionPlan> GpuAttentionClient::SetPlan(
 
 absl::Status GpuAttentionClient::DropPlan(const GpuAttentionPlan& plan) {
   v1::DropAttentionPlanRequest req;
-  req.set_channel_id(channel_id());
+  req.set_session_id(channel_id());
   req.set_plan_id(plan.id);
   v1::DropAttentionPlanResponse resp;
   grpc::ClientContext ctx;
@@ -482,13 +451,12 @@ absl::Status GpuAttentionClient::CloseLocked() {
   if (comm_ == nullptr) return absl::OkStatus();
   absl::Status closed;
   if (!LeaseEnded(nullptr)) {
-    v1::CloseAttentionChannelRequest req;
-    req.set_channel_id(channel_id_);
-    v1::CloseAttentionChannelResponse resp;
+    v1::CloseSessionRequest req;
+    req.set_session_id(channel_id_);
+    v1::CloseSessionResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
-    closed =
-        FromGrpcStatus(stub_->CloseAttentionChannel(&ctx, req, &resp), "CloseAttentionChannel");
+    closed = FromGrpcStatus(stub_->CloseSession(&ctx, req, &resp), "CloseSession");
     if (absl::IsNotFound(closed)) closed = absl::OkStatus();  // the daemon ended it already
   }
   if (!broken_) ncclCommAbort(Comm(comm_));  // the daemon aborted its end

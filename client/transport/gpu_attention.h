@@ -1,5 +1,6 @@
-// GpuAttentionClient: a decode worker's side of kvpoold's NCCL attention channel (kvpool.v1.
-// GpuAttentionService, proto/kvpool/v1/gpu_attention_service.proto): remote attention whose
+// GpuAttentionClient: a decode worker's side of kvpoold's NCCL attention channel (an NCCL session
+// of use ATTENTION, negotiated through kvpool.v1.TransportService, proto/kvpool/v1/
+// transport_service.proto, and kept by its WatchSession lease): remote attention whose
 // queries and outputs stay in this process's GPU memory and move GPU to GPU over NCCL (this
 // process is rank 0), one NCCL round trip per call, no gRPC on the hot path.
 //
@@ -38,7 +39,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
-#include "kvpool/v1/gpu_attention_service.grpc.pb.h"
+#include "kvpool/v1/transport_service.grpc.pb.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 
@@ -67,9 +68,10 @@ class GpuAttentionClient {
   GpuAttentionClient(const GpuAttentionClient&) = delete;
   GpuAttentionClient& operator=(const GpuAttentionClient&) = delete;
 
-  // Opens the channel: exchanges an ncclUniqueId over gRPC and joins as rank 0 while the daemon
-  // joins as rank 1. FailedPrecondition (already open), UNAVAILABLE (daemon not on a GPU, NCCL
-  // errors), DEADLINE_EXCEEDED (no join within `timeout`).
+  // Opens the channel: negotiates an NCCL attention session (an ncclUniqueId over gRPC), joins
+  // as rank 0 while the daemon joins as rank 1, then holds the session's lease (WatchSession).
+  // FailedPrecondition (already open), UNAVAILABLE (daemon not on a GPU, NCCL errors),
+  // DEADLINE_EXCEEDED (no join within `timeout`).
   absl::Status Open(absl::Duration timeout);
 
   // Fixes a call shape: `sequence_ids` of `model_id`, `num_queries` query rows each. The
@@ -116,13 +118,14 @@ class GpuAttentionClient {
   absl::Status Enqueue(const std::function<void()>& issue, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The connect exchange on `comm` (ncclComm_t) while opening, before the daemon's answer:
-  // gives up once `refused()` or after `deadline`.
-  absl::Status ConnectPeer(void* comm, absl::Time deadline, const std::function<bool()>& refused)
+  // gives up with give_up()'s error or after `deadline`.
+  absl::Status ConnectPeer(void* comm, absl::Time deadline,
+                           const std::function<absl::Status()>& give_up)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The lease stream's end status once it ended (the daemon closed or aborted the channel).
   bool LeaseEnded(absl::Status* why) const;
 
-  std::unique_ptr<kvpool::v1::GpuAttentionService::Stub> stub_;
+  std::unique_ptr<kvpool::v1::TransportService::Stub> stub_;
   const int device_;
 
   mutable absl::Mutex mu_;
@@ -140,9 +143,9 @@ class GpuAttentionClient {
   uint8_t* h_header_ = nullptr;
   uint8_t* h_status_ = nullptr;
 
-  // The OpenAttentionChannel stream, kept open as the channel's lease, and its reader thread.
+  // The WatchSession stream, kept open as the channel's lease, and its reader thread.
   std::unique_ptr<grpc::ClientContext> lease_context_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<grpc::ClientReader<kvpool::v1::OpenAttentionChannelResponse>> lease_
+  std::unique_ptr<grpc::ClientReader<kvpool::v1::WatchSessionResponse>> lease_
       ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
   mutable absl::Mutex lease_mu_;

@@ -3,7 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -21,21 +21,31 @@ namespace {
 
 namespace v1 = ::kvpool::v1;
 
-v1::GpuPushRequest Header(const GpuPushSpec& spec, uint64_t channel) {
-  v1::GpuPushRequest r;
-  v1::GpuPushHeader* h = r.mutable_header();
+v1::DevicePushRequest Header(const GpuPushSpec& spec, uint64_t session) {
+  v1::DevicePushRequest r;
+  r.mutable_header()->set_session_id(session);
+  v1::AppendKvHeader* h = r.mutable_header()->mutable_append();
   h->set_sequence_id(spec.sequence_id);
   h->set_token_start(spec.token_start);
   h->set_num_tokens(spec.num_tokens);
+  h->set_dtype(v1::DTYPE_BF16);
   h->set_end_of_prefill(spec.end_of_prefill);
-  h->set_nccl_channel_id(channel);
   return r;
+}
+
+absl::Status CloseSession(v1::TransportService::Stub& stub, uint64_t session) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::CloseSessionRequest req;
+  req.set_session_id(session);
+  v1::CloseSessionResponse resp;
+  return FromGrpcStatus(stub.CloseSession(&ctx, req, &resp), "CloseSession");
 }
 
 }  // namespace
 
 GpuPushClient::GpuPushClient(std::shared_ptr<grpc::Channel> channel, int device)
-    : stub_(v1::GpuTransportService::NewStub(std::move(channel))), device_(device) {}
+    : stub_(v1::TransportService::NewStub(std::move(channel))), device_(device) {}
 
 absl::StatusOr<std::unique_ptr<GpuPushClient>> GpuPushClient::Create(
     std::shared_ptr<grpc::Channel> channel, int device) {
@@ -53,73 +63,24 @@ GpuPushClient::~GpuPushClient() {
   cudaSetDevice(device_);
   if (stalled_context_ != nullptr) stalled_context_->TryCancel();
   if (comm_ != nullptr) (void)CloseNccl();
+  if (ipc_session_ != 0) (void)CloseSession(*stub_, ipc_session_);
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
 absl::Status GpuPushClient::OpenNccl(absl::Duration timeout) {
-  if (comm_ != nullptr) return absl::FailedPreconditionError("an NCCL channel is already open");
+  if (comm_ != nullptr) return absl::FailedPreconditionError("an NCCL session is already open");
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
-  ncclUniqueId id;
-  KVPOOL_RETURN_IF_ERROR(NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"));
-  v1::OpenNcclChannelRequest req;
-  req.set_nccl_unique_id(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
-  req.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
-  req.set_client_name("gpu-push");
-  const bool blocking_ops = gpu_internal::WantBlockingOps();
-  req.set_blocking_ops(blocking_ops);
-  v1::OpenNcclChannelResponse resp;
-  grpc::Status rpc;
-  std::atomic<bool> rpc_done{false};
-  // The daemon joins as rank 1 (then splits and waits for the connect messages) while this
-  // thread does the same as rank 0; it answers once all of that is done.
-  std::thread t([&] {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout) + 5000));
-    rpc = stub_->OpenNcclChannel(&ctx, req, &resp);
-    rpc_done.store(true, std::memory_order_release);
-  });
-  ncclComm_t comm = nullptr;
-  absl::Status joined;
-  if (!blocking_ops) {
-    joined = NcclStatus(ncclCommInitRank(&comm, 2, id, 0), "ncclCommInitRank");
-  } else {
-    // Non-blocking join, so that a daemon that refuses the channel (its answer comes before it
-    // ever joins: a CPU daemon, a bad request) or never joins ends the wait; then the blocking
-    // communicator the operations run on (JoinNcclComm on the daemon's side).
-    const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
-    auto give_up = [&]() -> absl::Status {
-      if (rpc_done.load(std::memory_order_acquire) && !rpc.ok()) {
-        return FromGrpcStatus(rpc, "OpenNcclChannel");
-      }
-      return absl::OkStatus();
+  gpu_internal::ConnectPeer connect;
+  if (gpu_internal::WantBlockingOps()) {
+    connect = [this](ncclComm_t comm, absl::Time, const std::function<absl::Status()>&) {
+      return Connect(comm);
     };
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
-    joined = (r == ncclSuccess || r == ncclInProgress) ? absl::OkStatus()
-                                                       : NcclStatus(r, "ncclCommInitRankConfig");
-    if (joined.ok()) {
-      joined = gpu_internal::AwaitComm(comm, "joining the NCCL communicator", deadline, give_up);
-    }
-    if (joined.ok()) {
-      absl::StatusOr<ncclComm_t> child = gpu_internal::SplitBlocking(comm, deadline, give_up);
-      comm = nullptr;  // aborted by SplitBlocking
-      joined = child.status();
-      if (joined.ok()) {
-        comm = *child;
-        joined = Connect(comm);
-      }
-    }
   }
-  t.join();
-  if (!joined.ok() || !rpc.ok()) {
-    if (comm != nullptr) ncclCommAbort(comm);
-    KVPOOL_RETURN_IF_ERROR(FromGrpcStatus(rpc, "OpenNcclChannel"));
-    return joined;
-  }
-  comm_ = comm;
-  channel_id_ = resp.channel_id();
+  KVPOOL_ASSIGN_OR_RETURN(gpu_internal::NcclSessionJoin joined,
+                          gpu_internal::JoinNcclSession(*stub_, v1::NCCL_CHANNEL_USE_INGEST,
+                                                        timeout, "gpu-push", connect));
+  comm_ = joined.comm;
+  nccl_session_ = joined.session.session_id();
   return absl::OkStatus();
 }
 
@@ -144,15 +105,28 @@ absl::Status GpuPushClient::Connect(void* comm) {
 
 absl::Status GpuPushClient::CloseNccl() {
   if (comm_ == nullptr) return absl::OkStatus();
-  grpc::ClientContext ctx;
-  v1::CloseNcclChannelRequest req;
-  req.set_channel_id(channel_id_);
-  v1::CloseNcclChannelResponse resp;
-  const grpc::Status s = stub_->CloseNcclChannel(&ctx, req, &resp);
+  const absl::Status s = CloseSession(*stub_, nccl_session_);
   ncclCommAbort(static_cast<ncclComm_t>(comm_));
   comm_ = nullptr;
-  channel_id_ = 0;
-  return FromGrpcStatus(s, "CloseNcclChannel");
+  nccl_session_ = 0;
+  return s;
+}
+
+absl::StatusOr<uint64_t> GpuPushClient::IpcSession() {
+  if (ipc_session_ != 0) return ipc_session_;
+  v1::NegotiateRequest req;
+  req.set_client_name("gpu-push");
+  req.add_offers()->set_kind(v1::TRANSPORT_KIND_CUDA_IPC);
+  v1::NegotiateResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  KVPOOL_RETURN_IF_ERROR(FromGrpcStatus(stub_->Negotiate(&ctx, req, &resp), "Negotiate"));
+  if (resp.kind() != v1::TRANSPORT_KIND_CUDA_IPC) {
+    return absl::UnavailableError(
+        "the daemon offers no CUDA IPC: it needs kvpoold --device=cuda:N built with CUDA");
+  }
+  ipc_session_ = resp.cuda_ipc().session_id();
+  return ipc_session_;
 }
 
 absl::Status GpuPushClient::RegisterBuffer(const void* base, size_t bytes) {
@@ -167,12 +141,13 @@ absl::Status GpuPushClient::RegisterBuffer(const void* base, size_t bytes) {
 
 absl::StatusOr<v1::AppendKvResponse> GpuPushClient::PushNccl(
     const GpuPushSpec& spec, absl::Span<const GpuLayerRows> layers) {
-  if (comm_ == nullptr) return absl::FailedPreconditionError("no NCCL channel: call OpenNccl");
+  if (comm_ == nullptr) return absl::FailedPreconditionError("no NCCL session: call OpenNccl");
   return Push(spec, layers, /*nccl=*/true);
 }
 
 absl::StatusOr<v1::AppendKvResponse> GpuPushClient::PushIpc(const GpuPushSpec& spec,
                                                             absl::Span<const GpuLayerRows> layers) {
+  KVPOOL_RETURN_IF_ERROR(IpcSession().status());
   return Push(spec, layers, /*nccl=*/false);
 }
 
@@ -202,8 +177,8 @@ absl::StatusOr<v1::AppendKvResponse> GpuPushClient::Push(const GpuPushSpec& spec
 
   grpc::ClientContext ctx;
   v1::AppendKvResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::GpuPushRequest>> w = stub_->PushKv(&ctx, &response);
-  bool wrote = w->Write(Header(spec, nccl ? channel_id_ : 0));
+  std::unique_ptr<grpc::ClientWriter<v1::DevicePushRequest>> w = stub_->PushKv(&ctx, &response);
+  bool wrote = w->Write(Header(spec, nccl ? nccl_session_ : ipc_session_));
   absl::Status send_error;
   for (size_t layer = 0; layer < layers.size() && wrote && send_error.ok(); ++layer) {
     for (uint32_t at = 0; at < spec.num_tokens && wrote; at += chunk) {
@@ -211,9 +186,9 @@ absl::StatusOr<v1::AppendKvResponse> GpuPushClient::Push(const GpuPushSpec& spec
       const size_t bytes = static_cast<size_t>(n) * spec.row_bytes;
       const auto* k = static_cast<const uint8_t*>(layers[layer].k) + at * spec.row_bytes;
       const auto* v = static_cast<const uint8_t*>(layers[layer].v) + at * spec.row_bytes;
-      v1::GpuPushRequest r;
-      v1::GpuPushChunk* c = r.mutable_chunk();
-      c->set_layer(static_cast<uint32_t>(layer));
+      v1::DevicePushRequest r;
+      v1::DevicePushChunk* c = r.mutable_chunk();
+      c->set_layer(static_cast<int32_t>(layer));
       c->set_token_offset(at);
       c->set_num_tokens(n);
       if (!nccl) {
@@ -241,7 +216,7 @@ absl::StatusOr<v1::AppendKvResponse> GpuPushClient::Push(const GpuPushSpec& spec
       // The daemon aborted its end: our sends would never complete.
       ncclCommAbort(static_cast<ncclComm_t>(comm_));
       comm_ = nullptr;
-      channel_id_ = 0;
+      nccl_session_ = 0;
     } else {
       KVPOOL_RETURN_IF_ERROR(
           CudaStatus(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "NCCL sends"));
@@ -253,15 +228,15 @@ absl::StatusOr<v1::AppendKvResponse> GpuPushClient::Push(const GpuPushSpec& spec
 }
 
 absl::Status GpuPushClient::StartNcclPushAndStall(const GpuPushSpec& spec) {
-  if (comm_ == nullptr) return absl::FailedPreconditionError("no NCCL channel: call OpenNccl");
+  if (comm_ == nullptr) return absl::FailedPreconditionError("no NCCL session: call OpenNccl");
   stalled_context_ = std::make_unique<grpc::ClientContext>();
   stalled_writer_ = stub_->PushKv(stalled_context_.get(), &stalled_response_);
-  v1::GpuPushRequest r;
-  v1::GpuPushChunk* c = r.mutable_chunk();
+  v1::DevicePushRequest r;
+  v1::DevicePushChunk* c = r.mutable_chunk();
   c->set_layer(0);
   c->set_token_offset(0);
   c->set_num_tokens(spec.chunk_tokens == 0 ? spec.num_tokens : spec.chunk_tokens);
-  if (!stalled_writer_->Write(Header(spec, channel_id_)) || !stalled_writer_->Write(r)) {
+  if (!stalled_writer_->Write(Header(spec, nccl_session_)) || !stalled_writer_->Write(r)) {
     return absl::UnavailableError("PushKv stream broke");
   }
   return absl::OkStatus();

@@ -1,7 +1,9 @@
-// GpuPushClient: a prefill worker's side of kvpoold's GPU data plane (kvpool.v1.GpuTransport
-// Service): K/V that sit in this process's GPU memory go to a kvpoold whose pool is on another
-// GPU, over an NCCL channel (this process is rank 0) or through CUDA IPC (the daemon maps the
-// registered buffers and reads them over NVLink). gRPC carries the control messages only.
+// GpuPushClient: a prefill worker's side of kvpoold's GPU data plane: K/V that sit in this
+// process's GPU memory go to a kvpoold whose pool is on a GPU (another one, or the same one in
+// another process), over an NCCL session (this process is rank 0) or a CUDA IPC session (the
+// daemon maps the registered buffers and copies them), both negotiated through
+// TransportService.Negotiate; each push is a TransportService.PushKv stream, which carries the
+// control messages only.
 //
 //   KVPOOL_ASSIGN_OR_RETURN(auto gpu, GpuPushClient::Create(grpc_channel, /*device=*/0));
 //   KVPOOL_RETURN_IF_ERROR(gpu->OpenNccl(absl::Seconds(60)));
@@ -25,7 +27,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "grpcpp/grpcpp.h"
-#include "kvpool/v1/gpu_transport_service.grpc.pb.h"
+#include "kvpool/v1/transport_service.grpc.pb.h"
 
 namespace kvpool::client {
 
@@ -51,17 +53,19 @@ class GpuPushClient {
       std::shared_ptr<grpc::Channel> channel, int device);
   ~GpuPushClient();
 
-  // Opens an NCCL channel with the daemon (exchanging an ncclUniqueId over gRPC).
+  // Opens an NCCL ingest session with the daemon (Negotiate offering NCCL, exchanging an
+  // ncclUniqueId). UNAVAILABLE when the daemon hosts no NCCL.
   absl::Status OpenNccl(absl::Duration timeout);
-  // Pushes over the open NCCL channel: per chunk a gRPC message, then ncclSend of K and V.
+  // Pushes over the open NCCL session: per chunk a gRPC message, then ncclSend of K and V.
   absl::StatusOr<kvpool::v1::AppendKvResponse> PushNccl(const GpuPushSpec& spec,
                                                         absl::Span<const GpuLayerRows> layers);
-  // Closes the NCCL channel (both ends).
+  // Closes the NCCL session (both ends).
   absl::Status CloseNccl();
 
   // Exports a cudaMalloc'ed buffer (its base) for CUDA IPC pushes.
   absl::Status RegisterBuffer(const void* base, size_t bytes);
-  // Pushes through CUDA IPC: every row pointer must lie in a registered buffer.
+  // Pushes through CUDA IPC: every row pointer must lie in a registered buffer. The first push
+  // negotiates the CUDA IPC session (UNAVAILABLE when the daemon hosts no CUDA IPC).
   absl::StatusOr<kvpool::v1::AppendKvResponse> PushIpc(const GpuPushSpec& spec,
                                                        absl::Span<const GpuLayerRows> layers);
 
@@ -73,6 +77,8 @@ class GpuPushClient {
   GpuPushClient(std::shared_ptr<grpc::Channel> channel, int device);
   // Sends the connect messages the daemon waits for after joining.
   absl::Status Connect(void* comm);
+  // The CUDA IPC session, negotiated on first use.
+  absl::StatusOr<uint64_t> IpcSession();
   absl::StatusOr<kvpool::v1::AppendKvResponse> Push(const GpuPushSpec& spec,
                                                     absl::Span<const GpuLayerRows> layers,
                                                     bool nccl);
@@ -82,15 +88,16 @@ class GpuPushClient {
     std::string handle;
   };
 
-  std::unique_ptr<kvpool::v1::GpuTransportService::Stub> stub_;
+  std::unique_ptr<kvpool::v1::TransportService::Stub> stub_;
   const int device_;
   void* comm_ = nullptr;    // ncclComm_t
   void* stream_ = nullptr;  // cudaStream_t of the sends
-  uint64_t channel_id_ = 0;
+  uint64_t nccl_session_ = 0;
+  uint64_t ipc_session_ = 0;
   std::map<const uint8_t*, Registered> buffers_;  // by base address
   // Kept open by StartNcclPushAndStall.
   std::unique_ptr<grpc::ClientContext> stalled_context_;
-  std::unique_ptr<grpc::ClientWriter<kvpool::v1::GpuPushRequest>> stalled_writer_;
+  std::unique_ptr<grpc::ClientWriter<kvpool::v1::DevicePushRequest>> stalled_writer_;
   kvpool::v1::AppendKvResponse stalled_response_;
 };
 

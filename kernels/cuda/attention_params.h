@@ -5,27 +5,20 @@
 #include <cstdint>
 
 #include "kernels/cuda/codec_params.h"
+#include "kernels/paged_kv_tier.h"
 
 struct CUstream_st;
 
 namespace kvpool::cuda::internal {
-
-// One tier of every sequence: tokens [first[i], first[i] + count[i]) of block table i.
-struct TierParams {
-  const int32_t* block_tables;  // [num_seqs][stride]
-  const int32_t* first;         // [num_seqs]
-  const int32_t* count;         // [num_seqs]
-  int32_t stride;
-};
 
 struct AttentionParams {
   const uint8_t* int2_pool;
   BlockGeometry int2_geo;
   const uint8_t* bf16_pool;
   BlockGeometry bf16_geo;
-  TierParams sink;
-  TierParams history;
-  TierParams recent;
+  PagedKvTier sink;  // the batch's tiers, arrays in device memory
+  PagedKvTier history;
+  PagedKvTier recent;
   int32_t num_seqs;
   int32_t q_heads;
   int32_t kv_heads;

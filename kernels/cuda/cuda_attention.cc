@@ -50,8 +50,8 @@ struct Plan {
 
 int RoundUp(int64_t v, int64_t q) { return static_cast<int>((v + q - 1) / q * q); }
 
-absl::Status CheckShape(const DecodeAttentionShape& s) {
-  const BlockLayout& l = s.history_pool.layout;
+absl::Status CheckShape(const DecodeAttentionShape& s, const PagedKvBatch& b) {
+  const BlockLayout& l = b.history_pool.layout;
   const int d = l.head_dim;
   if (d != 64 && d != 128) {
     return absl::UnimplementedError(
@@ -73,31 +73,31 @@ absl::Status CheckShape(const DecodeAttentionShape& s) {
     return absl::UnimplementedError(
         "decode attention needs INT2 history blocks with one group per row (G = D)");
   }
-  if (s.history_pool.scale_dtype != s.cfg.scale_dtype) {
+  if (b.history_pool.scale_dtype != s.cfg.scale_dtype) {
     return absl::InvalidArgumentError("history scale dtype does not match the QuantConfig");
   }
-  if (s.history_pool.block_stride % 16 != 0 || s.bf16_pool.block_stride % 16 != 0 ||
-      s.history_pool.block_stride < 0 || s.bf16_pool.block_stride < 0) {
+  if (b.history_pool.block_stride % 16 != 0 || b.bf16_pool.block_stride % 16 != 0 ||
+      b.history_pool.block_stride < 0 || b.bf16_pool.block_stride < 0) {
     return absl::InvalidArgumentError("block strides must be 0 or a multiple of 16");
   }
   if (s.tuning.max_history_chunk_tokens < 0) {
     return absl::InvalidArgumentError("tuning.max_history_chunk_tokens must be >= 0");
   }
-  if (s.num_seqs < 1 || s.max_history_tokens < 0 || s.max_bf16_tokens < 0) {
+  if (b.num_seqs < 1 || b.max_history_tokens < 0 || b.max_bf16_tokens < 0) {
     return absl::InvalidArgumentError("need num_seqs >= 1 and non-negative token bounds");
   }
-  if (s.max_history_tokens > 0 &&
-      (s.history_pool.pool == nullptr || s.history_pool.num_blocks < 1)) {
+  if (b.max_history_tokens > 0 &&
+      (b.history_pool.pool == nullptr || b.history_pool.num_blocks < 1)) {
     return absl::InvalidArgumentError("history pool is empty");
   }
-  if (s.max_bf16_tokens > 0) {
-    const BlockLayout& b = s.bf16_pool.layout;
-    if (s.bf16_pool.pool == nullptr || s.bf16_pool.num_blocks < 1 ||
-        reinterpret_cast<uintptr_t>(s.bf16_pool.pool) % 16 != 0) {
+  if (b.max_bf16_tokens > 0) {
+    const BlockLayout& p = b.bf16_pool.layout;
+    if (b.bf16_pool.pool == nullptr || b.bf16_pool.num_blocks < 1 ||
+        reinterpret_cast<uintptr_t>(b.bf16_pool.pool) % 16 != 0) {
       return absl::InvalidArgumentError("BF16 pool must be a non-null 16-byte aligned arena");
     }
-    if (b.bits != 16 || b.head_dim != d || b.kv_heads != l.kv_heads || b.tokens < 8 ||
-        (b.tokens & (b.tokens - 1)) != 0) {
+    if (p.bits != 16 || p.head_dim != d || p.kv_heads != l.kv_heads || p.tokens < 8 ||
+        (p.tokens & (p.tokens - 1)) != 0) {
       return absl::InvalidArgumentError(
           "BF16 pool layout must be bits 16 with the model's head_dim and kv_heads");
     }
@@ -174,39 +174,39 @@ bool Takes(PathChoice choice, bool by_shape) {
   return by_shape;
 }
 
-absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
-  KVPOOL_RETURN_IF_ERROR(CheckShape(s));
+absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch& b) {
+  KVPOOL_RETURN_IF_ERROR(CheckShape(s, b));
   int device = 0;
   int sms = 0;
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
   KVPOOL_RETURN_IF_ERROR(
       CudaStatus(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count"));
   const AttentionTuning& tuning = s.tuning;
-  const int kv_heads = s.history_pool.layout.kv_heads;
-  const int head_dim = s.history_pool.layout.head_dim;
+  const int kv_heads = b.history_pool.layout.kv_heads;
+  const int head_dim = b.history_pool.layout.head_dim;
   Plan p;
   p.group = s.q_heads / kv_heads;
   p.large_group = p.group > kMaxHistoryGroup;
   p.history_narrow = !p.large_group && p.group <= kMaxNarrowGroup && tuning.narrow_layout;
-  const int64_t pairs = static_cast<int64_t>(s.num_seqs) * kv_heads;
+  const int64_t pairs = static_cast<int64_t>(b.num_seqs) * kv_heads;
   // A CTA per (sequence, KV head) group merges faster than the kernels that spread the merge
   // over more CTAs only once those groups alone fill the SMs (NOTES.md, runs 7 and 8).
   const bool groups_fill_sms = pairs >= sms;
   p.merge_per_group = !p.large_group && Takes(tuning.group_merge, groups_fill_sms);
-  if (s.max_bf16_tokens > 0) {
+  if (b.max_bf16_tokens > 0) {
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm,
                             CtasPerSm(head_dim, p.large_group, AttentionKernelKind::kBf16Tiers));
-    const Split b = ChooseSplit(s.max_bf16_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+    const Split t = ChooseSplit(b.max_bf16_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
                                 kChunkQuantum, kMaxBf16Parts);
-    p.bf16_chunks = b.chunks;
-    p.bf16_chunk_tokens = b.chunk_tokens;
+    p.bf16_chunks = t.chunks;
+    p.bf16_chunk_tokens = t.chunk_tokens;
   }
-  if (s.max_history_tokens > 0) {
+  if (b.max_history_tokens > 0) {
     const AttentionKernelKind kind = p.large_group      ? AttentionKernelKind::kHistoryLargeGroup
                                      : p.history_narrow ? AttentionKernelKind::kHistoryNarrow
                                                         : AttentionKernelKind::kHistory;
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, p.large_group, kind));
-    const Split h = ChooseSplit(s.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+    const Split h = ChooseSplit(b.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
                                 2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
                                 p.large_group ? kChunkQuantum : kHistoryQuantum,
                                 tuning.max_history_chunk_tokens);
@@ -215,8 +215,8 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
   p.tail_merge = !p.large_group && p.num_parts > 0 && Takes(tuning.tail_merge, groups_fill_sms);
-  const size_t rows = static_cast<size_t>(s.num_seqs) * s.q_heads;
-  const size_t d = s.history_pool.layout.head_dim;
+  const size_t rows = static_cast<size_t>(b.num_seqs) * s.q_heads;
+  const size_t d = b.history_pool.layout.head_dim;
   auto take = [&](size_t bytes) {
     const size_t at = p.total;
     p.total += (bytes + 255) / 256 * 256;
@@ -231,7 +231,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s) {
   return p;
 }
 
-absl::Status CheckTier(const DecodeTier& t, const char* name) {
+absl::Status CheckTier(const PagedKvTier& t, const char* name) {
   if (t.block_tables == nullptr || t.first_token == nullptr || t.num_tokens == nullptr ||
       t.block_table_stride < 1) {
     return absl::InvalidArgumentError(
@@ -240,23 +240,20 @@ absl::Status CheckTier(const DecodeTier& t, const char* name) {
   return absl::OkStatus();
 }
 
-internal::TierParams Tier(const DecodeTier& t) {
-  return internal::TierParams{t.block_tables, t.first_token, t.num_tokens, t.block_table_stride};
-}
-
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
-absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const DecodeAttentionShape& shape) {
-  KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape));
+absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const DecodeAttentionShape& shape,
+                                                     const PagedKvBatch& batch) {
+  KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape, batch));
   return plan.total;
 }
 
-absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatch& batch,
+absl::Status DecodeAttention(const DecodeAttentionShape& shape, const PagedKvBatch& batch,
                              const DecodeIo& io, void* workspace, size_t workspace_bytes,
                              Stream stream) {
-  KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape));
+  KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape, batch));
   if (workspace == nullptr || workspace_bytes < plan.total) {
     return absl::FailedPreconditionError(
         absl::StrCat("decode attention needs ", plan.total, " workspace bytes"));
@@ -268,25 +265,25 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const DecodeBatc
       (io.rotation_v != nullptr && !Aligned16(io.rotation_v))) {
     return absl::InvalidArgumentError("rotations must be 16-byte aligned");
   }
-  if (shape.max_history_tokens > 0) KVPOOL_RETURN_IF_ERROR(CheckTier(batch.history, "history"));
-  if (shape.max_bf16_tokens > 0) {
+  if (batch.max_history_tokens > 0) KVPOOL_RETURN_IF_ERROR(CheckTier(batch.history, "history"));
+  if (batch.max_bf16_tokens > 0) {
     KVPOOL_RETURN_IF_ERROR(CheckTier(batch.sink, "sink"));
     KVPOOL_RETURN_IF_ERROR(CheckTier(batch.recent, "recent"));
   }
-  const int d = shape.history_pool.layout.head_dim;
+  const int d = batch.history_pool.layout.head_dim;
   AttentionParams p{};
-  p.int2_pool = shape.history_pool.pool;
-  p.int2_geo = MakeGeometry(shape.history_pool);
-  if (shape.max_bf16_tokens > 0) {
-    p.bf16_pool = shape.bf16_pool.pool;
-    p.bf16_geo = MakeGeometry(shape.bf16_pool);
+  p.int2_pool = batch.history_pool.pool;
+  p.int2_geo = MakeGeometry(batch.history_pool);
+  if (batch.max_bf16_tokens > 0) {
+    p.bf16_pool = batch.bf16_pool.pool;
+    p.bf16_geo = MakeGeometry(batch.bf16_pool);
   }
-  p.sink = Tier(batch.sink);
-  p.history = Tier(batch.history);
-  p.recent = Tier(batch.recent);
-  p.num_seqs = shape.num_seqs;
+  p.sink = batch.sink;
+  p.history = batch.history;
+  p.recent = batch.recent;
+  p.num_seqs = batch.num_seqs;
   p.q_heads = shape.q_heads;
-  p.kv_heads = shape.history_pool.layout.kv_heads;
+  p.kv_heads = batch.history_pool.layout.kv_heads;
   p.group = plan.group;
   p.scale_is_bf16 = shape.cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
   p.softmax_scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(d)));

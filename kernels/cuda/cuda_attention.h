@@ -1,12 +1,12 @@
 // INT2 paged decode attention on the GPU: one decode step of one layer for a batch of
 // sequences of different lengths, over the BF16 sink, the INT2 history and the BF16 recent
 // window, with an exact log-sum-exp merge (docs/oscar-method.md section 11,
-// kernels/attention.h).
+// kernels/attention.h). The batch is the paged KV description (kernels/paged_kv.h) with its
+// arrays in device memory.
 // No CUDA types here; all pointers are device pointers.
 //
-//   DecodeAttentionShape shape{cfg, /*q_heads=*/64, int2_view, bf16_view, batch_size,
-//                              max_history, max_sink_plus_recent};
-//   size_t bytes = *DecodeAttentionWorkspaceBytes(shape);          // cudaMalloc it once
+//   DecodeAttentionShape shape{cfg, /*q_heads=*/64};
+//   size_t bytes = *DecodeAttentionWorkspaceBytes(shape, batch);   // cudaMalloc it once
 //   KVPOOL_RETURN_IF_ERROR(DecodeAttention(shape, batch, io, workspace, bytes, stream));
 //
 // Semantics, per sequence b and query head j (KV head j / (Hq / Hkv)), with q' = q * M_K:
@@ -31,36 +31,16 @@
 #include "kernels/codec_config.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/kernel_tuning.h"
+#include "kernels/paged_kv.h"
 
 namespace kvpool::cuda {
 
-// One tier (sink, history or recent) of every sequence of the batch: sequence i's tier holds
-// the tokens at positions [first_token[i], first_token[i] + num_tokens[i]) of block table i
-// (block table entry p / T holds position p at slot p % T). Device int32 arrays.
-struct DecodeTier {
-  const int32_t* block_tables = nullptr;  // [num_seqs][block_table_stride]
-  int block_table_stride = 0;
-  const int32_t* first_token = nullptr;  // [num_seqs]
-  const int32_t* num_tokens = nullptr;   // [num_seqs]
-};
-
-// What stays fixed between decode steps of a model and batch size: it decides the kernels, the
-// split of the work and the workspace size.
+// The model and the kernels' settings. With the batch's pools, sequence count and token bounds
+// (PagedKvBatch) they decide the kernels, the split of the work and the workspace size.
 struct DecodeAttentionShape {
-  QuantConfig cfg;
+  QuantConfig cfg;  // of the history pool's blocks
   int q_heads = 0;
-  PagedKvView history_pool;  // INT2 blocks (layout of cfg)
-  PagedKvView bf16_pool;     // BF16 blocks of the sink and recent tiers: layout bits == 16
-  int num_seqs = 0;
-  int max_history_tokens = 0;  // upper bound of any sequence's history length
-  int max_bf16_tokens = 0;     // upper bound of any sequence's sink + recent length
-  AttentionTuning tuning;      // the measured defaults unless a caller chooses otherwise
-};
-
-struct DecodeBatch {
-  DecodeTier sink;     // in bf16_pool
-  DecodeTier history;  // in history_pool
-  DecodeTier recent;   // in bf16_pool
+  AttentionTuning tuning;  // the measured defaults unless a caller chooses otherwise
 };
 
 struct DecodeIo {
@@ -71,19 +51,20 @@ struct DecodeIo {
   float* lse = nullptr;               // [num_seqs][q_heads], natural log
 };
 
-// Device workspace bytes DecodeAttention needs for `shape` on the current device.
-// InvalidArgument / Unimplemented as DecodeAttention.
+// Device workspace bytes DecodeAttention needs for `shape` and `batch` (its pools, num_seqs and
+// token bounds; the arrays are not read) on the current device. InvalidArgument / Unimplemented
+// as DecodeAttention.
 [[nodiscard]] absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(
-    const DecodeAttentionShape& shape);
+    const DecodeAttentionShape& shape, const PagedKvBatch& batch);
 
 // Enqueues the decode step on `stream` (two to four kernel launches: the query rotation, the
 // INT2 history and BF16 tier kernels of the tiers with work, and a merge kernel unless the
 // attention kernels merge; capturable in a CUDA graph).
 // InvalidArgument for inconsistent shapes or null pointers, Unimplemented for unsupported
 // settings, FailedPrecondition if `workspace_bytes` is too small. Token counts above the
-// shape's maxima are not detected (the excess tokens are ignored).
+// batch's bounds are not detected (the excess tokens are ignored).
 [[nodiscard]] absl::Status DecodeAttention(const DecodeAttentionShape& shape,
-                                           const DecodeBatch& batch, const DecodeIo& io,
+                                           const PagedKvBatch& batch, const DecodeIo& io,
                                            void* workspace, size_t workspace_bytes, Stream stream);
 
 }  // namespace kvpool::cuda

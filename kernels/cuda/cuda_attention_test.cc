@@ -335,7 +335,7 @@ class AttentionRun {
     CUDA_ASSERT(bf16_pool.Upload(bf16_host_));
     DeviceArray<int32_t> arrays[9];
     const HostTier* tiers[3] = {&sink_, &history_, &recent_};
-    DecodeTier dt[3];
+    PagedKvTier dt[3];
     for (int t = 0; t < 3; ++t) {
       arrays[3 * t].Resize(tiers[t]->tables.size());
       arrays[3 * t + 1].Resize(b);
@@ -343,8 +343,8 @@ class AttentionRun {
       CUDA_ASSERT(arrays[3 * t].Upload(tiers[t]->tables));
       CUDA_ASSERT(arrays[3 * t + 1].Upload(tiers[t]->first));
       CUDA_ASSERT(arrays[3 * t + 2].Upload(tiers[t]->count));
-      dt[t] = DecodeTier{arrays[3 * t].get(), tiers[t]->stride, arrays[3 * t + 1].get(),
-                         arrays[3 * t + 2].get()};
+      dt[t] = PagedKvTier{arrays[3 * t].get(), tiers[t]->stride, arrays[3 * t + 1].get(),
+                          arrays[3 * t + 2].get()};
     }
     DeviceArray<float> q(queries_.size()), mk(mk_.size()), mv(mv_.size());
     CUDA_ASSERT(q.Upload(queries_));
@@ -359,22 +359,25 @@ class AttentionRun {
     DecodeAttentionShape shape;
     shape.cfg = cfg_;
     shape.q_heads = sc_.q_heads;
-    shape.history_pool =
-        PagedKvView{int2_pool.get(), int2_layout_, cfg_.scale_dtype, int2_num_blocks_};
-    shape.bf16_pool =
-        PagedKvView{bf16_pool.get(), bf16_layout_, cfg_.scale_dtype, bf16_num_blocks_};
-    shape.num_seqs = b;
     shape.tuning = sc_.tuning;
+    PagedKvBatch batch;
+    batch.history_pool =
+        PagedKvView{int2_pool.get(), int2_layout_, cfg_.scale_dtype, int2_num_blocks_};
+    batch.bf16_pool =
+        PagedKvView{bf16_pool.get(), bf16_layout_, cfg_.scale_dtype, bf16_num_blocks_};
+    batch.num_seqs = b;
     for (int i = 0; i < b; ++i) {
-      shape.max_history_tokens = std::max(shape.max_history_tokens, history_.count[i]);
-      shape.max_bf16_tokens = std::max(shape.max_bf16_tokens, sink_.count[i] + recent_.count[i]);
+      batch.max_history_tokens = std::max(batch.max_history_tokens, history_.count[i]);
+      batch.max_bf16_tokens = std::max(batch.max_bf16_tokens, sink_.count[i] + recent_.count[i]);
     }
-    auto bytes = DecodeAttentionWorkspaceBytes(shape);
+    batch.sink = dt[0];
+    batch.history = dt[1];
+    batch.recent = dt[2];
+    auto bytes = DecodeAttentionWorkspaceBytes(shape, batch);
     ASSERT_TRUE(bytes.ok()) << bytes.status();
     DeviceArray<uint8_t> workspace(*bytes);
     // Poison the workspace too: nothing may read scratch it did not write.
     CUDA_ASSERT(cudaMemset(workspace.get(), 0xff, workspace.size()));
-    const DecodeBatch batch{dt[0], dt[1], dt[2]};
     const DecodeIo io{q.get(), sc_.rotate ? mk.get() : nullptr, sc_.rotate ? mv.get() : nullptr,
                       d_out.get(), d_lse.get()};
     const absl::Status s = DecodeAttention(shape, batch, io, workspace.get(), *bytes, nullptr);
@@ -679,20 +682,20 @@ void CheckBatch32At128K(int q_heads = 64) {
   DecodeAttentionShape shape;
   shape.cfg = cfg;
   shape.q_heads = q_heads;
-  shape.history_pool = PagedKvView{int2_pool.get(), int2_layout, cfg.scale_dtype,
+  PagedKvBatch batch;
+  batch.history_pool = PagedKvView{int2_pool.get(), int2_layout, cfg.scale_dtype,
                                    static_cast<int64_t>(kB) * hist_blocks_per_seq};
-  shape.bf16_pool = PagedKvView{bf16_pool.get(), bf16_layout, cfg.scale_dtype,
+  batch.bf16_pool = PagedKvView{bf16_pool.get(), bf16_layout, cfg.scale_dtype,
                                 static_cast<int64_t>(kB) * bf16_blocks_per_seq};
-  shape.num_seqs = kB;
-  shape.max_history_tokens = kHistory;
-  shape.max_bf16_tokens = kSink + kRecent;
-  auto bytes = DecodeAttentionWorkspaceBytes(shape);
+  batch.num_seqs = kB;
+  batch.max_history_tokens = kHistory;
+  batch.max_bf16_tokens = kSink + kRecent;
+  batch.sink = PagedKvTier{d_sink.get(), 4, d_zero.get(), d_sink_n.get()};
+  batch.history = PagedKvTier{d_hist.get(), hist_blocks_per_seq, d_zero.get(), d_hist_n.get()};
+  batch.recent = PagedKvTier{d_recent.get(), 16, d_zero.get(), d_recent_n.get()};
+  auto bytes = DecodeAttentionWorkspaceBytes(shape, batch);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   DeviceArray<uint8_t> workspace(*bytes);
-  const DecodeBatch batch{
-      DecodeTier{d_sink.get(), 4, d_zero.get(), d_sink_n.get()},
-      DecodeTier{d_hist.get(), hist_blocks_per_seq, d_zero.get(), d_hist_n.get()},
-      DecodeTier{d_recent.get(), 16, d_zero.get(), d_recent_n.get()}};
   const DecodeIo io{q.get(), nullptr, nullptr, out.get(), lse.get()};
   const absl::Status s = DecodeAttention(shape, batch, io, workspace.get(), *bytes, nullptr);
   ASSERT_TRUE(s.ok()) << s;

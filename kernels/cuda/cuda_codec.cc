@@ -323,7 +323,7 @@ namespace kvpool::cuda::internal {
 BlockGeometry MakeGeometry(const PagedKvView& kv) {
   const BlockLayout& l = kv.layout;
   BlockGeometry g;
-  g.block_bytes = kv.block_stride > 0 ? kv.block_stride : static_cast<int64_t>(l.block_bytes());
+  g.block_bytes = kv.stride_bytes();
   g.head_segment_bytes = static_cast<int64_t>(l.head_segment_bytes());
   for (int t = 0; t < 2; ++t) {
     const auto tensor = static_cast<KvTensor>(t);

@@ -1,7 +1,8 @@
 // The CUDA codec: quantize K/V rows into paged blocks on arrival, and dequantize blocks to BF16,
 // with the same semantics and block format as the CPU RowCodec (kernels/row_codec.h,
 // kernels/block_layout.h). This header has no CUDA types, so code built without nvcc (the
-// server) can include it; the pointers it takes are device pointers.
+// server) can include it; the pointers it takes are device pointers. Pools are PagedKvViews, the
+// pool view of the paged KV description (kernels/paged_kv.h).
 //
 //   PagedKvView kv{pool, BlockLayout::ForModel(cfg, 8, 128), cfg.scale_dtype, num_blocks};
 //   SequenceBatch batch{1, d_row_offsets, d_first_token, d_block_table, max_blocks, n};
@@ -20,6 +21,7 @@
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
 #include "kernels/cuda/kernel_tuning.h"
+#include "kernels/paged_kv.h"
 
 struct CUstream_st;
 
@@ -27,23 +29,6 @@ namespace kvpool::cuda {
 
 // A CUDA stream (cudaStream_t); nullptr is the legacy default stream.
 using Stream = CUstream_st*;
-
-// The paged KV pool of one layer (or of all layers, when block ids are global): one device
-// arena of `num_blocks` blocks of `layout.block_bytes()` bytes each; block b starts at
-// pool + b * layout.block_bytes(). The layout must be BlockLayout::ForModel(cfg, Hkv, D) of the
-// model's QuantConfig.
-//
-// `block_stride` (bytes, a multiple of 16) decouples block ids from the block size: block b
-// starts at pool + b * block_stride. 0 means layout.block_bytes() (dense blocks). A pool that
-// holds blocks of several sizes at 16-byte aligned offsets (kvpoold's slab arena) uses stride 16,
-// so a block's id is its byte offset / 16; ids outside [0, num_blocks) are rejected.
-struct PagedKvView {
-  uint8_t* pool = nullptr;
-  BlockLayout layout;
-  ScaleDtype scale_dtype = ScaleDtype::kFp16;
-  int64_t num_blocks = 0;
-  int64_t block_stride = 0;
-};
 
 // Rows of several sequences, each a run of consecutive tokens. Sequence i owns the input rows
 // [row_offsets[i], row_offsets[i+1]); its r-th row is the token at position

@@ -391,9 +391,10 @@ __global__ void __launch_bounds__(kAttnThreads)
   const BlockGeometry& geo = p.int2_geo;
   const bool scale_bf16 = p.scale_is_bf16 != 0;
 
-  const int count = __ldg(p.history.count + b);
-  const int first = __ldg(p.history.first + b);
-  const int32_t* table = p.history.block_tables + static_cast<int64_t>(b) * p.history.stride;
+  const int count = __ldg(p.history.num_tokens + b);
+  const int first = __ldg(p.history.first_token + b);
+  const int32_t* table =
+      p.history.block_tables + static_cast<int64_t>(b) * p.history.block_table_stride;
   const int c0 = chunk * p.history_chunk_tokens;
   const int c1 = min(count, c0 + p.history_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
@@ -670,12 +671,14 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
   const int g = lane / 4;
   const int t = lane % 4;
   const BlockGeometry& geo = p.bf16_geo;
-  const int n_sink = __ldg(p.sink.count + b);
-  const int n_recent = __ldg(p.recent.count + b);
-  const int first_sink = __ldg(p.sink.first + b);
-  const int first_recent = __ldg(p.recent.first + b);
-  const int32_t* sink_table = p.sink.block_tables + static_cast<int64_t>(b) * p.sink.stride;
-  const int32_t* recent_table = p.recent.block_tables + static_cast<int64_t>(b) * p.recent.stride;
+  const int n_sink = __ldg(p.sink.num_tokens + b);
+  const int n_recent = __ldg(p.recent.num_tokens + b);
+  const int first_sink = __ldg(p.sink.first_token + b);
+  const int first_recent = __ldg(p.recent.first_token + b);
+  const int32_t* sink_table =
+      p.sink.block_tables + static_cast<int64_t>(b) * p.sink.block_table_stride;
+  const int32_t* recent_table =
+      p.recent.block_tables + static_cast<int64_t>(b) * p.recent.block_table_stride;
   const int total = n_sink + n_recent;
   const int c0 = chunk * p.bf16_chunk_tokens;
   const int c1 = min(total, c0 + p.bf16_chunk_tokens);

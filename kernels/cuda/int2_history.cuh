@@ -155,9 +155,10 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   const int t = lane % 4;
   const BlockGeometry& geo = p.int2_geo;
 
-  const int count = __ldg(p.history.count + b);
-  const int first = __ldg(p.history.first + b);
-  const int32_t* table = p.history.block_tables + static_cast<int64_t>(b) * p.history.stride;
+  const int count = __ldg(p.history.num_tokens + b);
+  const int first = __ldg(p.history.first_token + b);
+  const int32_t* table =
+      p.history.block_tables + static_cast<int64_t>(b) * p.history.block_table_stride;
   const int c0 = chunk * p.history_chunk_tokens;
   const int c1 = min(count, c0 + p.history_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;

@@ -8,6 +8,10 @@ absl::string_view TransportKindName(TransportKind kind) {
       return "grpc_inline";
     case TransportKind::kUcx:
       return "ucx";
+    case TransportKind::kNccl:
+      return "nccl";
+    case TransportKind::kCudaIpc:
+      return "cuda_ipc";
   }
   return "unknown";
 }

@@ -6,16 +6,22 @@
 //
 // The interface, after NIXL's backend engine: first what a transport can do (capabilities),
 // then the few operations every transport implements (accept a client's offer = connect, close
-// a session = release, statistics, shutdown), then an optional group with defaults that return
-// UNIMPLEMENTED (registering memory the transport receives into). One folder per transport:
+// a session = release, statistics, shutdown), then optional groups with defaults (accepting
+// asynchronously, for a transport whose accept waits on its peer; registering memory the
+// transport receives into; device pushes; remote attention plans; a session's lease), the others
+// returning UNIMPLEMENTED. One folder per transport:
 //   grpc_inline/  the bytes inside AppendKv / Attend (always available, the fallback)
 //   ucx/          UCX active messages into registered staging memory
+//   nccl/         GPU to GPU over a two-rank NCCL communicator: pushes and attention channels
+//   cuda_ipc/     GPU to GPU on one host through the client's exported buffers: pushes
+// (device/ holds what the two GPU transports share.)
 //
 //   std::vector<std::unique_ptr<Transport>> transports = ...;   // hosted by KvpoolServer
 //   for (auto& t : transports) {
-//     if (!t->capabilities().Accepts(offer.kind)) continue;
-//     KVPOOL_ASSIGN_OR_RETURN(TransportSession session, t->Accept(tenant, offer));
-//     ...                                                          // answer the client
+//     if (t->capabilities().kind != offer.kind) continue;
+//     t->AcceptAsync(tenant, offer, cancelled, [](absl::StatusOr<TransportSession> s) {
+//       ...                                                        // answer the client
+//     });
 //   }
 //
 // Thread-safety: every method may be called from any thread, concurrently.
@@ -23,18 +29,27 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "dataplane/attention_wire.h"
 #include "server/tenant.h"
 
 namespace kvpool::server {
 
+class DevicePush;  // server/transport/device_push.h
+
 // Matches kvpool.v1.TransportKind.
-enum class TransportKind : int { kGrpcInline = 1, kUcx = 2 };
+enum class TransportKind : int { kGrpcInline = 1, kUcx = 2, kNccl = 3, kCudaIpc = 4 };
+
+// What an NCCL session carries; matches kvpool.v1.NcclChannelUse.
+enum class NcclUse : int { kIngest = 1, kAttention = 2 };
 
 absl::string_view TransportKindName(TransportKind kind);
 
@@ -53,6 +68,10 @@ struct TransportCapabilities {
   bool layer_notifications = false;
   // Carries remote-attention calls.
   bool remote_attention = true;
+  // Carries device pushes (TransportService.PushKv: OpenDevicePush).
+  bool device_pushes = false;
+  // Its attention calls follow plans (TransportService.SetAttentionPlan).
+  bool attention_plans = false;
 };
 
 // A process that may be watched on the same host (kvpool.v1.TransportOffer's pid fields).
@@ -62,6 +81,14 @@ struct PeerProcess {
   uint64_t start_time = 0;
 };
 
+// NCCL: the communicator a client offers to join (kvpool.v1.NcclOffer), as received.
+struct NcclOfferFields {
+  std::string unique_id;
+  uint32_t timeout_ms = 0;
+  bool blocking_ops = false;
+  int use = 0;  // a kvpool.v1.NcclChannelUse value, unchecked
+};
+
 // A client's offer of one transport (kvpool.v1.TransportOffer).
 struct TransportOffer {
   TransportKind kind = TransportKind::kGrpcInline;
@@ -69,6 +96,7 @@ struct TransportOffer {
   std::string peer_transports;
   std::string client_name;
   PeerProcess peer_process;
+  NcclOfferFields nccl;
 };
 
 // What the client needs to use an accepted transport (kvpool.v1.UcxSession for UCX).
@@ -88,6 +116,24 @@ struct TransportSession {
   std::string transports;
   PeerProcess daemon_process;
   bool peer_error_handling = false;
+  // NCCL and CUDA IPC: the daemon's GPU.
+  int device = -1;
+  // NCCL: what the session carries; ingest: the largest chunk's K (or V); attention: the call
+  // header's and status block's bytes, the most query bytes of a call, and how long the daemon
+  // waits for the session's watch.
+  NcclUse nccl_use = NcclUse::kIngest;
+  size_t max_chunk_bytes = 0;
+  uint32_t call_header_bytes = 0;
+  uint32_t call_status_bytes = 0;
+  size_t max_query_bytes = 0;
+  uint32_t watch_timeout_ms = 0;
+};
+
+// A remote-attention plan's id and the shape of its calls (NCCL attention channels).
+struct AttentionPlanInfo {
+  uint32_t plan_id = 0;
+  AttentionPlanShape shape;
+  int num_layers = 0;
 };
 
 // Counters of one transport (kvpool.v1.TransportStats sums them).
@@ -138,10 +184,56 @@ class Transport {
   virtual void Shutdown() = 0;
 
   // --- Optional ---
+  // Accept for a transport whose accepting waits on the peer (NCCL joins a communicator): runs
+  // `done` once decided, possibly on another thread; gives up once `cancelled()` (the client
+  // went away). By default Accept on the calling thread.
+  virtual void AcceptAsync(const TenantId& tenant, const TransportOffer& offer,
+                           std::function<bool()> /*cancelled*/,
+                           std::function<void(absl::StatusOr<TransportSession>)> done) {
+    done(Accept(tenant, offer));
+  }
+
   // Registers `bytes` of memory that the transport may receive into.
   [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<RegisteredMemory>> RegisterMemory(
       size_t /*bytes*/) {
-    return absl::UnimplementedError(std::string(name()) + " does not register memory");
+    return Unimplemented("register memory");
+  }
+
+  // Device pushes (capabilities().device_pushes): a push over session `session_id` of `tenant`,
+  // whose chunks the transport brings into GPU memory (device_push.h); `cancelled()` says the
+  // client went away. NotFound (session), FailedPrecondition (a session that carries no pushes).
+  [[nodiscard]] virtual absl::StatusOr<std::shared_ptr<DevicePush>> OpenDevicePush(
+      const TenantId& /*tenant*/, uint64_t /*session_id*/, std::function<bool()> /*cancelled*/) {
+    return Unimplemented("carry device pushes");
+  }
+
+  // Remote attention plans (capabilities().attention_plans): fixes the shape of the calls of
+  // session `session_id`: `sequence_ids` of `model_id`, `num_queries` query rows each. NotFound
+  // (session, model), FailedPrecondition (not an attention session), InvalidArgument (shape),
+  // ResourceExhausted (plans).
+  [[nodiscard]] virtual absl::StatusOr<AttentionPlanInfo> SetAttentionPlan(
+      const TenantId& /*tenant*/, uint64_t /*session_id*/, const std::string& /*model_id*/,
+      std::vector<std::string> /*sequence_ids*/, int /*num_queries*/) {
+    return Unimplemented("carry attention plans");
+  }
+  // NotFound (session, plan).
+  [[nodiscard]] virtual absl::Status DropAttentionPlan(const TenantId& /*tenant*/,
+                                                       uint64_t /*session_id*/,
+                                                       uint32_t /*plan_id*/) {
+    return Unimplemented("carry attention plans");
+  }
+
+  // A session's lease: runs `on_end(reason)` once when the session ends (OK after Close). NotFound
+  // (session).
+  [[nodiscard]] virtual absl::Status WatchSession(const TenantId& /*tenant*/,
+                                                  uint64_t /*session_id*/,
+                                                  std::function<void(absl::Status)> /*on_end*/) {
+    return Unimplemented("watch sessions");
+  }
+
+ private:
+  absl::Status Unimplemented(absl::string_view what) const {
+    return absl::UnimplementedError(absl::StrCat(name(), " does not ", what));
   }
 };
 

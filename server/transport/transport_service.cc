@@ -1,14 +1,28 @@
 #include "server/transport/transport_service.h"
 
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "server/transport/transport.h"
 #include "dataplane/ucx_runtime.h"
+#include "server/transport/device_push_reactor.h"
+#include "server/transport/session_routing.h"
+#include "server/transport/session_watch_reactor.h"
+#include "server/transport/transport.h"
+#include "server/transport/transport_proto.h"
 
 namespace kvpool::server {
 
 namespace {
+
+// Why a daemon answers attention-plan calls UNAVAILABLE.
+constexpr absl::string_view kNoAttentionPlans =
+    "NCCL attention channels need kvpoold --device=cuda:N built with CUDA and NCCL";
 
 // The host of a request's :authority ("host:port", "[v6]:port" or "host"); "" when it is
 // implausible (too long, or not a host name or address).
@@ -29,56 +43,42 @@ std::string AuthorityHost(grpc::string_ref authority) {
   return std::string(host);
 }
 
+grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
+                                    const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
 }  // namespace
 
 grpc::ServerUnaryReactor* TransportServiceImpl::Negotiate(grpc::CallbackServerContext* context,
                                                           const v1::NegotiateRequest* request,
                                                           v1::NegotiateResponse* response) {
   const TenantId tenant = TenantOf(context);
-  auto run = [&]() -> absl::Status {
-    for (const v1::TransportOffer& o : request->offers()) {
-      if (o.kind() != v1::TRANSPORT_KIND_GRPC_INLINE && o.kind() != v1::TRANSPORT_KIND_UCX) {
-        continue;  // a transport this daemon does not know
-      }
-      for (Transport* t : ctx_->transports) {
-        if (static_cast<int>(t->capabilities().kind) != static_cast<int>(o.kind())) continue;
-        TransportOffer offer;
-        offer.kind = t->capabilities().kind;
-        offer.wire_version = o.wire_version();
-        offer.peer_transports = o.ucx_transports();
-        offer.client_name = request->client_name();
-        offer.peer_process = PeerProcess{o.boot_id(), o.pid(), o.process_start_time()};
-        absl::StatusOr<TransportSession> s = t->Accept(tenant, offer);
-        if (!s.ok()) return s.status();
-        response->set_kind(static_cast<v1::TransportKind>(s->kind));
-        if (s->kind == TransportKind::kUcx) {
-          v1::UcxSession* u = response->mutable_ucx();
-          u->set_session_id(s->session_id);
-          // A listener on every address is reached the way the client reached this service.
-          u->set_listener_host(ucx::IsWildcardHost(s->listener_host)
-                                   ? AuthorityHost(context->ExperimentalGetAuthority())
-                                   : s->listener_host);
-          u->set_listener_port(s->listener_port);
-          u->set_session_secret(s->secret);
-          u->set_wire_version(s->wire_version);
-          u->set_max_message_bytes(s->max_message_bytes);
-          u->set_max_inflight_messages(s->max_inflight_messages);
-          u->set_staging_bytes(s->staging_bytes);
-          u->set_idle_timeout_ms(s->idle_timeout_ms);
-          u->set_ucx_transports(s->transports);
-          u->set_daemon_pid(s->daemon_process.pid);
-          u->set_daemon_start_time(s->daemon_process.start_time);
-          u->set_boot_id(s->daemon_process.boot_id);
-          u->set_peer_error_handling(s->peer_error_handling);
-        }
-        return absl::OkStatus();
-      }
-    }
-    response->set_kind(v1::TRANSPORT_KIND_GRPC_INLINE);  // the fallback that always works
-    return absl::OkStatus();
-  };
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(run()));
+  for (const v1::TransportOffer& o : request->offers()) {
+    const std::optional<TransportOffer> offer = OfferFromProto(o, request->client_name());
+    if (!offer) continue;  // a transport this daemon does not know
+    for (Transport* t : ctx_->transports) {
+      if (t->capabilities().kind != offer->kind) continue;
+      // A listener on every address is reached the way the client reached this service.
+      const std::string reached = AuthorityHost(context->ExperimentalGetAuthority());
+      // May answer later, from another thread (an NCCL join waits for the client's rank).
+      t->AcceptAsync(
+          tenant, *offer, [context] { return context->IsCancelled(); },
+          [reactor, response, reached](absl::StatusOr<TransportSession> s) {
+            if (s.ok()) {
+              FillNegotiateResponse(
+                  *s, ucx::IsWildcardHost(s->listener_host) ? reached : s->listener_host, response);
+            }
+            reactor->Finish(ToGrpcStatus(s.status()));
+          });
+      return reactor;
+    }
+  }
+  response->set_kind(v1::TRANSPORT_KIND_GRPC_INLINE);  // the fallback that always works
+  reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
@@ -86,24 +86,60 @@ grpc::ServerUnaryReactor* TransportServiceImpl::CloseSession(grpc::CallbackServe
                                                              const v1::CloseSessionRequest* request,
                                                              v1::CloseSessionResponse* response) {
   const TenantId tenant = TenantOf(context);
-  absl::Status status =
-      absl::NotFoundError(absl::StrCat("no transport session ", request->session_id()));
-  for (Transport* t : ctx_->transports) {
-    if (t->capabilities().kind != TransportKind::kUcx) continue;
-    absl::StatusOr<int> aborted = t->Close(tenant, request->session_id());
-    if (aborted.ok()) {
-      response->set_aborted_pushes(*aborted);
-      status = absl::OkStatus();
-      break;
-    }
-    if (!absl::IsNotFound(aborted.status())) {
-      status = aborted.status();
-      break;
-    }
+  const uint64_t id = request->session_id();
+  absl::StatusOr<int> aborted = ForSession<absl::StatusOr<int>>(
+      ctx_->transports, nullptr, "", id, [&](Transport* t) { return t->Close(tenant, id); });
+  if (aborted.ok()) response->set_aborted_pushes(static_cast<uint32_t>(*aborted));
+  return FinishNow(context, aborted.status());
+}
+
+grpc::ServerReadReactor<v1::DevicePushRequest>* TransportServiceImpl::PushKv(
+    grpc::CallbackServerContext* context, v1::AppendKvResponse* response) {
+  return NewDevicePushReactor(ctx_, context, response);
+}
+
+grpc::ServerWriteReactor<v1::WatchSessionResponse>* TransportServiceImpl::WatchSession(
+    grpc::CallbackServerContext* context, const v1::WatchSessionRequest* request) {
+  return StartSessionWatch(ctx_, context, request->session_id());
+}
+
+grpc::ServerUnaryReactor* TransportServiceImpl::SetAttentionPlan(
+    grpc::CallbackServerContext* context, const v1::SetAttentionPlanRequest* request,
+    v1::SetAttentionPlanResponse* response) {
+  const TenantId tenant = TenantOf(context);
+  const uint64_t id = request->session_id();
+  const int num_queries =
+      request->num_queries() == 0
+          ? 1
+          : static_cast<int>(std::min<uint32_t>(request->num_queries(), kMaxPlanQueries + 1));
+  const std::vector<std::string> ids(request->sequence_ids().begin(),
+                                     request->sequence_ids().end());
+  absl::StatusOr<AttentionPlanInfo> plan = ForSession<absl::StatusOr<AttentionPlanInfo>>(
+      ctx_->transports, &TransportCapabilities::attention_plans, kNoAttentionPlans, id,
+      [&](Transport* t) {
+        return t->SetAttentionPlan(tenant, id, request->model_id(), ids, num_queries);
+      });
+  if (plan.ok()) {
+    response->set_plan_id(plan->plan_id);
+    response->set_q_heads(static_cast<uint32_t>(plan->shape.q_heads));
+    response->set_head_dim(static_cast<uint32_t>(plan->shape.head_dim));
+    response->set_num_layers(static_cast<uint32_t>(plan->num_layers));
+    response->set_query_bytes(plan->shape.query_bytes());
+    response->set_lse_bytes(plan->shape.lse_bytes());
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  return FinishNow(context, plan.status());
+}
+
+grpc::ServerUnaryReactor* TransportServiceImpl::DropAttentionPlan(
+    grpc::CallbackServerContext* context, const v1::DropAttentionPlanRequest* request,
+    v1::DropAttentionPlanResponse* /*response*/) {
+  const TenantId tenant = TenantOf(context);
+  const uint64_t id = request->session_id();
+  return FinishNow(context, ForSession<absl::Status>(
+                                ctx_->transports, &TransportCapabilities::attention_plans,
+                                kNoAttentionPlans, id, [&](Transport* t) {
+                                  return t->DropAttentionPlan(tenant, id, request->plan_id());
+                                }));
 }
 
 }  // namespace kvpool::server

@@ -1,7 +1,12 @@
-// TransportServiceImpl: the kvpool.v1.TransportService gRPC service. Negotiate picks the first
-// offered transport the daemon hosts (grpc_inline when none matches) and returns what the
-// client needs (for UCX: session id and secret, the listener's address, limits); CloseSession
-// ends a UCX session.
+// TransportServiceImpl: the kvpool.v1.TransportService gRPC service, the one place where clients
+// reach the daemon's data-plane transports (server/transport/transport.h). Negotiate picks the
+// first offered transport the daemon hosts (grpc_inline when none matches) and answers what the
+// client needs once the transport accepted (UCX: session id and secret, the listener's address,
+// limits; NCCL: after the join; CUDA IPC: a session id); CloseSession ends a session of any
+// kind. The transport-specific calls are routed to the transport that holds the session:
+// PushKv (device pushes, NCCL and CUDA IPC: device_push_reactor.h), WatchSession (a session's
+// lease: session_watch_reactor.h), SetAttentionPlan and DropAttentionPlan (NCCL attention
+// channels).
 //
 //   TransportServiceImpl transports(&service_context);   // uses service_context.transports
 //   builder.RegisterService(&transports);
@@ -24,6 +29,17 @@ class TransportServiceImpl final : public ::kvpool::v1::TransportService::Callba
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
                                          const ::kvpool::v1::CloseSessionRequest* request,
                                          ::kvpool::v1::CloseSessionResponse* response) override;
+  grpc::ServerReadReactor<::kvpool::v1::DevicePushRequest>* PushKv(
+      grpc::CallbackServerContext* context, ::kvpool::v1::AppendKvResponse* response) override;
+  grpc::ServerWriteReactor<::kvpool::v1::WatchSessionResponse>* WatchSession(
+      grpc::CallbackServerContext* context,
+      const ::kvpool::v1::WatchSessionRequest* request) override;
+  grpc::ServerUnaryReactor* SetAttentionPlan(
+      grpc::CallbackServerContext* context, const ::kvpool::v1::SetAttentionPlanRequest* request,
+      ::kvpool::v1::SetAttentionPlanResponse* response) override;
+  grpc::ServerUnaryReactor* DropAttentionPlan(
+      grpc::CallbackServerContext* context, const ::kvpool::v1::DropAttentionPlanRequest* request,
+      ::kvpool::v1::DropAttentionPlanResponse* response) override;
 
  private:
   ServiceContext* const ctx_;

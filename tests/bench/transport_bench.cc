@@ -41,10 +41,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
-#include "server/transport/layerwise_append.h"
-#include "tests/support/ucx_test_daemon.h"
 #include "dataplane/ucx_runtime.h"
+#include "server/ingest/ingest_engine.h"
 #include "tests/bench/bench_report.h"
+#include "tests/support/ucx_test_daemon.h"
 
 ABSL_FLAG(std::string, out, "bench-results/transport.json", "JSON output");
 ABSL_FLAG(uint64_t, message_bytes, uint64_t{4} << 20,
@@ -180,7 +180,7 @@ Timing PushAll(TestDaemon& d, client::UcxChannel& ch, const ModelShapeSpec& m,
   return {absl::ToDoubleSeconds(absl::Now() - t0), ProcessCpuSeconds() - cpu0};
 }
 
-// The daemon's store path alone, no transport: the same LayerwiseAppend, chunks and worker pool
+// The daemon's store path alone, no transport: the same ingest engine, chunks and worker pool
 // as a UCX push, fed from memory. Seconds and CPU seconds.
 Timing StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq, int tokens,
                   const Kv& kv, size_t message_bytes) {
@@ -189,29 +189,37 @@ Timing StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq
   const size_t token_bytes = kv.k[0].size() / tokens;
   // A UCX chunk: K and V of message_bytes each (two messages).
   const int per_chunk = std::max<int>(1, static_cast<int>(message_bytes / token_bytes));
-  const int chunks_per_layer = (tokens + per_chunk - 1) / per_chunk;
   const double cpu0 = ProcessCpuSeconds();
   const absl::Time t0 = absl::Now();
-  server::AppendSpec spec;
-  spec.num_tokens = tokens;
-  spec.kind = AppendKind::kFinalPrefill;
-  auto append = server::LayerwiseAppend::Begin(ctx, server::kDefaultTenant, seq, spec);
-  Die(append.status(), "LayerwiseAppend::Begin");
-  absl::BlockingCounter pending(m.num_layers * chunks_per_layer);
+  v1::AppendKvHeader header;
+  header.set_sequence_id(seq);
+  header.set_num_tokens(static_cast<uint32_t>(tokens));
+  header.set_dtype(v1::DTYPE_BF16);
+  header.set_end_of_prefill(true);
+  absl::Notification ended;
+  absl::Status end_status;
+  server::IngestOptions options;
+  options.max_pending_chunks = SIZE_MAX;  // as a UCX push: its staging bounds it
+  options.max_pending_bytes = SIZE_MAX;
+  options.on_end = [&](absl::StatusOr<server::AppendResult> r) {
+    end_status = r.status();
+    ended.Notify();
+  };
+  auto append = ctx->ingest->Begin(server::kDefaultTenant, header, std::move(options));
+  Die(append.status(), "IngestEngine::Begin");
   for (int l = 0; l < m.num_layers; ++l) {
-    const auto* k = reinterpret_cast<const Bf16*>(kv.k[l].data());
-    const auto* v = reinterpret_cast<const Bf16*>(kv.v[l].data());
     for (int off = 0; off < tokens; off += per_chunk) {
       const int n = std::min(per_chunk, tokens - off);
-      const size_t at = static_cast<size_t>(off) * (token_bytes / sizeof(Bf16));
-      (*append)->Stage(l, off, n, k + at, v + at, [&pending](absl::Status st, bool) {
-        Die(st, "Stage");
-        pending.DecrementCount();
-      });
+      const size_t at = static_cast<size_t>(off) * token_bytes;
+      const size_t bytes = static_cast<size_t>(n) * token_bytes;
+      (void)(*append)->Stage(l, off, n, absl::string_view(kv.k[l]).substr(at, bytes),
+                             absl::string_view(kv.v[l]).substr(at, bytes),
+                             [](absl::Status st, bool) { Die(st, "Stage"); });
     }
   }
-  pending.Wait();
-  Die((*append)->Commit().status(), "Commit");
+  (*append)->Commit();
+  ended.WaitForNotification();
+  Die(end_status, "Commit");
   const Timing t{absl::ToDoubleSeconds(absl::Now() - t0), ProcessCpuSeconds() - cpu0};
   append->reset();
   Die(d.Release(seq), "Release");
@@ -521,7 +529,7 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
   req.set_layer(0);
   req.set_dtype(v1::DTYPE_FP32);
   std::vector<client::UcxSequenceQuery> uq;
-  std::vector<server::AttentionQuery> local;
+  server::AttentionRequest local;
   for (int b = 0; b < batch; ++b) {
     const std::string seq = absl::StrCat("a", b);
     v1::SequenceQuery* sq = req.add_queries();
@@ -529,7 +537,9 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
     sq->set_num_queries(1);
     sq->set_q(reinterpret_cast<const char*>(q[b].data()), qv * 4);
     uq.push_back({seq, 1, q[b].data()});
-    local.push_back({seq, 1, q[b]});
+    local.sequence_ids.push_back(seq);
+    local.num_queries.push_back(1);
+    local.queries.insert(local.queries.end(), q[b].begin(), q[b].end());
   }
   server::ServiceContext* ctx = d->server()->context();
   auto model = ctx->registry->Get(server::kDefaultTenant, "attn");
@@ -547,7 +557,7 @@ void BenchAttention(BenchReport& report, const TlsSet& t, int context, int reps)
     absl::Notification done;
     absl::Status status;
     Die(ctx->attention->Start(server::kDefaultTenant, *model, 0, local,
-                              [&](absl::StatusOr<std::vector<server::AttentionResult>> r) {
+                              [&](absl::StatusOr<server::AttentionAnswer> r) {
                                 status = r.status();
                                 done.Notify();
                               }),

@@ -1,16 +1,21 @@
 // Fuzz target: what the GPU data plane reads from a peer, without a GPU: the NCCL attention
 // channel's call header and status block and the plan shape a SetAttentionPlan derives
-// (dataplane/attention_wire.h), and the PushKv messages' checks
-// (server/transport/gpu/gpu_push_checks.h) on a GpuPushRequest parsed from the input's bytes.
+// (dataplane/attention_wire.h), and the checks of TransportService.PushKv's messages (the append
+// header every ingest shares, server/ingest/append_checks.h; a chunk's place and size; a CUDA IPC
+// buffer's range, server/transport/cuda_ipc/ipc_range_check.h) on DevicePushRequests parsed from
+// the input's bytes.
 //
 // Input: one byte picks the message, then its bytes.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "kvpool/v1/gpu_transport_service.pb.h"
+#include <climits>
+
 #include "dataplane/attention_wire.h"
-#include "server/transport/gpu/gpu_push_checks.h"
+#include "kvpool/v1/transport_service.pb.h"
+#include "server/ingest/append_checks.h"
+#include "server/transport/cuda_ipc/ipc_range_check.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_input.h"
 #include "tests/fuzz/quiet_protobuf.h"
@@ -75,24 +80,35 @@ void PlanShape(fuzz::FuzzInput& in) {
 }
 
 // A PushKv stream's header and chunks as the daemon checks them, for a model of `row_bytes`
-// bytes per token.
+// bytes per token and `num_layers` layers.
 void PushRequests(fuzz::FuzzInput& in) {
+  constexpr int kMaxAppendTokens = 1 << 20;
   const size_t row_bytes = (in.Byte() + 1) * size_t{64};
+  const int num_layers = in.Byte() + 1;
   int push_tokens = 0;
   absl::string_view piece;
   for (int i = 0; i < 8 && in.Framed(&piece); ++i) {
-    ::kvpool::v1::GpuPushRequest request;
+    ::kvpool::v1::DevicePushRequest request;
     if (!request.ParseFromArray(piece.data(), static_cast<int>(piece.size()))) return;
     if (request.has_header()) {
-      if (!CheckGpuPushHeader(request.header(), 1 << 20).ok()) return;
-      push_tokens = static_cast<int>(request.header().num_tokens());
+      const ::kvpool::v1::AppendKvHeader& h = request.header().append();
+      if (!ValidateAppendHeader(h, kMaxAppendTokens).ok()) return;
+      FUZZ_CHECK(h.num_tokens() >= 1 && h.num_tokens() <= kMaxAppendTokens, "num_tokens");
+      FUZZ_CHECK(uint64_t{h.token_start()} + h.num_tokens() <= uint64_t{INT32_MAX},
+                 "an accepted append passes INT32_MAX");
+      push_tokens = static_cast<int>(h.num_tokens());
       continue;
     }
-    const ::kvpool::v1::GpuPushChunk& c = request.chunk();
-    absl::StatusOr<size_t> bytes = CheckGpuPushChunk(c, push_tokens, row_bytes);
-    if (!bytes.ok()) continue;
+    const ::kvpool::v1::DevicePushChunk& c = request.chunk();
+    if (!CheckChunkPlace(c.layer(), c.token_offset(), c.num_tokens(), num_layers, push_tokens)
+             .ok()) {
+      continue;
+    }
+    FUZZ_CHECK(c.layer() >= 0 && c.layer() < num_layers, "layer outside the model");
     FUZZ_CHECK(uint64_t{c.token_offset()} + c.num_tokens() <= static_cast<uint64_t>(push_tokens),
                "chunk outside its push");
+    absl::StatusOr<size_t> bytes = ChunkBytes(c.num_tokens(), row_bytes);
+    if (!bytes.ok()) continue;
     const size_t allocation = in.U32();
     for (const ::kvpool::v1::CudaIpcBuffer* b : {&c.k(), &c.v()}) {
       if (CheckIpcRange(b->offset(), *bytes, allocation, "k").ok()) {

@@ -15,8 +15,6 @@
 #include "kernels/rotation_file.h"
 #include "kernels/safetensors.h"
 #include "kvpool/v1/attention_service.pb.h"
-#include "kvpool/v1/gpu_attention_service.pb.h"
-#include "kvpool/v1/gpu_transport_service.pb.h"
 #include "kvpool/v1/model_service.pb.h"
 #include "kvpool/v1/read_service.pb.h"
 #include "kvpool/v1/sequence_service.pb.h"
@@ -251,11 +249,12 @@ void GpuChannelSeeds(SeedWriter& w) {
   w.Write(t, "plan-shape",
           std::string(1, '\x02') + Raw(uint32_t{2}) + Raw(uint32_t{1}) + Raw(uint32_t{kQHeads}) +
               Raw(uint32_t{kHeadDim}) + Raw(uint32_t{256}));
-  v1::GpuPushRequest header_msg;
-  header_msg.mutable_header()->set_sequence_id("e");
-  header_msg.mutable_header()->set_num_tokens(16);
-  header_msg.mutable_header()->set_nccl_channel_id(1);
-  v1::GpuPushRequest chunk;
+  v1::DevicePushRequest header_msg;
+  header_msg.mutable_header()->set_session_id(1);
+  header_msg.mutable_header()->mutable_append()->set_sequence_id("e");
+  header_msg.mutable_header()->mutable_append()->set_num_tokens(16);
+  header_msg.mutable_header()->mutable_append()->set_dtype(v1::DTYPE_BF16);
+  v1::DevicePushRequest chunk;
   chunk.mutable_chunk()->set_layer(1);
   chunk.mutable_chunk()->set_token_offset(8);
   chunk.mutable_chunk()->set_num_tokens(8);
@@ -264,7 +263,7 @@ void GpuChannelSeeds(SeedWriter& w) {
   chunk.mutable_chunk()->mutable_v()->set_handle(std::string(64, 'h'));
   chunk.mutable_chunk()->mutable_v()->set_offset(4096);
   w.Write(t, "push",
-          std::string("\x03\x01", 2) + Framed(header_msg.SerializeAsString()) +
+          std::string("\x03\x01\x02", 3) + Framed(header_msg.SerializeAsString()) +
               Framed(chunk.SerializeAsString()) + Raw(uint32_t{1} << 16));
 }
 
@@ -382,7 +381,7 @@ void RpcSeeds(SeedWriter& w) {
   stats.set_include_sequences(true);
   unary(Rpc::kGetStats, "stats", stats);
 
-  // TransportService, GpuAttentionService (UNAVAILABLE on the CPU backend).
+  // TransportService (plans and device pushes are UNAVAILABLE on the CPU backend).
   v1::NegotiateRequest negotiate;
   negotiate.add_offers()->set_kind(v1::TRANSPORT_KIND_GRPC_INLINE);
   unary(Rpc::kNegotiate, "negotiate", negotiate);
@@ -390,21 +389,29 @@ void RpcSeeds(SeedWriter& w) {
   close.set_session_id(1);
   unary(Rpc::kCloseSession, "close-session", close);
   v1::SetAttentionPlanRequest plan;
-  plan.set_channel_id(1);
+  plan.set_session_id(1);
   plan.set_model_id(kModelId);
   plan.add_sequence_ids(kSequenceId);
   unary(Rpc::kSetAttentionPlan, "set-plan", plan);
   v1::DropAttentionPlanRequest drop;
-  drop.set_channel_id(1);
+  drop.set_session_id(1);
   drop.set_plan_id(1);
   unary(Rpc::kDropAttentionPlan, "drop-plan", drop);
-  v1::CloseAttentionChannelRequest close_channel;
-  close_channel.set_channel_id(1);
-  unary(Rpc::kCloseAttentionChannel, "close-channel", close_channel);
-  v1::OpenAttentionChannelRequest open;
-  open.set_nccl_unique_id(std::string(128, '\0'));
-  open.set_timeout_ms(10);
-  unary(Rpc::kOpenAttentionChannel, "open-channel", open);
+  {
+    v1::DevicePushRequest header;
+    header.mutable_header()->set_session_id(1);
+    *header.mutable_header()->mutable_append() = AppendRequests(kSequenceId, kBaseTokens, 4,
+                                                                /*token_ids=*/false,
+                                                                /*end_of_prefill=*/false)[0]
+                                                      .header();
+    v1::DevicePushRequest chunk;
+    chunk.mutable_chunk()->set_layer(0);
+    chunk.mutable_chunk()->set_num_tokens(4);
+    stream(Rpc::kPushKv, "device-push", {&header, &chunk});
+  }
+  v1::WatchSessionRequest watch;
+  watch.set_session_id(1);
+  unary(Rpc::kWatchSession, "watch-session", watch);
 }
 
 }  // namespace

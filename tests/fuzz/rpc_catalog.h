@@ -26,10 +26,10 @@ enum class Rpc : uint8_t {
   kGetStats,    // StatsService
   kNegotiate,   // TransportService
   kCloseSession,
-  kSetAttentionPlan,  // GpuAttentionService (UNAVAILABLE on the CPU backend)
+  kSetAttentionPlan,  // (UNAVAILABLE on the CPU backend: no NCCL attention channels)
   kDropAttentionPlan,
-  kCloseAttentionChannel,
-  kOpenAttentionChannel,  // server-streaming
+  kPushKv,        // client-streaming (UNAVAILABLE on the CPU backend: no device transports)
+  kWatchSession,  // server-streaming
   kRpcCount
 };
 

@@ -18,7 +18,6 @@
 
 #include "google/protobuf/util/message_differencer.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
-#include "kvpool/v1/gpu_attention_service.grpc.pb.h"
 #include "kvpool/v1/model_service.grpc.pb.h"
 #include "kvpool/v1/read_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
@@ -113,8 +112,7 @@ class RpcFuzzer {
         reads_(v1::ReadService::NewStub(daemon->channel())),
         attention_(v1::AttentionService::NewStub(daemon->channel())),
         stats_(v1::StatsService::NewStub(daemon->channel())),
-        transport_(v1::TransportService::NewStub(daemon->channel())),
-        gpu_attention_(v1::GpuAttentionService::NewStub(daemon->channel())) {
+        transport_(v1::TransportService::NewStub(daemon->channel())) {
     absl::StatusOr<v1::GetStatsResponse> base = daemon_->StateSnapshot();
     FUZZ_CHECK(base.ok(), base.status().ToString());
     base_ = *std::move(base);
@@ -154,7 +152,9 @@ class RpcFuzzer {
   Outcome Call(Rpc rpc, FuzzInput& in) {
     using grpc::ClientContext;
     const absl::string_view rest =
-        rpc == Rpc::kRegisterModel || rpc == Rpc::kAppendKv ? absl::string_view() : in.Rest();
+        rpc == Rpc::kRegisterModel || rpc == Rpc::kAppendKv || rpc == Rpc::kPushKv
+            ? absl::string_view()
+            : in.Rest();
     switch (rpc) {
       case Rpc::kRegisterModel:
         return ClientStream<v1::RegisterModelRequest, v1::RegisterModelResponse>(
@@ -238,24 +238,21 @@ class RpcFuzzer {
       case Rpc::kSetAttentionPlan:
         return Unary<v1::SetAttentionPlanRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::SetAttentionPlanResponse r;
-          return gpu_attention_->SetAttentionPlan(c, req, &r);
+          return transport_->SetAttentionPlan(c, req, &r);
         });
       case Rpc::kDropAttentionPlan:
         return Unary<v1::DropAttentionPlanRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::DropAttentionPlanResponse r;
-          return gpu_attention_->DropAttentionPlan(c, req, &r);
+          return transport_->DropAttentionPlan(c, req, &r);
         });
-      case Rpc::kCloseAttentionChannel:
-        return Unary<v1::CloseAttentionChannelRequest>(
-            rest, [&](ClientContext* c, const auto& req) {
-              v1::CloseAttentionChannelResponse r;
-              return gpu_attention_->CloseAttentionChannel(c, req, &r);
-            });
-      case Rpc::kOpenAttentionChannel:
-        return ServerStream<v1::OpenAttentionChannelRequest, v1::OpenAttentionChannelResponse>(
-            rest, [&](ClientContext* c, const auto& req) {
-              return gpu_attention_->OpenAttentionChannel(c, req);
-            });
+      case Rpc::kPushKv:
+        return ClientStream<v1::DevicePushRequest, v1::AppendKvResponse>(
+            in,
+            [&](ClientContext* c, v1::AppendKvResponse* r) { return transport_->PushKv(c, r); });
+      case Rpc::kWatchSession:
+        return ServerStream<v1::WatchSessionRequest, v1::WatchSessionResponse>(
+            rest,
+            [&](ClientContext* c, const auto& req) { return transport_->WatchSession(c, req); });
       case Rpc::kRpcCount:
         break;
     }
@@ -269,7 +266,6 @@ class RpcFuzzer {
   std::unique_ptr<v1::AttentionService::Stub> attention_;
   std::unique_ptr<v1::StatsService::Stub> stats_;
   std::unique_ptr<v1::TransportService::Stub> transport_;
-  std::unique_ptr<v1::GpuAttentionService::Stub> gpu_attention_;
   v1::GetStatsResponse base_;  // the state every input starts from
   // KVPOOL_FUZZ_VERBOSE=1 prints each input's RPC and answer (for triage).
   const bool verbose_ = std::getenv("KVPOOL_FUZZ_VERBOSE") != nullptr;

@@ -429,11 +429,12 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       DecodeAttentionShape shape;
       shape.cfg = cfg;
       shape.q_heads = m.q_heads;
-      shape.history_pool = PagedKvView{int2_pool, int2, cfg.scale_dtype, int2_blocks};
-      shape.bf16_pool = PagedKvView{bf16_pool, bf16, cfg.scale_dtype, bf16_blocks};
-      shape.num_seqs = b;
-      shape.max_history_tokens = hist;
-      shape.max_bf16_tokens = kSink + kRecent;
+      PagedKvBatch pools;  // the pools and bounds every set shares
+      pools.history_pool = PagedKvView{int2_pool, int2, cfg.scale_dtype, int2_blocks};
+      pools.bf16_pool = PagedKvView{bf16_pool, bf16, cfg.scale_dtype, bf16_blocks};
+      pools.num_seqs = b;
+      pools.max_history_tokens = hist;
+      pools.max_bf16_tokens = kSink + kRecent;
       std::vector<std::string> variants{""};
       if (ab && ((b == 1 && ctx == 8192) || (b == 32 && ctx == 131072))) {
         variants.push_back("no_pdl");
@@ -447,16 +448,16 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         if (variant == "ordinary_loads") shape.tuning.history_async_copies = false;
         if (variant == "merge_kernel") shape.tuning.tail_merge = PathChoice::kNever;
         if (variant == "tiers_in_sequence") shape.tuning.tiers_beside_history = false;
-        auto ws_bytes = DecodeAttentionWorkspaceBytes(shape);
+        auto ws_bytes = DecodeAttentionWorkspaceBytes(shape, pools);
         Check(ws_bytes.status(), "workspace");
         uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
         std::vector<cudaGraphExec_t> graphs(sets);
         for (int s = 0; s < sets; ++s) {
           const size_t off = static_cast<size_t>(s) * b;
-          const DecodeBatch batch{
-              DecodeTier{d_sink + off * 4, 4, d_zero, d_sink_n},
-              DecodeTier{d_hist + off * hist_blocks, hist_blocks, d_zero, d_hist_n},
-              DecodeTier{d_recent + off * 16, 16, d_zero, d_recent_n}};
+          PagedKvBatch batch = pools;
+          batch.sink = PagedKvTier{d_sink + off * 4, 4, d_zero, d_sink_n};
+          batch.history = PagedKvTier{d_hist + off * hist_blocks, hist_blocks, d_zero, d_hist_n};
+          batch.recent = PagedKvTier{d_recent + off * 16, 16, d_zero, d_recent_n};
           const DecodeIo io{q + s * qn, mk, mv, out, lse};
           cudaGraph_t graph;
           Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");

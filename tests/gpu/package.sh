@@ -19,9 +19,10 @@ JOBS=${JOBS:-1}
 KERNEL_TARGETS="cuda_codec_test cuda_attention_test kvpool-gpu-bench"
 DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip_test
   integration_attention_test integration_prefix_test integration_concurrency_test
-  integration_bad_input_test integration_cli_test integration_gpu_attention_test
+  integration_bad_input_test integration_cli_test integration_device_transport_test
+  integration_cuda_ipc_test
   kvpool-gpu-transport-bench
-  kvpool-gpu-attention-bench"
+  kvpool-gpu-attention-bench kvpool-split-replay"
 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPOOL_NATIVE=OFF \
   -DKVPOOL_BUILD_SERVICE=ON >/dev/null

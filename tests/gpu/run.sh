@@ -7,11 +7,13 @@
 # call), so nothing needs gRPC, protobuf, Abseil or UCX packages here.
 #
 #   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|transport|attention|
-#                          ab|profile]
+#                          ab|profile|split-replay]
 #
 # (default: all). `ab` compares the decode attention of this bundle with a base bundle
 # (.gpu-carry-base, carried too) and with this bundle under the tuning variants of AB_VARIANTS
 # (kvpool-gpu-bench flags, see below); `profile` runs Nsight Compute on the attention kernels.
+# `split-replay` replays the SmolLM2 split captured on the CPU machine (make gpu-replay-capture,
+# carried as .gpu-replay/) against kvpoold --device=cuda:0.
 # `transport` needs the two-GPU kind (nvidia-h200-x2): the GPU data plane
 # (NCCL and CUDA IPC ingest beside raw NCCL and a peer copy, the three-transport check, the
 # killed-prefill fault test, and remote attention over NCCL beside gRPC and the kernel, which
@@ -106,9 +108,13 @@ if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
   # The CPU daemon's integration suite, unchanged, against kvpoold --device=cuda:0.
   export KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold KVPOOL_CLI=$BIN/kvpool
   export UCX_TLS=${UCX_TLS:-posix,sysv,self,tcp}
-  for t in roundtrip attention prefix concurrency bad_input cli gpu_attention; do
+  for t in roundtrip attention prefix concurrency bad_input cli device_transport; do
     step "conformance $t (cuda:0)" "$OUT/daemon.log" "$BIN/integration_${t}_test" --gtest_color=no
   done
+  # CUDA IPC end to end: this test process pushes from its GPU memory into kvpoold on the same
+  # GPU (two processes), checked bit for bit against the same K/V over gRPC.
+  step "CUDA IPC push, two processes (cuda:0)" "$OUT/daemon.log" \
+    "$BIN/integration_cuda_ipc_test" --gtest_color=no
   # kvpoold itself under compute-sanitizer memcheck (a failed check makes the wrapper's exit
   # status, and so the suite's teardown, fail).
   SAN=$OUT/kvpoold-memcheck.sh
@@ -223,6 +229,19 @@ if [ "$MODE" = transport ] || [ "$MODE" = attention ]; then
   echo
   grep -E "^check|^fault" "$OUT/attention.log"
   sed -n '/^  context  batch/,/^target/p' "$OUT/attention.log"
+fi
+if [ "$MODE" = split-replay ]; then
+  # The SmolLM2 split replayed against kvpoold --device=cuda:0 (make gpu-replay-capture made
+  # .gpu-replay/replay.safetensors on the CPU machine): every Attend output against the CPU
+  # daemon's, beside each step's top-two logit margin; the outputs go to $OUT for
+  # replay_tokens.py (tokens, on the CPU machine).
+  CAPTURE=.gpu-replay/replay.safetensors
+  [ -f "$CAPTURE" ] || [ ! -f "$CAPTURE.xz" ] || xz -dkf "$CAPTURE.xz"
+  step "SmolLM2 split replay (cuda:0 vs CPU run)" "$OUT/split-replay.log" \
+    "$BIN/kvpool-split-replay" --kvpoold "$BIN/kvpoold" --device cuda:0 --capture "$CAPTURE" \
+    --rotation calibration/rotations/smollm2-135m-instruct.rotation.safetensors \
+    --out "$OUT/split-replay-gpu.safetensors"
+  cat "$OUT/split-replay.log"
 fi
 echo
 echo "step                               status       time"

@@ -10,13 +10,16 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "server/transport/ucx/session_secret.h"
 #include "dataplane/ucx_wire_parse.h"
+#include "server/ingest/ingest_engine.h"
+#include "server/transport/ucx/push_begin_header.h"
+#include "server/transport/ucx/session_secret.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
 
 namespace wire = ::kvpool::ucx::wire;
+namespace v1 = ::kvpool::v1;
 
 // K and V of some tokens of one layer: two LAYER_DATA messages received into the halves of one
 // staging slot (K first, V second).
@@ -33,7 +36,7 @@ struct UcxTransport::Chunk {
 
 struct UcxTransport::Push {
   uint64_t id = 0;
-  std::shared_ptr<LayerwiseAppend> append;
+  std::shared_ptr<IngestAppend> append;
   // Open chunks (a half accepted, not yet handed to the store), by (layer, token_offset).
   std::map<std::pair<int, uint32_t>, std::shared_ptr<Chunk>> chunks;
   absl::Time last_activity;
@@ -42,6 +45,8 @@ struct UcxTransport::Push {
   bool commit_requested = false;
   uint64_t expected_messages = 0;
   bool finished = false;  // committing, committed or failed: PUSH_DONE decided
+  bool counted = false;   // no longer counted as open (committed or aborted)
+  bool answered = false;  // PUSH_DONE sent
 };
 
 // A connection accepted from the listener. Unbound until its HELLO names a session and that
@@ -501,8 +506,7 @@ ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length,
     return fail(absl::InvalidArgumentError("PUSH_BEGIN must be sent eager"));
   }
   absl::StatusOr<wire::PushBegin> begin =
-      wire::ParsePushBegin(*h, absl::string_view(static_cast<const char*>(data), length),
-                           ctx_->config->max_append_tokens);
+      wire::ParsePushBegin(*h, absl::string_view(static_cast<const char*>(data), length));
   if (!begin.ok()) return fail(begin.status());
   if (session->pushes.count(h->push_id) > 0) {
     return fail(absl::InvalidArgumentError(absl::StrCat("push ", h->push_id, " already open")));
@@ -511,15 +515,19 @@ ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length,
     return fail(absl::ResourceExhaustedError(absl::StrCat("too many open pushes in one session (",
                                                           options_.max_pushes_per_session, ")")));
   }
-  AppendSpec spec;
-  spec.token_start = static_cast<int>(h->token_start);
-  spec.num_tokens = static_cast<int>(h->num_tokens);
-  spec.kind = (h->flags & wire::kEndOfPrefill) ? AppendKind::kFinalPrefill : AppendKind::kPrefill;
-  spec.token_ids = std::move(begin->token_ids);
-  absl::StatusOr<std::shared_ptr<LayerwiseAppend>> append =
-      LayerwiseAppend::Begin(ctx_, session->tenant, begin->sequence_id, std::move(spec));
-  if (!append.ok()) return fail(append.status());
+  // The one append header every ingest carries; the engine validates it.
+  const v1::AppendKvHeader append_header = AppendHeaderOfPushBegin(*h, *std::move(begin));
   auto push = std::make_shared<Push>();
+  IngestOptions options;
+  // Staging slots bound what a session holds; the engine's queue never needs to pause it.
+  options.max_pending_chunks = static_cast<size_t>(num_slots_) + 1;
+  options.max_pending_bytes = SIZE_MAX;
+  options.on_end = [this, session, push](absl::StatusOr<AppendResult> r) {
+    rt_->Post([this, session, push, r = std::move(r)] { OnPushEnded(session, push, r); });
+  };
+  absl::StatusOr<std::shared_ptr<IngestAppend>> append =
+      ctx_->ingest->Begin(session->tenant, append_header, std::move(options));
+  if (!append.ok()) return fail(append.status());
   push->id = h->push_id;
   push->append = *std::move(append);
   push->last_activity = absl::Now();
@@ -628,15 +636,16 @@ void UcxTransport::StartReceive(const std::shared_ptr<Session>& session,
           return;
         }
         push->chunks.erase({chunk->layer, chunk->token_offset});
-        const Bf16* k = reinterpret_cast<const Bf16*>(slot);
-        const Bf16* v = reinterpret_cast<const Bf16*>(slot + half_bytes_);
-        push->append->Stage(chunk->layer, static_cast<int>(chunk->token_offset),
-                            static_cast<int>(chunk->num_tokens), k, v,
-                            [this, session, push, chunk](absl::Status st, bool done) {
-                              rt_->Post([this, session, push, chunk, st, done] {
-                                OnChunkStaged(session, push, chunk->layer, chunk, st, done);
-                              });
-                            });
+        const size_t bytes = static_cast<size_t>(chunk->num_tokens) *
+                             push->append->model().row_values() * sizeof(Bf16);
+        const absl::string_view k(reinterpret_cast<const char*>(slot), bytes);
+        const absl::string_view v(reinterpret_cast<const char*>(slot + half_bytes_), bytes);
+        (void)push->append->Stage(chunk->layer, chunk->token_offset, chunk->num_tokens, k, v,
+                                  [this, session, push, chunk](absl::Status st, bool done) {
+                                    rt_->Post([this, session, push, chunk, st, done] {
+                                      OnChunkStaged(session, push, chunk->layer, chunk, st, done);
+                                    });
+                                  });
       });
 }
 
@@ -721,8 +730,7 @@ void UcxTransport::FailPush(const std::shared_ptr<Session>& session,
                             bool answer_now) {
   if (push->finished) return;
   push->finished = true;
-  --open_pushes_;
-  ++pushes_aborted_;
+  CountEnded(*push, /*committed=*/false);
   session->pushes.erase(push->id);
   // Chunks waiting for a half that will not be taken now free their slots; those receiving
   // free theirs when the receives end.
@@ -732,14 +740,12 @@ void UcxTransport::FailPush(const std::shared_ptr<Session>& session,
   }
   for (const std::shared_ptr<Chunk>& c : waiting) ReleaseChunk(push, c);
   if (answer_now) {
+    push->answered = true;
     SendPushDone(session, push->id, why);
-    push->append->Abort(why, nullptr);
-    return;
   }
-  // Answer only once the sequence is free again, so that the client may push to it at once.
-  push->append->Abort(why, [this, session, id = push->id, why] {
-    rt_->Post([this, session, id, why] { SendPushDone(session, id, why); });
-  });
+  // Otherwise the engine's end answers, once the sequence is free again, so that the client may
+  // push to it at once (OnPushEnded).
+  push->append->Abort(why);
 }
 
 void UcxTransport::MaybeCommit(const std::shared_ptr<Session>& session,
@@ -756,18 +762,28 @@ void UcxTransport::MaybeCommit(const std::shared_ptr<Session>& session,
   }
   push->finished = true;
   session->pushes.erase(push->id);
-  ctx_->workers->Submit([this, session, append = push->append, id = push->id] {
-    absl::StatusOr<AppendResult> r = append->Commit();
-    rt_->Post([this, session, id, r = std::move(r)] {
-      --open_pushes_;
-      if (r.ok()) {
-        ++pushes_committed_;
-      } else {
-        ++pushes_aborted_;
-      }
-      if (!session->dead) SendPushDone(session, id, r);
-    });
-  });
+  push->append->Commit();  // the engine's end answers (OnPushEnded)
+}
+
+void UcxTransport::OnPushEnded(const std::shared_ptr<Session>& session,
+                               const std::shared_ptr<Push>& push,
+                               const absl::StatusOr<AppendResult>& result) {
+  if (!result.ok()) FailPush(session, push, result.status());
+  CountEnded(*push, result.ok());
+  if (push->answered || session->dead) return;
+  push->answered = true;
+  SendPushDone(session, push->id, result);
+}
+
+void UcxTransport::CountEnded(Push& push, bool committed) {
+  if (push.counted) return;
+  push.counted = true;
+  --open_pushes_;
+  if (committed) {
+    ++pushes_committed_;
+  } else {
+    ++pushes_aborted_;
+  }
 }
 
 void UcxTransport::SendPushDone(const std::shared_ptr<Session>& session, uint64_t push_id,
@@ -858,47 +874,49 @@ void UcxTransport::RunAttention(const std::shared_ptr<Session>& session,
         return static_cast<size_t>(model->q_heads) * model->head_dim;
       });
   if (!parsed.ok()) return SendAttendError(session, h.call_id, parsed.status());
-  std::vector<AttentionQuery> queries(parsed->queries.size());
-  for (size_t i = 0; i < queries.size(); ++i) {
-    queries[i].sequence_id = std::move(parsed->queries[i].sequence_id);
-    queries[i].num_queries = static_cast<int>(parsed->queries[i].num_queries);
-    queries[i].q = std::move(parsed->queries[i].q);
+  // The parsed queries, one after the other in the buffer the backend reads.
+  AttentionRequest request;
+  size_t values = 0;
+  for (const wire::AttendQuery& q : parsed->queries) values += q.q.size();
+  request.queries.reserve(values);
+  for (wire::AttendQuery& q : parsed->queries) {
+    request.sequence_ids.push_back(std::move(q.sequence_id));
+    request.num_queries.push_back(static_cast<int>(q.num_queries));
+    request.queries.insert(request.queries.end(), q.q.begin(), q.q.end());
   }
   ++attention_calls_;
   ctx_->counters.attention_calls++;
   ctx_->counters.attention_sequences += h.batch;
   const uint64_t call_id = h.call_id;
+  std::vector<int> num_queries = request.num_queries;
   absl::Status started = ctx_->attention->Start(
-      session->tenant, model, h.layer, std::move(queries),
-      [this, session, call_id, model](absl::StatusOr<std::vector<AttentionResult>> results) {
-        if (!results.ok()) {
-          absl::Status st = results.status();
+      session->tenant, model, h.layer, std::move(request),
+      [this, session, call_id, model,
+       num_queries = std::move(num_queries)](absl::StatusOr<AttentionAnswer> answer) {
+        if (!answer.ok()) {
+          absl::Status st = answer.status();
           rt_->Post([this, session, call_id, st] { SendAttendError(session, call_id, st); });
           return;
         }
         wire::AttendDoneHeader d{};
         d.call_id = call_id;
         d.status_code = 0;
-        d.batch = static_cast<uint32_t>(results->size());
+        d.batch = static_cast<uint32_t>(num_queries.size());
         d.q_heads = static_cast<uint32_t>(model->q_heads);
         d.head_dim = static_cast<uint32_t>(model->head_dim);
-        size_t floats = 0;
-        for (const AttentionResult& r : *results) floats += r.out.size() + r.lse.size();
+        // The metas, then every output and every LSE: the answer's buffers as they are.
         std::string payload;
-        payload.reserve(results->size() * sizeof(wire::SequenceResultMeta) +
-                        floats * sizeof(float));
-        for (const AttentionResult& r : *results) {
-          const size_t per_query = static_cast<size_t>(model->q_heads) * model->head_dim;
-          wire::SequenceResultMeta m{static_cast<uint32_t>(r.attended_tokens),
-                                     static_cast<uint32_t>(r.out.size() / per_query)};
+        payload.reserve(num_queries.size() * sizeof(wire::SequenceResultMeta) +
+                        (answer->out.size() + answer->lse.size()) * sizeof(float));
+        for (size_t i = 0; i < num_queries.size(); ++i) {
+          wire::SequenceResultMeta m{static_cast<uint32_t>(answer->attended_tokens[i]),
+                                     static_cast<uint32_t>(num_queries[i])};
           payload.append(reinterpret_cast<const char*>(&m), sizeof(m));
         }
-        for (const AttentionResult& r : *results) {
-          payload.append(reinterpret_cast<const char*>(r.out.data()), r.out.size() * 4);
-        }
-        for (const AttentionResult& r : *results) {
-          payload.append(reinterpret_cast<const char*>(r.lse.data()), r.lse.size() * 4);
-        }
+        payload.append(reinterpret_cast<const char*>(answer->out.data()),
+                       answer->out.size() * sizeof(float));
+        payload.append(reinterpret_cast<const char*>(answer->lse.data()),
+                       answer->lse.size() * sizeof(float));
         rt_->Post([this, session, d, payload = std::move(payload)]() mutable {
           if (session->dead) return;
           ucx::SendAm(rt_.get(), session->ep, wire::kAttendDone,

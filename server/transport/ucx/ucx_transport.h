@@ -9,8 +9,9 @@
 // the sessions' in-flight limits). Its second message goes into the same slot at once, so a
 // slot never waits on a message queued behind another slot's. A chunk with both halves is
 // handed to the worker pool, which rotates and quantizes it into the push's SequenceStore
-// transaction (LayerwiseAppend) and frees the slot; when a layer is complete the client gets
-// LAYER_DONE; PUSH_COMMIT commits atomically once every layer is stored and answers PUSH_DONE.
+// transaction (the ingest engine, server/ingest/) and frees the slot; when a layer is complete the
+// client gets LAYER_DONE; PUSH_COMMIT commits atomically once every layer is stored and answers
+// PUSH_DONE.
 //
 // Connections: the transport runs a UCX listener (UCX's client-server path, a TCP address).
 // Negotiate (Accept) opens a session for a tenant and answers the listener's address, the
@@ -48,11 +49,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/service_context.h"
-#include "server/transport/layerwise_append.h"
-#include "server/transport/transport.h"
 #include "dataplane/ucx_runtime.h"
 #include "dataplane/ucx_wire.h"
+#include "server/ingest/ingest_append.h"
+#include "server/service_context.h"
+#include "server/transport/transport.h"
 
 namespace kvpool::server {
 
@@ -150,6 +151,11 @@ class UcxTransport final : public Transport {
   void FailPush(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
                 const absl::Status& why, bool answer_now = false);
   void MaybeCommit(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push);
+  // The engine ended the push (committed, or rolled back): PUSH_DONE unless answered already.
+  void OnPushEnded(const std::shared_ptr<Session>& session, const std::shared_ptr<Push>& push,
+                   const absl::StatusOr<AppendResult>& result);
+  // Counts the push out of the open ones (once).
+  void CountEnded(Push& push, bool committed);
   void SendPushDone(const std::shared_ptr<Session>& session, uint64_t push_id,
                     const absl::StatusOr<AppendResult>& result);
   void RunAttention(const std::shared_ptr<Session>& session, const ucx::wire::AttendHeader& h,

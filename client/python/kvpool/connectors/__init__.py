@@ -1,0 +1,1 @@
+"""Engine connectors: vLLM KV connector, SGLang HiCache backend, remote attention."""
