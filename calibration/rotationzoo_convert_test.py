@@ -6,28 +6,20 @@ The archives are written by torch_save.py, whose pickle bytes have the same shap
 
 import array
 import contextlib
-import importlib.util
 import io
 import json
 import math
 import os
 import struct
+import sys
 import tempfile
 import unittest
 import zipfile
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rotationzoo_convert as convert  # noqa: E402
+import torch_save  # noqa: E402
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, name + ".py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert = _load("rotationzoo_convert")
-torch_save = _load("torch_save")
 FakeStorage = torch_save.Storage
 FakeTensor = torch_save.Tensor
 

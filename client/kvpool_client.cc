@@ -181,11 +181,7 @@ absl::StatusOr<std::unique_ptr<KvpoolClient>> KvpoolClient::Connect(const std::s
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   client->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   client->health_ = grpc::health::v1::Health::NewStub(client->channel_);
-  client->models_ = v1::ModelService::NewStub(client->channel_);
-  client->sequences_ = v1::SequenceService::NewStub(client->channel_);
-  client->reads_ = v1::ReadService::NewStub(client->channel_);
-  client->attention_ = v1::AttentionService::NewStub(client->channel_);
-  client->stats_ = v1::StatsService::NewStub(client->channel_);
+  client->stubs_ = std::make_unique<ServiceStubs>(client->channel_);
   client->append_kv_ = std::make_unique<grpc::internal::RpcMethod>(
       kAppendKvMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, client->channel_);
   return client;
@@ -269,7 +265,7 @@ absl::StatusOr<v1::RegisterModelResponse> KvpoolClient::RegisterModel(
   auto context = NewContext();
   v1::RegisterModelResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::RegisterModelRequest>> writer =
-      models_->RegisterModel(context.get(), &response);
+      stubs_->models->RegisterModel(context.get(), &response);
   v1::RegisterModelRequest request;
   *request.mutable_spec() = std::move(spec);
   bool ok = writer->Write(request);
@@ -289,7 +285,8 @@ absl::StatusOr<v1::RegisterModelResponse> KvpoolClient::RegisterModel(
 absl::StatusOr<std::vector<v1::ModelInfo>> KvpoolClient::ListModels() const {
   auto context = NewContext();
   v1::ListModelsResponse response;
-  const grpc::Status s = models_->ListModels(context.get(), v1::ListModelsRequest(), &response);
+  const grpc::Status s =
+      stubs_->models->ListModels(context.get(), v1::ListModelsRequest(), &response);
   if (!s.ok()) return FromGrpcStatus(s, "ListModels");
   return std::vector<v1::ModelInfo>(response.models().begin(), response.models().end());
 }
@@ -301,7 +298,7 @@ absl::StatusOr<ModelDescription> KvpoolClient::DescribeModel(const std::string& 
   request.set_include_rotation(include_rotation);
   auto context = NewContext();
   std::unique_ptr<grpc::ClientReader<v1::DescribeModelResponse>> reader =
-      models_->DescribeModel(context.get(), request);
+      stubs_->models->DescribeModel(context.get(), request);
   ModelDescription out;
   bool have_model = false;
   v1::DescribeModelResponse message;
@@ -331,14 +328,14 @@ absl::StatusOr<v1::DeleteModelResponse> KvpoolClient::DeleteModel(const std::str
   v1::DeleteModelRequest request;
   request.set_model_id(model_id);
   request.set_force(force);
-  return CallUnary(*models_, &v1::ModelService::Stub::DeleteModel, NewContext(), request,
+  return CallUnary(*stubs_->models, &v1::ModelService::Stub::DeleteModel, NewContext(), request,
                    "DeleteModel");
 }
 
 absl::StatusOr<v1::CreateSequenceResponse> KvpoolClient::CreateSequence(
     const v1::CreateSequenceRequest& request) const {
-  return CallUnary(*sequences_, &v1::SequenceService::Stub::CreateSequence, NewContext(), request,
-                   "CreateSequence");
+  return CallUnary(*stubs_->sequences, &v1::SequenceService::Stub::CreateSequence, NewContext(),
+                   request, "CreateSequence");
 }
 
 absl::StatusOr<v1::CreateSequenceResponse> KvpoolClient::CreateSequence(
@@ -380,15 +377,15 @@ absl::StatusOr<v1::AppendKvResponse> KvpoolClient::AppendKv(
 
 absl::StatusOr<v1::AppendDecodeResponse> KvpoolClient::AppendDecode(
     const v1::AppendDecodeRequest& request) const {
-  return CallUnary(*sequences_, &v1::SequenceService::Stub::AppendDecode, NewContext(), request,
-                   "AppendDecode");
+  return CallUnary(*stubs_->sequences, &v1::SequenceService::Stub::AppendDecode, NewContext(),
+                   request, "AppendDecode");
 }
 
 absl::StatusOr<v1::SequenceInfo> KvpoolClient::SealSequence(const std::string& sequence_id) const {
   v1::SealSequenceRequest request;
   request.set_sequence_id(sequence_id);
   KVPOOL_ASSIGN_OR_RETURN(v1::SealSequenceResponse response,
-                          CallUnary(*sequences_, &v1::SequenceService::Stub::SealSequence,
+                          CallUnary(*stubs_->sequences, &v1::SequenceService::Stub::SealSequence,
                                     NewContext(), request, "SealSequence"));
   return response.sequence();
 }
@@ -397,16 +394,16 @@ absl::StatusOr<v1::ReleaseSequenceResponse> KvpoolClient::ReleaseSequence(
     const std::string& sequence_id) const {
   v1::ReleaseSequenceRequest request;
   request.set_sequence_id(sequence_id);
-  return CallUnary(*sequences_, &v1::SequenceService::Stub::ReleaseSequence, NewContext(), request,
-                   "ReleaseSequence");
+  return CallUnary(*stubs_->sequences, &v1::SequenceService::Stub::ReleaseSequence, NewContext(),
+                   request, "ReleaseSequence");
 }
 
 absl::StatusOr<v1::SequenceInfo> KvpoolClient::DescribeSequence(
     const std::string& sequence_id) const {
   v1::DescribeSequenceRequest request;
   request.set_sequence_id(sequence_id);
-  return CallUnary(*sequences_, &v1::SequenceService::Stub::DescribeSequence, NewContext(), request,
-                   "DescribeSequence");
+  return CallUnary(*stubs_->sequences, &v1::SequenceService::Stub::DescribeSequence, NewContext(),
+                   request, "DescribeSequence");
 }
 
 absl::StatusOr<v1::LookupPrefixResponse> KvpoolClient::LookupPrefix(
@@ -414,15 +411,15 @@ absl::StatusOr<v1::LookupPrefixResponse> KvpoolClient::LookupPrefix(
   v1::LookupPrefixRequest request;
   request.set_model_id(model_id);
   request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-  return CallUnary(*sequences_, &v1::SequenceService::Stub::LookupPrefix, NewContext(), request,
-                   "LookupPrefix");
+  return CallUnary(*stubs_->sequences, &v1::SequenceService::Stub::LookupPrefix, NewContext(),
+                   request, "LookupPrefix");
 }
 
 absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest& request) const {
   constexpr absl::string_view kRpc = "ReadBlocks";
   auto context = NewContext();
   std::unique_ptr<grpc::ClientReader<v1::ReadBlocksResponse>> reader =
-      reads_->ReadBlocks(context.get(), request);
+      stubs_->reads->ReadBlocks(context.get(), request);
   BlocksRead out;
   bool have_header = false;
   size_t row_bytes = 0;
@@ -519,7 +516,7 @@ absl::StatusOr<KvRead> KvpoolClient::ReadKv(const v1::ReadKvRequest& request) co
   constexpr absl::string_view kRpc = "ReadKv";
   auto context = NewContext();
   std::unique_ptr<grpc::ClientReader<v1::ReadKvResponse>> reader =
-      reads_->ReadKv(context.get(), request);
+      stubs_->reads->ReadKv(context.get(), request);
   KvRead out;
   bool have_header = false;
   size_t row_bytes = 0;
@@ -580,14 +577,15 @@ absl::StatusOr<KvRead> KvpoolClient::ReadKv(const v1::ReadKvRequest& request) co
 }
 
 absl::StatusOr<v1::AttendResponse> KvpoolClient::Attend(const v1::AttendRequest& request) const {
-  return CallUnary(*attention_, &v1::AttentionService::Stub::Attend, NewContext(), request,
+  return CallUnary(*stubs_->attention, &v1::AttentionService::Stub::Attend, NewContext(), request,
                    "Attend");
 }
 
 absl::StatusOr<v1::GetStatsResponse> KvpoolClient::GetStats(bool include_sequences) const {
   v1::GetStatsRequest request;
   request.set_include_sequences(include_sequences);
-  return CallUnary(*stats_, &v1::StatsService::Stub::GetStats, NewContext(), request, "GetStats");
+  return CallUnary(*stubs_->stats, &v1::StatsService::Stub::GetStats, NewContext(), request,
+                   "GetStats");
 }
 
 }  // namespace kvpool::client

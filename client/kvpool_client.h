@@ -44,7 +44,6 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "proto/status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
@@ -52,6 +51,8 @@
 #include "kvpool/v1/read_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
+#include "proto/service_stubs.h"
+#include "proto/status.h"
 
 namespace kvpool::client {
 
@@ -184,11 +185,11 @@ class KvpoolClient {
   // The channel and stubs, for callers that need the raw API (e.g. deliberately malformed
   // requests in tests).
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
-  v1::ModelService::Stub* models() const { return models_.get(); }
-  v1::SequenceService::Stub* sequences() const { return sequences_.get(); }
-  v1::ReadService::Stub* reads() const { return reads_.get(); }
-  v1::AttentionService::Stub* attention() const { return attention_.get(); }
-  v1::StatsService::Stub* stats() const { return stats_.get(); }
+  v1::ModelService::Stub* models() const { return stubs_->models.get(); }
+  v1::SequenceService::Stub* sequences() const { return stubs_->sequences.get(); }
+  v1::ReadService::Stub* reads() const { return stubs_->reads.get(); }
+  v1::AttentionService::Stub* attention() const { return stubs_->attention.get(); }
+  v1::StatsService::Stub* stats() const { return stubs_->stats.get(); }
   // A context with the client's deadline and wait-for-ready setting.
   std::unique_ptr<grpc::ClientContext> NewContext() const;
 
@@ -260,11 +261,7 @@ class KvpoolClient {
   std::atomic<size_t> chunk_bytes_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
-  std::unique_ptr<v1::ModelService::Stub> models_;
-  std::unique_ptr<v1::SequenceService::Stub> sequences_;
-  std::unique_ptr<v1::ReadService::Stub> reads_;
-  std::unique_ptr<v1::AttentionService::Stub> attention_;
-  std::unique_ptr<v1::StatsService::Stub> stats_;
+  std::unique_ptr<ServiceStubs> stubs_;
   // SequenceService.AppendKv as a client-streaming method of pre-serialized messages.
   std::unique_ptr<grpc::internal::RpcMethod> append_kv_;
 };

@@ -69,6 +69,21 @@ triage_tsan() {  # DIR WHAT
   mv "${reports[@]}" "$1/sanitizer-reports/triaged/"
 }
 
+# Ends one phase: JUDGE (check_reports or triage_tsan) reads the reports under DIR, then a
+# FAILED status other than 0 fails the run.
+end_phase() {  # JUDGE DIR WHAT FAILED
+  "$1" "$2" "$3"
+  [ "$4" = 0 ] || { say "FAIL: $3"; exit 1; }
+}
+
+# kvpool-soak of DIR with $soak_clients clients for SECONDS, judged by JUDGE.
+run_soak() {  # DIR LABEL SECONDS JUDGE
+  local failed=0
+  say "$2: kvpool-soak, $soak_clients clients, ${3}s"
+  "$1/bin/kvpool-soak" --clients="$soak_clients" --seconds="$3" || failed=1
+  end_phase "$4" "$1" "$2 soak" "$failed"
+}
+
 run_asan() {
   local dir=build-asan
   say "ASan + UBSan: configure and build $dir"
@@ -87,12 +102,8 @@ run_asan() {
   # with ASan; their C++ parts run as unit tests.
   ctest --test-dir "$dir" -LE model --output-on-failure -j "$jobs" --timeout 1800 \
     $ctest_args || failed=1
-  check_reports "$dir" "ASan + UBSan tests"
-  [ "$failed" = 0 ] || { say "FAIL: ASan + UBSan tests"; exit 1; }
-  say "ASan + UBSan: kvpool-soak, $soak_clients clients, ${soak_seconds}s"
-  "$dir/bin/kvpool-soak" --clients="$soak_clients" --seconds="$soak_seconds" || failed=1
-  check_reports "$dir" "ASan + UBSan soak"
-  [ "$failed" = 0 ] || { say "FAIL: ASan + UBSan soak"; exit 1; }
+  end_phase check_reports "$dir" "ASan + UBSan tests" "$failed"
+  run_soak "$dir" "ASan + UBSan" "$soak_seconds" check_reports
   unset ASAN_OPTIONS UBSAN_OPTIONS LSAN_OPTIONS
   say "ASan + UBSan: clean"
 }
@@ -125,12 +136,8 @@ run_tsan() {
   say "TSan: integration tests"
   ctest --test-dir "$dir/tests/integration" --output-on-failure -j "$jobs" --timeout 1800 \
     $ctest_args || failed=1
-  triage_tsan "$dir" "TSan tests"
-  [ "$failed" = 0 ] || { say "FAIL: TSan tests"; exit 1; }
-  say "TSan: kvpool-soak, $soak_clients clients, ${tsan_soak_seconds}s"
-  "$dir/bin/kvpool-soak" --clients="$soak_clients" --seconds="$tsan_soak_seconds" || failed=1
-  triage_tsan "$dir" "TSan soak"
-  [ "$failed" = 0 ] || { say "FAIL: TSan soak"; exit 1; }
+  end_phase triage_tsan "$dir" "TSan tests" "$failed"
+  run_soak "$dir" "TSan" "$tsan_soak_seconds" triage_tsan
   unset TSAN_OPTIONS UCX_MEM_MALLOC_HOOKS UCX_MEM_MMAP_HOOK_MODE UCX_MEM_EVENTS
   say "TSan: clean"
 }

@@ -15,14 +15,18 @@
 #include "kvpool/v1/read_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
+#include "proto/service_stubs.h"
 #include "server/model_registry.h"
 #include "server/server_test_util.h"
+#include "tests/support/api_requests.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::server {
 namespace {
 
 namespace v1 = ::kvpool::v1;
+using ::kvpool::testing::AppendChunkMessage;
+using ::kvpool::testing::AppendHeaderMessage;
 using testing::TestRows;
 
 constexpr int kLayers = 2, kHq = 4, kHkv = 2, kD = 32;
@@ -43,18 +47,14 @@ class ServerTest : public ::testing::Test {
     server_ = *std::move(s);
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
                                    grpc::InsecureChannelCredentials());
-    models_ = v1::ModelService::NewStub(channel_);
-    seqs_ = v1::SequenceService::NewStub(channel_);
-    reads_ = v1::ReadService::NewStub(channel_);
-    attn_ = v1::AttentionService::NewStub(channel_);
-    stats_ = v1::StatsService::NewStub(channel_);
+    stubs_ = std::make_unique<ServiceStubs>(channel_);
   }
 
   grpc::Status RegisterDataFree(const std::string& id, v1::RotationKind kind,
                                 v1::QuantMethod method) {
     grpc::ClientContext ctx;
     v1::RegisterModelResponse resp;
-    auto w = models_->RegisterModel(&ctx, &resp);
+    auto w = stubs_->models->RegisterModel(&ctx, &resp);
     v1::RegisterModelRequest req;
     v1::ModelSpec* spec = req.mutable_spec();
     spec->set_model_id(id);
@@ -83,7 +83,7 @@ class ServerTest : public ::testing::Test {
     req.set_sequence_id(id);
     for (uint32_t t : prefix) req.add_prefix_token_ids(t);
     v1::CreateSequenceResponse resp;
-    grpc::Status s = seqs_->CreateSequence(&ctx, req, &resp);
+    grpc::Status s = stubs_->sequences->CreateSequence(&ctx, req, &resp);
     if (out != nullptr) *out = resp;
     return s;
   }
@@ -96,28 +96,19 @@ class ServerTest : public ::testing::Test {
                       int skip_layer = -1) {
     grpc::ClientContext ctx;
     v1::AppendKvResponse resp;
-    auto w = seqs_->AppendKv(&ctx, &resp);
-    v1::AppendKvRequest req;
-    v1::AppendKvHeader* h = req.mutable_header();
-    h->set_sequence_id(id);
-    h->set_token_start(start);
-    h->set_num_tokens(tokens);
-    h->set_dtype(v1::DTYPE_BF16);
-    h->set_end_of_prefill(final);
-    for (uint32_t t : ids) h->add_token_ids(t);
+    auto w = stubs_->sequences->AppendKv(&ctx, &resp);
+    v1::AppendKvRequest req = AppendHeaderMessage(id, start, tokens, v1::DTYPE_BF16, final);
+    for (uint32_t t : ids) req.mutable_header()->add_token_ids(t);
     bool ok = w->Write(req);
+    auto rows = [](const std::vector<Bf16>& layer, int off, int n) {
+      return std::string(reinterpret_cast<const char*>(layer.data() + off * kRow), n * kRow * 2);
+    };
     for (int layer = 0; layer < static_cast<int>(k.size()) && ok; ++layer) {
       if (layer == skip_layer) continue;
       for (int off = 0; off < tokens && ok; off += chunk) {
         const int n = std::min(chunk, tokens - off);
-        v1::AppendKvRequest c;
-        v1::KvChunk* ch = c.mutable_chunk();
-        ch->set_layer(layer);
-        ch->set_token_offset(off);
-        ch->set_num_tokens(n);
-        ch->set_k(reinterpret_cast<const char*>(k[layer].data() + off * kRow), n * kRow * 2);
-        ch->set_v(reinterpret_cast<const char*>(v[layer].data() + off * kRow), n * kRow * 2);
-        ok = w->Write(c);
+        ok = w->Write(
+            AppendChunkMessage(layer, off, n, rows(k[layer], off, n), rows(v[layer], off, n)));
       }
     }
     w->WritesDone();
@@ -129,7 +120,7 @@ class ServerTest : public ::testing::Test {
   uint64_t UsedBytes() {
     grpc::ClientContext ctx;
     v1::GetStatsResponse resp;
-    EXPECT_TRUE(stats_->GetStats(&ctx, v1::GetStatsRequest(), &resp).ok());
+    EXPECT_TRUE(stubs_->stats->GetStats(&ctx, v1::GetStatsRequest(), &resp).ok());
     return resp.pool().used_bytes();
   }
 
@@ -140,7 +131,7 @@ class ServerTest : public ::testing::Test {
     v1::ReadKvRequest req;
     req.set_sequence_id(id);
     req.set_dtype(dtype);
-    auto r = reads_->ReadKv(&ctx, req);
+    auto r = stubs_->reads->ReadKv(&ctx, req);
     v1::ReadKvResponse msg;
     k->assign(kLayers, "");
     v->assign(kLayers, "");
@@ -155,11 +146,7 @@ class ServerTest : public ::testing::Test {
 
   std::unique_ptr<KvpoolServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::ModelService::Stub> models_;
-  std::unique_ptr<v1::SequenceService::Stub> seqs_;
-  std::unique_ptr<v1::ReadService::Stub> reads_;
-  std::unique_ptr<v1::AttentionService::Stub> attn_;
-  std::unique_ptr<v1::StatsService::Stub> stats_;
+  std::unique_ptr<ServiceStubs> stubs_;
 };
 
 struct Kv {
@@ -206,7 +193,7 @@ TEST_F(ServerTest, IdentityBypassRoundTripIsBitExact) {
   grpc::ClientContext ctx;
   v1::ReadBlocksRequest req;
   req.set_sequence_id("s");
-  auto r = reads_->ReadBlocks(&ctx, req);
+  auto r = stubs_->reads->ReadBlocks(&ctx, req);
   v1::ReadBlocksResponse msg;
   ASSERT_TRUE(r->Read(&msg));
   ASSERT_TRUE(msg.has_header());
@@ -245,7 +232,7 @@ TEST_F(ServerTest, RemoteAttentionMatchesDenseAttention) {
     }
     grpc::ClientContext ctx;
     v1::AttendResponse resp;
-    grpc::Status s = attn_->Attend(&ctx, req, &resp);
+    grpc::Status s = stubs_->attention->Attend(&ctx, req, &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
     ASSERT_EQ(resp.results_size(), 3);
     for (int b = 0; b < 3; ++b) {
@@ -312,7 +299,7 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
   {
     grpc::ClientContext ctx;
     v1::AppendKvResponse resp;
-    auto w = seqs_->AppendKv(&ctx, &resp);
+    auto w = stubs_->sequences->AppendKv(&ctx, &resp);
     v1::AppendKvRequest req;
     req.mutable_header()->set_sequence_id("s");
     req.mutable_header()->set_token_start(30);
@@ -325,7 +312,7 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
   {  // Wrong dtype and a chunk whose size does not match its token count.
     grpc::ClientContext ctx;
     v1::AppendKvResponse resp;
-    auto w = seqs_->AppendKv(&ctx, &resp);
+    auto w = stubs_->sequences->AppendKv(&ctx, &resp);
     v1::AppendKvRequest req;
     req.mutable_header()->set_sequence_id("s");
     req.mutable_header()->set_token_start(30);
@@ -337,7 +324,7 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
   {
     grpc::ClientContext ctx;
     v1::AppendKvResponse resp;
-    auto w = seqs_->AppendKv(&ctx, &resp);
+    auto w = stubs_->sequences->AppendKv(&ctx, &resp);
     v1::AppendKvRequest req;
     req.mutable_header()->set_sequence_id("s");
     req.mutable_header()->set_token_start(30);
@@ -364,7 +351,8 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
     req.set_k(std::string(kLayers * kRow * 2, '\0'));
     req.set_v(std::string(kLayers * kRow * 2, '\0'));
     v1::AppendDecodeResponse resp;
-    EXPECT_EQ(seqs_->AppendDecode(&ctx, req, &resp).error_code(), StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(stubs_->sequences->AppendDecode(&ctx, req, &resp).error_code(),
+              StatusCode::FAILED_PRECONDITION);
   }
   for (int layer : {0, 5}) {
     grpc::ClientContext ctx;
@@ -375,7 +363,8 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
     q->set_sequence_id("s");
     q->set_q(std::string(layer == 0 ? 12 : kHq * kD * 4, '\0'));
     v1::AttendResponse resp;
-    EXPECT_EQ(attn_->Attend(&ctx, req, &resp).error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(stubs_->attention->Attend(&ctx, req, &resp).error_code(),
+              StatusCode::INVALID_ARGUMENT);
   }
   {
     grpc::ClientContext ctx;
@@ -386,7 +375,7 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
     q->set_sequence_id("ghost");
     q->set_q(std::string(kHq * kD * 4, '\0'));
     v1::AttendResponse resp;
-    EXPECT_EQ(attn_->Attend(&ctx, req, &resp).error_code(), StatusCode::NOT_FOUND);
+    EXPECT_EQ(stubs_->attention->Attend(&ctx, req, &resp).error_code(), StatusCode::NOT_FOUND);
   }
   {  // Reads past the end.
     grpc::ClientContext ctx;
@@ -394,7 +383,7 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
     req.set_sequence_id("s");
     req.set_token_start(10);
     req.set_num_tokens(100);
-    auto r = reads_->ReadKv(&ctx, req);
+    auto r = stubs_->reads->ReadKv(&ctx, req);
     v1::ReadKvResponse msg;
     while (r->Read(&msg)) {
     }
@@ -404,7 +393,7 @@ TEST_F(ServerTest, BadRequestsGetPreciseCodesAndLeaveThePoolUnchanged) {
   {
     grpc::ClientContext ctx;
     v1::RegisterModelResponse resp;
-    auto w = models_->RegisterModel(&ctx, &resp);
+    auto w = stubs_->models->RegisterModel(&ctx, &resp);
     v1::RegisterModelRequest req;
     req.mutable_spec()->set_model_id("f");
     req.mutable_spec()->set_server_path("../../etc/passwd");
@@ -426,7 +415,7 @@ TEST_F(ServerTest, UploadedRotationFileRegistersAndDescribes) {
   const std::string file = SerializeRotationFile(*codec);
   grpc::ClientContext ctx;
   v1::RegisterModelResponse resp;
-  auto w = models_->RegisterModel(&ctx, &resp);
+  auto w = stubs_->models->RegisterModel(&ctx, &resp);
   v1::RegisterModelRequest req;
   req.mutable_spec()->set_model_id("up");
   req.mutable_spec()->mutable_shape()->set_q_heads(kHq);
@@ -449,7 +438,7 @@ TEST_F(ServerTest, UploadedRotationFileRegistersAndDescribes) {
   v1::DescribeModelRequest dreq;
   dreq.set_model_id("up");
   dreq.set_include_rotation(true);
-  auto r = models_->DescribeModel(&dctx, dreq);
+  auto r = stubs_->models->DescribeModel(&dctx, dreq);
   v1::DescribeModelResponse msg;
   ASSERT_TRUE(r->Read(&msg));
   EXPECT_EQ(msg.model().block_layout().block_bytes(),
@@ -466,7 +455,7 @@ TEST_F(ServerTest, UploadedRotationFileRegistersAndDescribes) {
   EXPECT_EQ(layers, kLayers);
   // Same id, same content: idempotent. Truncated upload: rejected.
   grpc::ClientContext ctx2;
-  auto w2 = models_->RegisterModel(&ctx2, &resp);
+  auto w2 = stubs_->models->RegisterModel(&ctx2, &resp);
   req.mutable_spec()->set_upload_size(file.size() + 5);
   w2->Write(req);
   v1::RegisterModelRequest c;
@@ -492,7 +481,7 @@ TEST_F(ServerTest, PrefixLookupAndReuse) {
     req.set_model_id(model);
     for (uint32_t t : ids) req.add_token_ids(t);
     v1::LookupPrefixResponse resp;
-    ASSERT_TRUE(seqs_->LookupPrefix(&ctx, req, &resp).ok());
+    ASSERT_TRUE(stubs_->sequences->LookupPrefix(&ctx, req, &resp).ok());
     EXPECT_EQ(resp.matched_tokens(), std::string(model) == "m" ? 48u : 0u);
   }
   v1::CreateSequenceResponse cr;
@@ -524,7 +513,7 @@ TEST_F(ServerTest, DecodeAppendsAndDeleteModel) {
     req.set_k(reinterpret_cast<const char*>(k.data()), k.size() * 4);
     req.set_v(reinterpret_cast<const char*>(k.data()), k.size() * 4);
     v1::AppendDecodeResponse resp;
-    grpc::Status s = seqs_->AppendDecode(&ctx, req, &resp);
+    grpc::Status s = stubs_->sequences->AppendDecode(&ctx, req, &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
     demoted += resp.demoted_tokens();
     EXPECT_EQ(resp.sequence().total_tokens(), 21u + step);
@@ -535,7 +524,7 @@ TEST_F(ServerTest, DecodeAppendsAndDeleteModel) {
     v1::DeleteModelRequest req;
     req.set_model_id("m");
     v1::DeleteModelResponse resp;
-    EXPECT_EQ(models_->DeleteModel(&ctx, req, &resp).error_code(),
+    EXPECT_EQ(stubs_->models->DeleteModel(&ctx, req, &resp).error_code(),
               grpc::StatusCode::FAILED_PRECONDITION);
   }
   grpc::ClientContext ctx;
@@ -543,7 +532,7 @@ TEST_F(ServerTest, DecodeAppendsAndDeleteModel) {
   req.set_model_id("m");
   req.set_force(true);
   v1::DeleteModelResponse resp;
-  ASSERT_TRUE(models_->DeleteModel(&ctx, req, &resp).ok());
+  ASSERT_TRUE(stubs_->models->DeleteModel(&ctx, req, &resp).ok());
   EXPECT_EQ(resp.released_sequences(), 1u);
   EXPECT_EQ(UsedBytes(), 0u);
 }
@@ -568,7 +557,7 @@ TEST_F(ServerTest, SixteenConcurrentClientsKeepExactAccounting) {
           v1::ReleaseSequenceRequest req;
           req.set_sequence_id(id);
           v1::ReleaseSequenceResponse resp;
-          if (!seqs_->ReleaseSequence(&ctx, req, &resp).ok()) ++errors;
+          if (!stubs_->sequences->ReleaseSequence(&ctx, req, &resp).ok()) ++errors;
         }
       }
     });
@@ -579,7 +568,7 @@ TEST_F(ServerTest, SixteenConcurrentClientsKeepExactAccounting) {
   v1::GetStatsRequest req;
   req.set_include_sequences(true);
   v1::GetStatsResponse resp;
-  ASSERT_TRUE(stats_->GetStats(&ctx, req, &resp).ok());
+  ASSERT_TRUE(stubs_->stats->GetStats(&ctx, req, &resp).ok());
   EXPECT_EQ(resp.sequences_size(), 16);
   uint64_t sum = 0;
   for (const auto& s : resp.sequences()) sum += s.pool_bytes();

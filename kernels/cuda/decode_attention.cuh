@@ -308,6 +308,39 @@ struct WarpState {
   }
 };
 
+// Writes partial result `part` of sequence b, KV head kv_head: for each query q of the group the
+// kAttnWarps warps' states (in shared memory, written before a __syncthreads: max m, sums l and
+// pm at [w * kQ + q], O at [(w * kQ + q) * kD + dim]) combined and normalized.
+template <int kD, int kQ>
+__device__ __forceinline__ void CombineWarpStates(const AttentionParams& p, int b, int kv_head,
+                                                  int part, const float* sm_o, const float* sm_m,
+                                                  const float* sm_l, const float* sm_pm) {
+  for (int idx = threadIdx.x; idx < p.group * kD; idx += kAttnThreads) {
+    const int q = idx / kD;
+    const int dim = idx % kD;
+    float m_all = kNegInf;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) m_all = fmaxf(m_all, sm_m[w * kQ + q]);
+    const int64_t row = (static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + q);
+    float o = 0.f;
+    float lse = kNegInf;
+    if (m_all != kNegInf) {
+      float u = 0.f;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float e = FastExp2(sm_m[w * kQ + q] - m_all);
+        u = __fmaf_rn(e, sm_o[(w * kQ + q) * kD + dim] + sm_pm[w * kQ + q], u);
+        l = __fmaf_rn(e, sm_l[w * kQ + q], l);
+      }
+      o = u / l;
+      lse = m_all + __log2f(l);
+    }
+    p.part_out[(row * p.num_parts + part) * kD + dim] = o;
+    if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
+  }
+}
+
 // Writes the combined state of the CTA's warps as one normalized partial result. row_factor
 // maps accumulator (mi, half) to its true scale; dims: thread (g, t) holds dims
 // g * (kD / 8) + mi (rows g) and g * (kD / 8) + mi + kD / 16 (rows g + 8).
@@ -345,30 +378,45 @@ __device__ __forceinline__ void WritePartial(WarpState<kD, kNT>& st, const Atten
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < p.group * kD; idx += kAttnThreads) {
-    const int q = idx / kD;
-    const int dim = idx % kD;
-    float m_all = kNegInf;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) m_all = fmaxf(m_all, sm_m[w][q]);
-    const int64_t row = (static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + q);
-    float o = 0.f;
-    float lse = kNegInf;
-    if (m_all != kNegInf) {
-      float u = 0.f;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) {
-        const float e = FastExp2(sm_m[w][q] - m_all);
-        u = __fmaf_rn(e, sm_o[w][q][dim] + sm_pm[w][q], u);
-        l = __fmaf_rn(e, sm_l[w][q], l);
-      }
-      o = u / l;
-      lse = m_all + __log2f(l);
-    }
-    p.part_out[(row * p.num_parts + part) * kD + dim] = o;
-    if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
-  }
+  CombineWarpStates<kD, kQ>(p, b, kv_head, part, &sm_o[0][0][0], &sm_m[0][0], &sm_l[0][0],
+                            &sm_pm[0][0]);
+}
+
+// Where a thread of a chunked attention kernel (INT2 history, BF16 tiers) stands: grid
+// (chunk, kv_head, sequence b), its warp and lane, and the lane's fragment coordinates
+// g = lane / 4, t = lane % 4 (mma.cuh).
+struct ChunkThread {
+  int chunk;
+  int kv_head;
+  int b;
+  int warp;
+  int lane;
+  int g;
+  int t;
+};
+
+__device__ __forceinline__ ChunkThread ThisChunkThread() {
+  const int lane = threadIdx.x % kWarpSize;
+  return {static_cast<int>(blockIdx.x),
+          static_cast<int>(blockIdx.y),
+          static_cast<int>(blockIdx.z),
+          static_cast<int>(threadIdx.x / kWarpSize),
+          lane,
+          lane / 4,
+          lane % 4};
+}
+
+// Sequence `seq`'s part of a paged tier (kernels/paged_kv_tier.h): `count` tokens from position
+// `first` of its block table row `table`.
+struct TierSequence {
+  int count;
+  int first;
+  const int32_t* table;
+};
+
+__device__ __forceinline__ TierSequence SequenceOfTier(const PagedKvTier& tier, int seq) {
+  return {__ldg(tier.num_tokens + seq), __ldg(tier.first_token + seq),
+          tier.block_tables + static_cast<int64_t>(seq) * tier.block_table_stride};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -381,22 +429,13 @@ __global__ void __launch_bounds__(kAttnThreads)
   constexpr int kKSteps = kD / 16;
   constexpr int kMTiles = kD / 16;
   constexpr int kKWords = kD / 64;  // 32-bit K code words per token per lane
-  const int chunk = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  const int g = lane / 4;
-  const int t = lane % 4;
+  const ChunkThread th = ThisChunkThread();
   const BlockGeometry& geo = p.int2_geo;
   const bool scale_bf16 = p.scale_is_bf16 != 0;
 
-  const int count = __ldg(p.history.num_tokens + b);
-  const int first = __ldg(p.history.first_token + b);
-  const int32_t* table =
-      p.history.block_tables + static_cast<int64_t>(b) * p.history.block_table_stride;
-  const int c0 = chunk * p.history_chunk_tokens;
-  const int c1 = min(count, c0 + p.history_chunk_tokens);
+  const TierSequence tier = SequenceOfTier(p.history, th.b);
+  const int c0 = th.chunk * p.history_chunk_tokens;
+  const int c1 = min(tier.count, c0 + p.history_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
 
   struct Tile {
@@ -410,20 +449,23 @@ __global__ void __launch_bounds__(kAttnThreads)
   // table lookup per tile, three lane pointers, and immediate offsets for the other tokens.
   // Otherwise every token is looked up.
   constexpr int kRowBytes = kD / 4;
-  const bool aligned = geo.tokens >= kTileTokens && first % kTileTokens == 0;
-  const int k_lane = static_cast<int>(geo.codes_offset[0]) + g * kRowBytes + t * (kD / 16);
-  const int v_lane = static_cast<int>(geo.codes_offset[1]) + 2 * t * kRowBytes + g * (kD / 32);
-  const int m_lane = static_cast<int>(geo.meta_offset[0]) + g * 4;
+  const bool aligned = geo.tokens >= kTileTokens && tier.first % kTileTokens == 0;
+  const int k_lane = static_cast<int>(geo.codes_offset[0]) + th.g * kRowBytes + th.t * (kD / 16);
+  const int v_lane =
+      static_cast<int>(geo.codes_offset[1]) + 2 * th.t * kRowBytes + th.g * (kD / 32);
+  const int m_lane = static_cast<int>(geo.meta_offset[0]) + th.g * 4;
   const int vm_delta = static_cast<int>(geo.meta_offset[1] - geo.meta_offset[0]);
-  const uint8_t* head_pool = p.int2_pool + static_cast<int64_t>(kv_head) * geo.head_segment_bytes;
+  const uint8_t* head_pool =
+      p.int2_pool + static_cast<int64_t>(th.kv_head) * geo.head_segment_bytes;
 
   auto load = [&](int start, Tile& tile) {
     if (aligned && start + kTileTokens <= c1) {
       // Full tile in one block: unconditional loads at immediate offsets from three pointers.
-      const int pos = first + start;
+      const int pos = tier.first + start;
       const int slot0 = pos & (geo.tokens - 1);
       const uint8_t* seg =
-          head_pool + static_cast<int64_t>(__ldg(table + (pos >> log2_tokens))) * geo.block_bytes;
+          head_pool +
+          static_cast<int64_t>(__ldg(tier.table + (pos >> log2_tokens))) * geo.block_bytes;
       const uint8_t* kp = seg + (k_lane + slot0 * kRowBytes);
       const uint8_t* vp = seg + (v_lane + slot0 * kRowBytes);
       const uint8_t* mp = seg + (m_lane + slot0 * 4);
@@ -453,11 +495,11 @@ __global__ void __launch_bounds__(kAttnThreads)
     // Partial or unaligned tile: every token looked up, absent tokens read as zero.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int i = start + g + 8 * r;
+      const int i = start + th.g + 8 * r;
       if (i < c1) {
-        const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
+        const TokenAddress a = AddressOf(geo, tier.table, log2_tokens, tier.first + i, th.kv_head);
         const uint8_t* seg = p.int2_pool + a.segment;
-        const uint8_t* kc = seg + geo.codes_offset[0] + a.slot * kRowBytes + t * (kD / 16);
+        const uint8_t* kc = seg + geo.codes_offset[0] + a.slot * kRowBytes + th.t * (kD / 16);
         if constexpr (kKWords == 2) {
           const uint2 w = __ldg(reinterpret_cast<const uint2*>(kc));
           tile.k[r][0] = w.x;
@@ -478,12 +520,12 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int i = start + 2 * t + (c & 1) + 8 * (c >> 1);
+      const int i = start + 2 * th.t + (c & 1) + 8 * (c >> 1);
       uint32_t w = 0u;
       if (i < c1) {
-        const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
+        const TokenAddress a = AddressOf(geo, tier.table, log2_tokens, tier.first + i, th.kv_head);
         const uint8_t* vc =
-            p.int2_pool + a.segment + geo.codes_offset[1] + a.slot * kRowBytes + g * (kD / 32);
+            p.int2_pool + a.segment + geo.codes_offset[1] + a.slot * kRowBytes + th.g * (kD / 32);
         if constexpr (kD == 128) {
           w = __ldg(reinterpret_cast<const uint32_t*>(vc));
         } else {
@@ -497,7 +539,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   // Issue the warp's first tile and the L2 prefetches of the next ones before waiting for the
   // query rotation (the pool was written by earlier, fully completed stream work).
   const int stride = kAttnWarps * kTileTokens;
-  int start = c0 + warp * kTileTokens;
+  int start = c0 + th.warp * kTileTokens;
   Tile t0, t1;
   if (start < c1) load(start, t0);
   const bool prefetch = aligned && (reinterpret_cast<uintptr_t>(p.int2_pool) & 15u) == 0;
@@ -505,14 +547,15 @@ __global__ void __launch_bounds__(kAttnThreads)
   // of the tile at `at`, so that the loads of later tiles find it in L2: more bytes in flight
   // per SM than the register double buffer alone allows.
   auto prefetch_tile = [&](int at) {
-    if (!prefetch || at >= c1 || lane >= 4) return;
-    const int pos = first + at;
+    if (!prefetch || at >= c1 || th.lane >= 4) return;
+    const int pos = tier.first + at;
     const int slot0 = pos & (geo.tokens - 1);
     const uint8_t* seg =
-        head_pool + static_cast<int64_t>(__ldg(table + (pos >> log2_tokens))) * geo.block_bytes;
-    const int64_t off = lane < 2 ? geo.codes_offset[lane] + slot0 * kRowBytes
-                                 : geo.meta_offset[lane - 2] + slot0 * 4;
-    const uint32_t bytes = lane < 2 ? kTileTokens * kRowBytes : kTileTokens * 4;
+        head_pool +
+        static_cast<int64_t>(__ldg(tier.table + (pos >> log2_tokens))) * geo.block_bytes;
+    const int64_t off = th.lane < 2 ? geo.codes_offset[th.lane] + slot0 * kRowBytes
+                                    : geo.meta_offset[th.lane - 2] + slot0 * 4;
+    const uint32_t bytes = th.lane < 2 ? kTileTokens * kRowBytes : kTileTokens * 4;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(seg + off), "r"(bytes)
                  : "memory");
   };
@@ -528,9 +571,9 @@ __global__ void __launch_bounds__(kAttnThreads)
   float beta[kNT][2];
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) {
-    const int n = nt * 8 + g;
+    const int n = nt * 8 + th.g;
     const bool valid = n < p.group;
-    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + n;
+    const int64_t qrow = static_cast<int64_t>(th.b) * p.q_heads + th.kv_head * p.group + n;
     const float* qv = p.q_rot + qrow * kD;
     const float qs = valid ? p.q_scale[qrow] : 0.f;
 #pragma unroll
@@ -540,7 +583,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         const int r = 2 * j + s;
         const int w = r / 8;
         const int i = r % 8;
-        const int dim = t * (kD / 4) + w * 16 + i;
+        const int dim = th.t * (kD / 4) + w * 16 + i;
         const float f = qs / static_cast<float>(1 << CodePos(i));
         qb[nt][j][s][0] = 0u;
         qb[nt][j][s][1] = 0u;
@@ -549,9 +592,9 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
 #pragma unroll
     for (int cc = 0; cc < 2; ++cc) {
-      const int nq = nt * 8 + 2 * t + cc;
+      const int nq = nt * 8 + 2 * th.t + cc;
       const bool v = nq < p.group;
-      const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + nq;
+      const int64_t row = static_cast<int64_t>(th.b) * p.q_heads + th.kv_head * p.group + nq;
       gamma[nt][cc] = v ? 16777216.f * p.softmax_scale_log2 / p.q_scale[row] : 0.f;
       beta[nt][cc] = v ? p.q_sum[row] * p.softmax_scale_log2 : 0.f;
     }
@@ -575,11 +618,8 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
-      const int w = (2 * j) / 8;
-      const int i0 = (2 * j) % 8;
-      const uint32_t a[4] = {ExtractCodesAt(cur.k[0][w], i0), ExtractCodesAt(cur.k[1][w], i0),
-                             ExtractCodesAt(cur.k[0][w], i0 + 1),
-                             ExtractCodesAt(cur.k[1][w], i0 + 1)};
+      uint32_t a[4];
+      KStepCodesA(cur.k[0], cur.k[1], j, a);
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         const uint32_t hi[2] = {qb[nt][j][0][0], qb[nt][j][1][0]};
@@ -597,7 +637,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       v_scale[r] = ScaleWordToFloat(static_cast<uint16_t>(cur.v_meta[r] & 0xffffu), scale_bf16);
       v_min[r] = ScaleWordToFloat(static_cast<uint16_t>(cur.v_meta[r] >> 16), scale_bf16);
     }
-    const bool row_valid[2] = {start + g < c1, start + g + 8 < c1};
+    const bool row_valid[2] = {start + th.g < c1, start + th.g + 8 < c1};
     float logit[kNT][2][2];
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
@@ -646,7 +686,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     row_factor[mi][0] = static_cast<float>(1 << (24 - CodePos(mi % 8)));
     row_factor[mi][1] = static_cast<float>(1 << (24 - CodePos((mi + kD / 16) % 8)));
   }
-  WritePartial<kD, kNT>(st, p, b, kv_head, chunk, row_factor);
+  WritePartial<kD, kNT>(st, p, th.b, th.kv_head, th.chunk, row_factor);
 }
 
 }  // namespace kvpool::cuda::internal
@@ -663,24 +703,12 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
   constexpr int kMTiles = kD / 16;
   constexpr int kKVec = kD / 32;  // uint4 (8 dims) per token per lane on the K side (kD / 4 dims)
   constexpr int kVVec = kD / 64;  // uint4 per token per lane on the V side (kD / 8 dims)
-  const int chunk = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  const int g = lane / 4;
-  const int t = lane % 4;
+  const ChunkThread th = ThisChunkThread();
   const BlockGeometry& geo = p.bf16_geo;
-  const int n_sink = __ldg(p.sink.num_tokens + b);
-  const int n_recent = __ldg(p.recent.num_tokens + b);
-  const int first_sink = __ldg(p.sink.first_token + b);
-  const int first_recent = __ldg(p.recent.first_token + b);
-  const int32_t* sink_table =
-      p.sink.block_tables + static_cast<int64_t>(b) * p.sink.block_table_stride;
-  const int32_t* recent_table =
-      p.recent.block_tables + static_cast<int64_t>(b) * p.recent.block_table_stride;
-  const int total = n_sink + n_recent;
-  const int c0 = chunk * p.bf16_chunk_tokens;
+  const TierSequence sink_tier = SequenceOfTier(p.sink, th.b);
+  const TierSequence recent_tier = SequenceOfTier(p.recent, th.b);
+  const int total = sink_tier.count + recent_tier.count;
+  const int c0 = th.chunk * p.bf16_chunk_tokens;
   const int c1 = min(total, c0 + p.bf16_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
   LaunchDependents();
@@ -695,12 +723,12 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
   float gamma[kNT][2];
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) {
-    const int n = nt * 8 + g;
+    const int n = nt * 8 + th.g;
     const bool valid = n < p.group;
-    const int64_t qrow = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + n;
+    const int64_t qrow = static_cast<int64_t>(th.b) * p.q_heads + th.kv_head * p.group + n;
     const float qs = valid ? __ldcg(p.q_scale + qrow) : 0.f;
     // The lane's dims t * kD/4 + [0, kD/4), in 16-byte loads.
-    const float4* q4 = reinterpret_cast<const float4*>(p.q_rot + qrow * kD + t * (kD / 4));
+    const float4* q4 = reinterpret_cast<const float4*>(p.q_rot + qrow * kD + th.t * (kD / 4));
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
       const float4 x = valid ? __ldcg(q4 + j) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -715,8 +743,8 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
     }
 #pragma unroll
     for (int cc = 0; cc < 2; ++cc) {
-      const int nq = nt * 8 + 2 * t + cc;
-      const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + nq;
+      const int nq = nt * 8 + 2 * th.t + cc;
+      const int64_t row = static_cast<int64_t>(th.b) * p.q_heads + th.kv_head * p.group + nq;
       gamma[nt][cc] = nq < p.group ? p.softmax_scale_log2 / __ldcg(p.q_scale + row) : 0.f;
     }
   }
@@ -724,9 +752,10 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
   auto segment_of = [&](int i, bool& ok) -> const uint8_t* {
     ok = i < c1;
     if (!ok) return nullptr;
-    const bool sink = i < n_sink;
-    const TokenAddress a = AddressOf(geo, sink ? sink_table : recent_table, log2_tokens,
-                                     sink ? first_sink + i : first_recent + (i - n_sink), kv_head);
+    const bool sink = i < sink_tier.count;
+    const TokenAddress a = AddressOf(
+        geo, sink ? sink_tier.table : recent_tier.table, log2_tokens,
+        sink ? sink_tier.first + i : recent_tier.first + (i - sink_tier.count), th.kv_head);
     return p.bf16_pool + a.segment + static_cast<int64_t>(a.slot) * geo.code_bytes_per_row;
   };
   auto bf16_lo = [](uint32_t w) { return __uint_as_float(w << 16); };
@@ -736,18 +765,18 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
   st.Init();
   const float ones[2] = {1.f, 1.f};
   const float zeros[2] = {0.f, 0.f};
-  for (int start = c0 + warp * kTileTokens; start < c1; start += kAttnWarps * kTileTokens) {
+  for (int start = c0 + th.warp * kTileTokens; start < c1; start += kAttnWarps * kTileTokens) {
     uint32_t kw[2][kKVec * 4];
     bool row_valid[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint8_t* seg = segment_of(start + g + 8 * r, row_valid[r]);
+      const uint8_t* seg = segment_of(start + th.g + 8 * r, row_valid[r]);
 #pragma unroll
       for (int v = 0; v < kKVec; ++v) {
         uint4 x = make_uint4(0u, 0u, 0u, 0u);
         if (row_valid[r]) {
-          x = __ldg(reinterpret_cast<const uint4*>(seg + geo.codes_offset[0] + 2 * (t * (kD / 4)) +
-                                                   16 * v));
+          x = __ldg(reinterpret_cast<const uint4*>(seg + geo.codes_offset[0] +
+                                                   2 * (th.t * (kD / 4)) + 16 * v));
         }
         kw[r][4 * v] = x.x;
         kw[r][4 * v + 1] = x.y;
@@ -759,13 +788,13 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       bool ok;
-      const uint8_t* seg = segment_of(start + 2 * t + (c & 1) + 8 * (c >> 1), ok);
+      const uint8_t* seg = segment_of(start + 2 * th.t + (c & 1) + 8 * (c >> 1), ok);
 #pragma unroll
       for (int v = 0; v < kVVec; ++v) {
         uint4 x = make_uint4(0u, 0u, 0u, 0u);
         if (ok) {
-          x = __ldg(reinterpret_cast<const uint4*>(seg + geo.codes_offset[1] + 2 * (g * (kD / 8)) +
-                                                   16 * v));
+          x = __ldg(reinterpret_cast<const uint4*>(seg + geo.codes_offset[1] +
+                                                   2 * (th.g * (kD / 8)) + 16 * v));
         }
         vw[c][4 * v] = x.x;
         vw[c][4 * v + 1] = x.y;
@@ -832,11 +861,11 @@ __global__ void __launch_bounds__(kAttnThreads) Bf16TierKernel(const AttentionPa
     row_factor[mi][0] = 1.f;
     row_factor[mi][1] = 1.f;
   }
-  WritePartial<kD, kNT>(st, p, b, kv_head, p.history_chunks + chunk, row_factor);
+  WritePartial<kD, kNT>(st, p, th.b, th.kv_head, p.history_chunks + th.chunk, row_factor);
   if constexpr (kNT == 1) {  // groups of up to 8
     if (p.merge_counters != nullptr) {
       __shared__ MergeGroupSmem<kD, kAttnThreads> merge_smem;
-      MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, &merge_smem);
+      MergeIfLastPart<kD, kAttnThreads>(p, th.kv_head, th.b, &merge_smem);
     }
   }
   if (p.bf16_after_history != 0) GridDependencyWait();

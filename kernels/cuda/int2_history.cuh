@@ -146,28 +146,19 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   constexpr int kVmOff = 32 * kRow + 64;  // V meta
   extern __shared__ __align__(128) uint8_t history_smem[];
 
-  const int chunk = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  const int g = lane / 4;
-  const int t = lane % 4;
+  const ChunkThread th = ThisChunkThread();
   const BlockGeometry& geo = p.int2_geo;
 
-  const int count = __ldg(p.history.num_tokens + b);
-  const int first = __ldg(p.history.first_token + b);
-  const int32_t* table =
-      p.history.block_tables + static_cast<int64_t>(b) * p.history.block_table_stride;
-  const int c0 = chunk * p.history_chunk_tokens;
-  const int c1 = min(count, c0 + p.history_chunk_tokens);
+  const TierSequence tier = SequenceOfTier(p.history, th.b);
+  const int c0 = th.chunk * p.history_chunk_tokens;
+  const int c1 = min(tier.count, c0 + p.history_chunk_tokens);
   const int log2_tokens = __ffs(geo.tokens) - 1;
-  const bool bulk = p.history_async_copies != 0 && (first & 15) == 0;
-  const int w0 = c0 + kHistoryPairTokens * warp;
+  const bool bulk = p.history_async_copies != 0 && (tier.first & 15) == 0;
+  const int w0 = c0 + kHistoryPairTokens * th.warp;
   const int n_pairs = c1 > w0 ? (c1 - w0 + kHistoryQuantum - 1) / kHistoryQuantum : 0;
   auto pair_start = [&](int k) { return w0 + kHistoryQuantum * k; };
 
-  uint8_t* ring = history_smem + warp * (kS * kTile);
+  uint8_t* ring = history_smem + th.warp * (kS * kTile);
   const uint32_t ring_addr = SmemAddress(ring);
 
   // Asynchronous copies (history_async_copies: blocks of 16 tokens whose head segment is laid
@@ -183,11 +174,11 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   constexpr int kER = kHistoryEntrySlots;
   static_assert(kER >= kS / 2 + 1 && kER >= kS - kS / 2, "entry ring too small");
   const uint8_t* seg_lane =
-      p.int2_pool + static_cast<int64_t>(kv_head) * geo.head_segment_bytes + 16 * lane;
-  uint32_t dst_lane = ring_addr + 16 * lane;
-  const int32_t* pair_table = table + ((first + w0) >> 4);
+      p.int2_pool + static_cast<int64_t>(th.kv_head) * geo.head_segment_bytes + 16 * th.lane;
+  uint32_t dst_lane = ring_addr + 16 * th.lane;
+  const int32_t* pair_table = tier.table + ((tier.first + w0) >> 4);
   const int32_t* entries =
-      reinterpret_cast<const int32_t*>(history_smem + 4 * kS * kTile) + warp * 2 * kER;
+      reinterpret_cast<const int32_t*>(history_smem + 4 * kS * kTile) + th.warp * 2 * kER;
   const uint32_t entries_addr = SmemAddress(entries);
   const uint64_t policy = EvictFirstPolicy();
   // Kept in registers (ptxas otherwise recomputes them from the thread index every tile).
@@ -205,7 +196,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
 #pragma unroll
       for (int j = 0; j < kChunksPerLane; ++j) {
         const bool lane_has =
-            kChunks % kWarpSize == 0 || j + 1 < kChunksPerLane || lane + kWarpSize * j < kChunks;
+            kChunks % kWarpSize == 0 || j + 1 < kChunksPerLane || th.lane + kWarpSize * j < kChunks;
         CpAsync16If(present && lane_has, dst + 16 * kWarpSize * j, src + 16 * kWarpSize * j,
                     policy);
       }
@@ -214,23 +205,23 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   // E[k0 .. k0 + pairs - 1] into their ring slots (lane l: entry l % 2 of pair k0 + l / 2; no
   // commit).
   auto copy_entries = [&](int k0, int pairs) {
-    const int k = pairs > 1 ? k0 + lane / 2 : k0;  // one pair (the loop's case): warp-uniform
-    const int e = lane & 1;
-    CpAsync4If(lane < 2 * pairs && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
+    const int k = pairs > 1 ? k0 + th.lane / 2 : k0;  // one pair (the loop's case): warp-uniform
+    const int e = th.lane & 1;
+    CpAsync4If(th.lane < 2 * pairs && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
                pair_table + 8 * k + e);
   };
   // Ordinary fill of one tile (tokens [ts, ts + 16), zeros past c1): lane (token, half) copies
   // the K (half 0) or V (half 1) code row and meta word of one token.
   auto fill = [&](int ts, uint8_t* stage) {
-    const int tok = lane >> 1;
-    const int half = lane & 1;
+    const int tok = th.lane >> 1;
+    const int half = th.lane & 1;
     const int i = ts + tok;
     uint2 row[kRow / 8];
     uint32_t meta = 0u;
 #pragma unroll
     for (int v = 0; v < kRow / 8; ++v) row[v] = make_uint2(0u, 0u);
     if (i < c1) {
-      const TokenAddress a = AddressOf(geo, table, log2_tokens, first + i, kv_head);
+      const TokenAddress a = AddressOf(geo, tier.table, log2_tokens, tier.first + i, th.kv_head);
       const uint8_t* seg = p.int2_pool + a.segment;
       const uint8_t* src = seg + geo.codes_offset[half] + a.slot * kRow;
 #pragma unroll
@@ -273,10 +264,10 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   uint32_t qf[kKSteps][kQRegs];
   float gamma, beta_g;
   {
-    const int64_t qrow0 = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group;
-    const int fq = kNarrow ? g / 2 : g;  // query of the fragment
+    const int64_t qrow0 = static_cast<int64_t>(th.b) * p.q_heads + th.kv_head * p.group;
+    const int fq = kNarrow ? th.g / 2 : th.g;  // query of the fragment
     const bool f_valid = fq < p.group;
-    const int sq = kNarrow ? t : g;  // query of the softmax state
+    const int sq = kNarrow ? th.t : th.g;  // query of the softmax state
     const bool s_valid = sq < p.group;
     const float qs_f = f_valid ? p.q_scale[qrow0 + fq] : 0.f;
     const float qs = kNarrow ? (s_valid ? p.q_scale[qrow0 + sq] : 0.f) : qs_f;
@@ -284,7 +275,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     // The lane's dims are t * kD/4 + [0, kD/4): kD/16 16-byte loads, not scalar ones (NOTES.md,
     // run 5, "Vectorized query loads").
     float q[kD / 4];
-    const float4* q4 = reinterpret_cast<const float4*>(p.q_rot + (qrow0 + fq) * kD + t * (kD / 4));
+    const float4* q4 =
+        reinterpret_cast<const float4*>(p.q_rot + (qrow0 + fq) * kD + th.t * (kD / 4));
 #pragma unroll
     for (int v = 0; v < kD / 16; ++v) {
       const float4 x = f_valid ? q4[v] : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -310,7 +302,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
         uint32_t hi = 0u, lo = 0u;
         if (f_valid) SplitHalf2(q[dim] * f, q[dim + 8] * f, hi, lo);
         if constexpr (kNarrow) {
-          qf[j][s] = (g & 1) == 0 ? hi : lo;
+          qf[j][s] = (th.g & 1) == 0 ? hi : lo;
         } else {
           qf[j][2 * s] = hi;
           qf[j][2 * s + 1] = lo;
@@ -350,7 +342,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   auto load_codes = [&](const uint8_t* sb, uint32_t(&kw)[2][kKWords], uint32_t(&vw)[4]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint8_t* src = sb + (g + 8 * r) * kRow + t * (kD / 16);
+      const uint8_t* src = sb + (th.g + 8 * r) * kRow + th.t * (kD / 16);
       if constexpr (kKWords == 2) {
         const uint2 w = LoadShared<uint2>(src);
         kw[r][0] = w.x;
@@ -361,11 +353,11 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint8_t* src = sb + kVOff + (2 * t + (c & 1) + 8 * (c >> 1)) * kRow;
+      const uint8_t* src = sb + kVOff + (2 * th.t + (c & 1) + 8 * (c >> 1)) * kRow;
       if constexpr (kD == 128) {
-        vw[c] = LoadShared<uint32_t>(src + 4 * g);
+        vw[c] = LoadShared<uint32_t>(src + 4 * th.g);
       } else {
-        vw[c] = LoadShared<uint16_t>(src + 2 * g);
+        vw[c] = LoadShared<uint16_t>(src + 2 * th.g);
       }
     }
   };
@@ -380,21 +372,20 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     }
   };
 
-  // One pair of tiles from stages sb[0], sb[1]; kMasked: tokens at or past c1 are absent.
-  auto compute_wide = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
+  // One pair of tiles from stages sb[0], sb[1], their codes in kw (the n-tile is tokens g | g + 8)
+  // and vw as compute below loads them; kMasked: tokens at or past c1 are absent. (The arrays come
+  // as auto&: nvcc's front end crashes on array parameter types of a generic lambda here.)
+  auto compute_wide = [&](const auto& sb, const auto& kw, const auto& vw, int start,
+                          auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
-    const uint8_t* sb[2] = {sb0, sb1};
-    uint32_t kw[2][2][kKWords];  // [tile][n-tile (tokens g | g + 8)][word]
-    uint32_t km[2][2][2];        // [tile][tokens 2t,2t+1 | 2t+8,2t+9][token of the pair]
+    uint32_t km[2][2][2];  // [tile][tokens 2t,2t+1 | 2t+8,2t+9][token of the pair]
     uint32_t vm[2][2][2];
-    uint32_t vw[2][4];  // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      load_codes(sb[e], kw[e], vw[e]);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const uint2 a = LoadShared<uint2>(sb[e] + kKmOff + 32 * nt + 8 * t);
-        const uint2 c = LoadShared<uint2>(sb[e] + kVmOff + 32 * nt + 8 * t);
+        const uint2 a = LoadShared<uint2>(sb[e] + kKmOff + 32 * nt + 8 * th.t);
+        const uint2 c = LoadShared<uint2>(sb[e] + kVmOff + 32 * nt + 8 * th.t);
         km[e][nt][0] = a.x;
         km[e][nt][1] = a.y;
         vm[e][nt][0] = c.x;
@@ -402,25 +393,15 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
       }
     }
     // S = Q K^T: four independent chains (tile, n-tile).
-    float s[2][2][4];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) s[e][nt][k] = 0.f;
-      }
-    }
+    float s[2][2][4] = {};
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
-      const int w = j / 4;
-      const int i0 = 2 * (j % 4);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t bk[2] = {ExtractCodesAt(kw[e][nt][w], i0),
-                                  ExtractCodesAt(kw[e][nt][w], i0 + 1)};
+          uint32_t bk[2];
+          KStepCodesB(kw[e][nt], j, bk);
           if constexpr (!kNarrow) MmaF16(s[e][nt], qf[j], bk);
         }
       }
@@ -438,7 +419,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
           const uint32_t w = km[e][nt][cc];
           float v = __fmaf_rn(MetaLo<kBf16>(w), qc, MetaHi<kBf16>(w) * beta_g);
           if constexpr (kMasked) {
-            const bool ok = start + 16 * e + 8 * nt + 2 * t + cc < c1;
+            const bool ok = start + 16 * e + 8 * nt + 2 * th.t + cc < c1;
             v = ok ? v : kNegInf;
             vm[e][nt][cc] = ok ? vm[e][nt][cc] : 0u;
           }
@@ -456,8 +437,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
       const float corr = move_reference(qmax);
       // The O^T columns of this lane are queries 2t and 2t + 1: their factors live in quads
       // 2t and 2t + 1.
-      const float c_even = __shfl_sync(kFullMask, corr, 8 * t);
-      const float c_odd = __shfl_sync(kFullMask, corr, 8 * t + 4);
+      const float c_even = __shfl_sync(kFullMask, corr, 8 * th.t);
+      const float c_odd = __shfl_sync(kFullMask, corr, 8 * th.t + 4);
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
         acc[mi][0] *= c_even;
@@ -494,38 +475,27 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   // 2t, 2t+1 = high and low part of query t), O^T [D x 8] += V^T [D x 16] (P s)^T with columns
   // 2t, 2t+1 = high and low part of query t's P s (two fp16 terms: ~22 bits, no rounding of P s).
   // (P s)^T comes from the S layout by one movmatrix per 8-token block.
-  auto compute_narrow = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
+  auto compute_narrow = [&](const auto& sb, const auto& kw, const auto& vw, int start,
+                            auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
-    const uint8_t* sb[2] = {sb0, sb1};
-    uint32_t kw[2][2][kKWords];  // [tile][tokens g | g + 8][word]
-    uint32_t km[2][2];           // [tile][tokens g | g + 8]
+    uint32_t km[2][2];  // [tile][tokens g | g + 8]
     uint32_t vm[2][2];
-    uint32_t vw[2][4];  // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      load_codes(sb[e], kw[e], vw[e]);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        km[e][r] = LoadShared<uint32_t>(sb[e] + kKmOff + 4 * (g + 8 * r));
-        vm[e][r] = LoadShared<uint32_t>(sb[e] + kVmOff + 4 * (g + 8 * r));
+        km[e][r] = LoadShared<uint32_t>(sb[e] + kKmOff + 4 * (th.g + 8 * r));
+        vm[e][r] = LoadShared<uint32_t>(sb[e] + kVmOff + 4 * (th.g + 8 * r));
       }
     }
     // S^T = K Q^T: two independent chains (tiles).
-    float s[2][4];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[e][k] = 0.f;
-    }
+    float s[2][4] = {};
 #pragma unroll
     for (int j = 0; j < kKSteps; ++j) {
-      const int w = j / 4;
-      const int i0 = 2 * (j % 4);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const uint32_t ak[4] = {ExtractCodesAt(kw[e][0][w], i0), ExtractCodesAt(kw[e][1][w], i0),
-                                ExtractCodesAt(kw[e][0][w], i0 + 1),
-                                ExtractCodesAt(kw[e][1][w], i0 + 1)};
+        uint32_t ak[4];
+        KStepCodesA(kw[e][0], kw[e][1], j, ak);
         if constexpr (kNarrow) MmaF16(s[e], ak, qf[j]);
       }
     }
@@ -539,7 +509,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
         const float qc = s[e][2 * r] + s[e][2 * r + 1];
         float v = __fmaf_rn(MetaLo<kBf16>(km[e][r]), qc, MetaHi<kBf16>(km[e][r]) * beta_g);
         if constexpr (kMasked) {
-          const bool ok = start + 16 * e + g + 8 * r < c1;
+          const bool ok = start + 16 * e + th.g + 8 * r < c1;
           v = ok ? v : kNegInf;
           vm[e][r] = ok ? vm[e][r] : 0u;
         }
@@ -579,11 +549,18 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
 #pragma unroll
     for (int e = 0; e < 2; ++e) accumulate_pv(vw[e], pb[e]);
   };
+  // One pair of tiles from stages sb0, sb1 in the kernel's layout: the codes of both tiles, then
+  // the layout's own meta loads and math.
   auto compute = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
+    const uint8_t* const sb[2] = {sb0, sb1};
+    uint32_t kw[2][2][kKWords];  // [tile][tokens g | g + 8][word]
+    uint32_t vw[2][4];           // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
+#pragma unroll
+    for (int e = 0; e < 2; ++e) load_codes(sb[e], kw[e], vw[e]);
     if constexpr (kNarrow) {
-      compute_narrow(sb0, sb1, start, masked_tag);
+      compute_narrow(sb, kw, vw, start, masked_tag);
     } else {
-      compute_wide(sb0, sb1, start, masked_tag);
+      compute_wide(sb, kw, vw, start, masked_tag);
     }
   };
 
@@ -639,58 +616,34 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   float* sm_m = sm_o + kAttnWarps * 8 * kD;              // [warps][8]
   float* sm_l = sm_m + kAttnWarps * 8;
   float* sm_pm = sm_l + kAttnWarps * 8;
-  const int sq = kNarrow ? t : g;
-  if ((kNarrow ? g : t) == 0) {
-    sm_m[warp * 8 + sq] = mo;
-    sm_l[warp * 8 + sq] = l_part;
-    sm_pm[warp * 8 + sq] = pm_part;
+  const int sq = kNarrow ? th.t : th.g;
+  if ((kNarrow ? th.g : th.t) == 0) {
+    sm_m[th.warp * 8 + sq] = mo;
+    sm_l[th.warp * 8 + sq] = l_part;
+    sm_pm[th.warp * 8 + sq] = pm_part;
   }
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
     const float f0 = static_cast<float>(1 << (24 - CodePos(mi % 8)));
     const float f1 = static_cast<float>(1 << (24 - CodePos((mi + kD / 16) % 8)));
     if constexpr (kNarrow) {  // columns 2t, 2t+1: the two parts of query t
-      float* o = sm_o + (warp * 8 + t) * kD + g * (kD / 8) + mi;
+      float* o = sm_o + (th.warp * 8 + th.t) * kD + th.g * (kD / 8) + mi;
       o[0] = (acc[mi][0] + acc[mi][1]) * f0;
       o[kD / 16] = (acc[mi][2] + acc[mi][3]) * f1;
     } else {  // columns 2t, 2t+1: queries 2t, 2t+1
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
-        float* o = sm_o + (warp * 8 + 2 * t + cc) * kD + g * (kD / 8) + mi;
+        float* o = sm_o + (th.warp * 8 + 2 * th.t + cc) * kD + th.g * (kD / 8) + mi;
         o[0] = acc[mi][cc] * f0;
         o[kD / 16] = acc[mi][2 + cc] * f1;
       }
     }
   }
   __syncthreads();
-  const int part = chunk;
-  for (int idx = threadIdx.x; idx < p.group * kD; idx += kAttnThreads) {
-    const int q = idx / kD;
-    const int dim = idx % kD;
-    float m_all = kNegInf;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) m_all = fmaxf(m_all, sm_m[w * 8 + q]);
-    const int64_t row = static_cast<int64_t>(b) * p.q_heads + kv_head * p.group + q;
-    float o = 0.f;
-    float lse = kNegInf;
-    if (m_all != kNegInf) {
-      float u = 0.f;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) {
-        const float e = FastExp2(sm_m[w * 8 + q] - m_all);
-        u = __fmaf_rn(e, sm_o[(w * 8 + q) * kD + dim] + sm_pm[w * 8 + q], u);
-        l = __fmaf_rn(e, sm_l[w * 8 + q], l);
-      }
-      o = u / l;
-      lse = m_all + __log2f(l);
-    }
-    p.part_out[(row * p.num_parts + part) * kD + dim] = o;
-    if (dim == 0) p.part_lse[row * p.num_parts + part] = lse;
-  }
+  CombineWarpStates<kD, 8>(p, th.b, th.kv_head, th.chunk, sm_o, sm_m, sm_l, sm_pm);
   if (p.merge_counters != nullptr) {
     static_assert(sizeof(MergeGroupSmem<kD, kAttnThreads>) <= kHistorySmemBytes<kD>);
-    MergeIfLastPart<kD, kAttnThreads>(p, kv_head, b, history_smem);  // the ring is free
+    MergeIfLastPart<kD, kAttnThreads>(p, th.kv_head, th.b, history_smem);  // the ring is free
   }
 }
 

@@ -70,4 +70,25 @@ __device__ __forceinline__ uint32_t ExtractCodesAt(uint32_t w, int i) {
   return i < 5 ? (w & (0x00030003u << (2 * i))) : ((w >> 10) & (0x00030003u << (2 * (i - 5))));
 }
 
+// K-step j (16 dims) of a lane's K code words (word j / 4, codes 2 (j % 4) and 2 (j % 4) + 1 of
+// it) as MMA operand registers: the B operand of one token row, or the A operand of the rows
+// g (k0) and g + 8 (k1).
+template <int kWords>
+__device__ __forceinline__ void KStepCodesB(const uint32_t (&k)[kWords], int j, uint32_t (&b)[2]) {
+  b[0] = ExtractCodesAt(k[j / 4], 2 * (j % 4));
+  b[1] = ExtractCodesAt(k[j / 4], 2 * (j % 4) + 1);
+}
+template <int kWords>
+__device__ __forceinline__ void KStepCodesA(const uint32_t (&k0)[kWords],
+                                            const uint32_t (&k1)[kWords], int j, uint32_t (&a)[4]) {
+  uint32_t row0[2];
+  uint32_t row1[2];
+  KStepCodesB(k0, j, row0);
+  KStepCodesB(k1, j, row1);
+  a[0] = row0[0];
+  a[1] = row1[0];
+  a[2] = row0[1];
+  a[3] = row1[1];
+}
+
 }  // namespace kvpool::cuda::internal

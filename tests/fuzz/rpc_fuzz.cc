@@ -23,6 +23,7 @@
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
+#include "proto/service_stubs.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_daemon.h"
 #include "tests/fuzz/fuzz_input.h"
@@ -105,14 +106,7 @@ bool Mutates(Rpc rpc) {
 
 class RpcFuzzer {
  public:
-  explicit RpcFuzzer(FuzzDaemon* daemon)
-      : daemon_(daemon),
-        models_(v1::ModelService::NewStub(daemon->channel())),
-        sequences_(v1::SequenceService::NewStub(daemon->channel())),
-        reads_(v1::ReadService::NewStub(daemon->channel())),
-        attention_(v1::AttentionService::NewStub(daemon->channel())),
-        stats_(v1::StatsService::NewStub(daemon->channel())),
-        transport_(v1::TransportService::NewStub(daemon->channel())) {
+  explicit RpcFuzzer(FuzzDaemon* daemon) : daemon_(daemon), stubs_(daemon->channel()) {
     absl::StatusOr<v1::GetStatsResponse> base = daemon_->StateSnapshot();
     FUZZ_CHECK(base.ok(), base.status().ToString());
     base_ = *std::move(base);
@@ -159,100 +153,105 @@ class RpcFuzzer {
       case Rpc::kRegisterModel:
         return ClientStream<v1::RegisterModelRequest, v1::RegisterModelResponse>(
             in, [&](ClientContext* c, v1::RegisterModelResponse* r) {
-              return models_->RegisterModel(c, r);
+              return stubs_.models->RegisterModel(c, r);
             });
       case Rpc::kListModels:
         return Unary<v1::ListModelsRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::ListModelsResponse r;
-          return models_->ListModels(c, req, &r);
+          return stubs_.models->ListModels(c, req, &r);
         });
       case Rpc::kDescribeModel:
         return ServerStream<v1::DescribeModelRequest, v1::DescribeModelResponse>(
-            rest,
-            [&](ClientContext* c, const auto& req) { return models_->DescribeModel(c, req); });
+            rest, [&](ClientContext* c, const auto& req) {
+              return stubs_.models->DescribeModel(c, req);
+            });
       case Rpc::kDeleteModel:
         return Unary<v1::DeleteModelRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::DeleteModelResponse r;
-          return models_->DeleteModel(c, req, &r);
+          return stubs_.models->DeleteModel(c, req, &r);
         });
       case Rpc::kCreateSequence:
         return Unary<v1::CreateSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::CreateSequenceResponse r;
-          return sequences_->CreateSequence(c, req, &r);
+          return stubs_.sequences->CreateSequence(c, req, &r);
         });
       case Rpc::kAppendKv:
         return ClientStream<v1::AppendKvRequest, v1::AppendKvResponse>(
-            in,
-            [&](ClientContext* c, v1::AppendKvResponse* r) { return sequences_->AppendKv(c, r); });
+            in, [&](ClientContext* c, v1::AppendKvResponse* r) {
+              return stubs_.sequences->AppendKv(c, r);
+            });
       case Rpc::kAppendDecode:
         return Unary<v1::AppendDecodeRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::AppendDecodeResponse r;
-          return sequences_->AppendDecode(c, req, &r);
+          return stubs_.sequences->AppendDecode(c, req, &r);
         });
       case Rpc::kSealSequence:
         return Unary<v1::SealSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::SealSequenceResponse r;
-          return sequences_->SealSequence(c, req, &r);
+          return stubs_.sequences->SealSequence(c, req, &r);
         });
       case Rpc::kReleaseSequence:
         return Unary<v1::ReleaseSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::ReleaseSequenceResponse r;
-          return sequences_->ReleaseSequence(c, req, &r);
+          return stubs_.sequences->ReleaseSequence(c, req, &r);
         });
       case Rpc::kDescribeSequence:
         return Unary<v1::DescribeSequenceRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::SequenceInfo r;
-          return sequences_->DescribeSequence(c, req, &r);
+          return stubs_.sequences->DescribeSequence(c, req, &r);
         });
       case Rpc::kLookupPrefix:
         return Unary<v1::LookupPrefixRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::LookupPrefixResponse r;
-          return sequences_->LookupPrefix(c, req, &r);
+          return stubs_.sequences->LookupPrefix(c, req, &r);
         });
       case Rpc::kReadBlocks:
         return ServerStream<v1::ReadBlocksRequest, v1::ReadBlocksResponse>(
-            rest, [&](ClientContext* c, const auto& req) { return reads_->ReadBlocks(c, req); });
+            rest,
+            [&](ClientContext* c, const auto& req) { return stubs_.reads->ReadBlocks(c, req); });
       case Rpc::kReadKv:
         return ServerStream<v1::ReadKvRequest, v1::ReadKvResponse>(
-            rest, [&](ClientContext* c, const auto& req) { return reads_->ReadKv(c, req); });
+            rest, [&](ClientContext* c, const auto& req) { return stubs_.reads->ReadKv(c, req); });
       case Rpc::kAttend:
         return Unary<v1::AttendRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::AttendResponse r;
-          return attention_->Attend(c, req, &r);
+          return stubs_.attention->Attend(c, req, &r);
         });
       case Rpc::kGetStats:
         return Unary<v1::GetStatsRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::GetStatsResponse r;
-          return stats_->GetStats(c, req, &r);
+          return stubs_.stats->GetStats(c, req, &r);
         });
       case Rpc::kNegotiate:
         return Unary<v1::NegotiateRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::NegotiateResponse r;
-          return transport_->Negotiate(c, req, &r);
+          return stubs_.transport->Negotiate(c, req, &r);
         });
       case Rpc::kCloseSession:
         return Unary<v1::CloseSessionRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::CloseSessionResponse r;
-          return transport_->CloseSession(c, req, &r);
+          return stubs_.transport->CloseSession(c, req, &r);
         });
       case Rpc::kSetAttentionPlan:
         return Unary<v1::SetAttentionPlanRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::SetAttentionPlanResponse r;
-          return transport_->SetAttentionPlan(c, req, &r);
+          return stubs_.transport->SetAttentionPlan(c, req, &r);
         });
       case Rpc::kDropAttentionPlan:
         return Unary<v1::DropAttentionPlanRequest>(rest, [&](ClientContext* c, const auto& req) {
           v1::DropAttentionPlanResponse r;
-          return transport_->DropAttentionPlan(c, req, &r);
+          return stubs_.transport->DropAttentionPlan(c, req, &r);
         });
       case Rpc::kPushKv:
         return ClientStream<v1::DevicePushRequest, v1::AppendKvResponse>(
-            in,
-            [&](ClientContext* c, v1::AppendKvResponse* r) { return transport_->PushKv(c, r); });
+            in, [&](ClientContext* c, v1::AppendKvResponse* r) {
+              return stubs_.transport->PushKv(c, r);
+            });
       case Rpc::kWatchSession:
         return ServerStream<v1::WatchSessionRequest, v1::WatchSessionResponse>(
-            rest,
-            [&](ClientContext* c, const auto& req) { return transport_->WatchSession(c, req); });
+            rest, [&](ClientContext* c, const auto& req) {
+              return stubs_.transport->WatchSession(c, req);
+            });
       case Rpc::kRpcCount:
         break;
     }
@@ -260,12 +259,7 @@ class RpcFuzzer {
   }
 
   FuzzDaemon* const daemon_;
-  std::unique_ptr<v1::ModelService::Stub> models_;
-  std::unique_ptr<v1::SequenceService::Stub> sequences_;
-  std::unique_ptr<v1::ReadService::Stub> reads_;
-  std::unique_ptr<v1::AttentionService::Stub> attention_;
-  std::unique_ptr<v1::StatsService::Stub> stats_;
-  std::unique_ptr<v1::TransportService::Stub> transport_;
+  ServiceStubs stubs_;
   v1::GetStatsResponse base_;  // the state every input starts from
   // KVPOOL_FUZZ_VERBOSE=1 prints each input's RPC and answer (for triage).
   const bool verbose_ = std::getenv("KVPOOL_FUZZ_VERBOSE") != nullptr;

@@ -17,9 +17,13 @@
 #include "absl/time/clock.h"
 #include "kernels/rotation_file.h"
 #include "tests/integration/integration_util.h"
+#include "tests/support/api_requests.h"
 
 namespace kvpool::integration {
 namespace {
+
+using testing::AppendChunkMessage;
+using testing::AppendHeaderMessage;
 
 constexpr Shape kShape{/*num_layers=*/2, /*q_heads=*/8, /*kv_heads=*/2, /*head_dim=*/64};
 constexpr size_t kRowValues = 2 * 64;
@@ -86,29 +90,6 @@ class BadInputTest : public DaemonTest {
 std::string BadInputTest::model_dir_;
 std::string BadInputTest::outside_dir_;
 
-v1::AppendKvRequest Header(const std::string& id, uint32_t start, uint32_t n,
-                           v1::DType dtype = v1::DTYPE_BF16, bool final = false) {
-  v1::AppendKvRequest r;
-  v1::AppendKvHeader* h = r.mutable_header();
-  h->set_sequence_id(id);
-  h->set_token_start(start);
-  h->set_num_tokens(n);
-  h->set_dtype(dtype);
-  h->set_end_of_prefill(final);
-  return r;
-}
-
-v1::AppendKvRequest Chunk(int layer, uint32_t offset, uint32_t n, std::string k, std::string v) {
-  v1::AppendKvRequest r;
-  v1::KvChunk* c = r.mutable_chunk();
-  c->set_layer(layer);
-  c->set_token_offset(offset);
-  c->set_num_tokens(n);
-  c->set_k(std::move(k));
-  c->set_v(std::move(v));
-  return r;
-}
-
 std::string Rows(const std::vector<Bf16>& all, size_t start, size_t n) {
   return std::string(AsBytes(all).substr(start * kRowBytes, n * kRowBytes));
 }
@@ -138,8 +119,8 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
   const std::string k1 = Rows(kv.k[0], 100, 10), v1_ = Rows(kv.v[0], 100, 10);
   const std::string k2 = Rows(kv.k[1], 100, 10), v2 = Rows(kv.v[1], 100, 10);
   auto good_chunks = [&](std::vector<v1::AppendKvRequest> m) {
-    m.push_back(Chunk(0, 0, 10, k1, v1_));
-    m.push_back(Chunk(1, 0, 10, k2, v2));
+    m.push_back(AppendChunkMessage(0, 0, 10, k1, v1_));
+    m.push_back(AppendChunkMessage(1, 0, 10, k2, v2));
     return m;
   };
 
@@ -155,23 +136,23 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
 
   // --- AppendKv: header ---
   ExpectRejected(C::kNotFound, "append: unknown sequence",
-                 [&] { return AppendRaw(good_chunks({Header("nope", 0, 10)})); });
+                 [&] { return AppendRaw(good_chunks({AppendHeaderMessage("nope", 0, 10)})); });
   ExpectRejected(C::kFailedPrecondition, "append: token_start is not the length",
-                 [&] { return AppendRaw(good_chunks({Header("s", 0, 10)})); });
+                 [&] { return AppendRaw(good_chunks({AppendHeaderMessage("s", 0, 10)})); });
   ExpectRejected(C::kFailedPrecondition, "append: token_start past the length",
-                 [&] { return AppendRaw(good_chunks({Header("s", 101, 10)})); });
+                 [&] { return AppendRaw(good_chunks({AppendHeaderMessage("s", 101, 10)})); });
   ExpectRejected(C::kInvalidArgument, "append: dtype unspecified", [&] {
-    return AppendRaw(good_chunks({Header("s", 100, 10, v1::DTYPE_UNSPECIFIED)}));
+    return AppendRaw(good_chunks({AppendHeaderMessage("s", 100, 10, v1::DTYPE_UNSPECIFIED)}));
   });
   ExpectRejected(C::kInvalidArgument, "append: unknown dtype value", [&] {
-    return AppendRaw(good_chunks({Header("s", 100, 10, static_cast<v1::DType>(77))}));
+    return AppendRaw(good_chunks({AppendHeaderMessage("s", 100, 10, static_cast<v1::DType>(77))}));
   });
   ExpectRejected(C::kInvalidArgument, "append: zero tokens",
-                 [&] { return AppendRaw({Header("s", 100, 0)}); });
+                 [&] { return AppendRaw({AppendHeaderMessage("s", 100, 0)}); });
   ExpectRejected(C::kInvalidArgument, "append: more tokens than max_append_tokens",
-                 [&] { return AppendRaw({Header("s", 100, 4097)}); });
+                 [&] { return AppendRaw({AppendHeaderMessage("s", 100, 4097)}); });
   ExpectRejected(C::kInvalidArgument, "append: token_ids count differs", [&] {
-    v1::AppendKvRequest h = Header("s", 100, 10);
+    v1::AppendKvRequest h = AppendHeaderMessage("s", 100, 10);
     h.mutable_header()->add_token_ids(1);
     return AppendRaw(good_chunks({h}));
   });
@@ -179,45 +160,49 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
                  [&] { return AppendRaw(good_chunks({})); });
   ExpectRejected(C::kInvalidArgument, "append: empty stream", [&] { return AppendRaw({}); });
   ExpectRejected(C::kInvalidArgument, "append: a second header", [&] {
-    return AppendRaw({Header("s", 100, 10), Header("s", 100, 10)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendHeaderMessage("s", 100, 10)});
   });
 
   // --- AppendKv: chunks ---
   ExpectRejected(C::kInvalidArgument, "append: layer out of range", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(2, 0, 10, k1, v1_)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(2, 0, 10, k1, v1_)});
   });
   ExpectRejected(C::kInvalidArgument, "append: negative layer", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(-1, 0, 10, k1, v1_)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(-1, 0, 10, k1, v1_)});
   });
   ExpectRejected(C::kInvalidArgument, "append: k one value short", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(0, 0, 10, k1.substr(2), v1_)});
+    return AppendRaw(
+        {AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 0, 10, k1.substr(2), v1_)});
   });
   ExpectRejected(C::kInvalidArgument, "append: k for a wider head", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(0, 0, 5, k1, v1_)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 0, 5, k1, v1_)});
   });
   ExpectRejected(C::kInvalidArgument, "append: v missing", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(0, 0, 10, k1, "")});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 0, 10, k1, "")});
   });
   ExpectRejected(C::kInvalidArgument, "append: chunk past the append's tokens", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(0, 5, 10, k1, v1_)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 5, 10, k1, v1_)});
   });
   ExpectRejected(C::kInvalidArgument, "append: chunk with zero tokens", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(0, 0, 0, "", "")});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 0, 0, "", "")});
   });
   ExpectRejected(C::kInvalidArgument, "append: gap inside a layer", [&] {
-    return AppendRaw({Header("s", 100, 10),
-                      Chunk(0, 0, 4, k1.substr(0, 4 * kRowBytes), v1_.substr(0, 4 * kRowBytes)),
-                      Chunk(0, 5, 5, k1.substr(5 * kRowBytes), v1_.substr(5 * kRowBytes))});
+    return AppendRaw(
+        {AppendHeaderMessage("s", 100, 10),
+         AppendChunkMessage(0, 0, 4, k1.substr(0, 4 * kRowBytes), v1_.substr(0, 4 * kRowBytes)),
+         AppendChunkMessage(0, 5, 5, k1.substr(5 * kRowBytes), v1_.substr(5 * kRowBytes))});
   });
   ExpectRejected(C::kInvalidArgument, "append: a layer twice", [&] {
-    return AppendRaw(good_chunks({Header("s", 100, 10), Chunk(0, 0, 10, k1, v1_)}));
+    return AppendRaw(
+        good_chunks({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 0, 10, k1, v1_)}));
   });
   ExpectRejected(C::kInvalidArgument, "append: layer 1 missing", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(0, 0, 10, k1, v1_)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 0, 10, k1, v1_)});
   });
   ExpectRejected(C::kInvalidArgument, "append: layer 0 incomplete", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(1, 0, 10, k2, v2),
-                      Chunk(0, 0, 4, k1.substr(0, 4 * kRowBytes), v1_.substr(0, 4 * kRowBytes))});
+    return AppendRaw(
+        {AppendHeaderMessage("s", 100, 10), AppendChunkMessage(1, 0, 10, k2, v2),
+         AppendChunkMessage(0, 0, 4, k1.substr(0, 4 * kRowBytes), v1_.substr(0, 4 * kRowBytes))});
   });
 
   // --- AppendKv: values ---
@@ -226,36 +211,39 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
         {"+Inf in v", 0x7f80, false},
         {"-Inf in k", 0xff80, true},
         {"signalling NaN in v", 0x7f81, false}}) {
-    ExpectRejected(
-        C::kInvalidArgument, absl::StrCat("append: ", what), [&, bits = bits, in_k = in_k] {
-          std::string k = k2, v = v2;
-          const uint16_t word = bits;
-          std::memcpy((in_k ? k : v).data() + 7 * kRowBytes + 2 * 33, &word, 2);
-          // Layer 0 is staged completely first: the bad value arrives late in the stream.
-          return AppendRaw({Header("s", 100, 10), Chunk(0, 0, 10, k1, v1_), Chunk(1, 0, 10, k, v)});
-        });
+    ExpectRejected(C::kInvalidArgument, absl::StrCat("append: ", what),
+                   [&, bits = bits, in_k = in_k] {
+                     std::string k = k2, v = v2;
+                     const uint16_t word = bits;
+                     std::memcpy((in_k ? k : v).data() + 7 * kRowBytes + 2 * 33, &word, 2);
+                     // Layer 0 is staged completely first: the bad value arrives late in the
+                     // stream.
+                     return AppendRaw({AppendHeaderMessage("s", 100, 10),
+                                       AppendChunkMessage(0, 0, 10, k1, v1_),
+                                       AppendChunkMessage(1, 0, 10, k, v)});
+                   });
   }
   ExpectRejected(C::kInvalidArgument, "append: FP32 NaN", [&] {
     std::vector<float> k(10 * kRowValues, 0.5f), v(10 * kRowValues, 0.25f);
     k[77] = std::numeric_limits<float>::quiet_NaN();
     const std::string kb(AsBytes(k)), vb(AsBytes(v));
-    return AppendRaw(
-        {Header("s", 100, 10, v1::DTYPE_FP32), Chunk(0, 0, 10, kb, vb), Chunk(1, 0, 10, kb, vb)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10, v1::DTYPE_FP32),
+                      AppendChunkMessage(0, 0, 10, kb, vb), AppendChunkMessage(1, 0, 10, kb, vb)});
   });
   ExpectRejected(C::kInvalidArgument, "append: FP16 Inf", [&] {
     std::vector<uint16_t> k(10 * kRowValues, 0x3c00), v(10 * kRowValues, 0x3c00);
     v[3] = 0x7c00;
     const std::string kb(reinterpret_cast<const char*>(k.data()), k.size() * 2);
     const std::string vb(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-    return AppendRaw(
-        {Header("s", 100, 10, v1::DTYPE_FP16), Chunk(0, 0, 10, kb, vb), Chunk(1, 0, 10, kb, vb)});
+    return AppendRaw({AppendHeaderMessage("s", 100, 10, v1::DTYPE_FP16),
+                      AppendChunkMessage(0, 0, 10, kb, vb), AppendChunkMessage(1, 0, 10, kb, vb)});
   });
   ExpectRejected(C::kInvalidArgument, "append: FP32 beyond the BF16 range (INT2 model)", [&] {
     std::vector<float> k(10 * kRowValues, 0.5f), v(10 * kRowValues, 0.25f);
     k[5] = std::numeric_limits<float>::max();  // rounds to BF16 +Inf
     const std::string kb(AsBytes(k)), vb(AsBytes(v));
-    return AppendRaw({Header("s-int2-open", 100, 10, v1::DTYPE_FP32), Chunk(0, 0, 10, kb, vb),
-                      Chunk(1, 0, 10, kb, vb)});
+    return AppendRaw({AppendHeaderMessage("s-int2-open", 100, 10, v1::DTYPE_FP32),
+                      AppendChunkMessage(0, 0, 10, kb, vb), AppendChunkMessage(1, 0, 10, kb, vb)});
   });
   ExpectRejected(C::kOutOfRange, "append: INT2 scale beyond the FP16 range", [&] {
     // Finite, but the Hadamard rotation spreads it to +-1e6/8 on every dim of the row, so the
@@ -263,8 +251,8 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
     std::vector<float> k(10 * kRowValues, 0.5f), v(10 * kRowValues, 0.25f);
     k[3 * kRowValues] = 1e6f;
     const std::string kb(AsBytes(k)), vb(AsBytes(v));
-    return AppendRaw({Header("s-int2-open", 100, 10, v1::DTYPE_FP32), Chunk(0, 0, 10, kb, vb),
-                      Chunk(1, 0, 10, kb, vb)});
+    return AppendRaw({AppendHeaderMessage("s-int2-open", 100, 10, v1::DTYPE_FP32),
+                      AppendChunkMessage(0, 0, 10, kb, vb), AppendChunkMessage(1, 0, 10, kb, vb)});
   });
 
   // --- AppendKv: payload limits ---
@@ -272,26 +260,28 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
     const SequenceKv big = MakeSequenceKv(kShape, 1000, 11);
     const uint32_t over_chunk = kMaxChunk / kRowBytes + 1;  // k alone just over max_chunk_bytes
     ExpectRejected(C::kInvalidArgument, "append: chunk over max_chunk_bytes", [&] {
-      return AppendRaw(
-          {Header("s", 100, over_chunk),
-           Chunk(0, 0, over_chunk, Rows(big.k[0], 0, over_chunk), Rows(big.v[0], 0, over_chunk))});
+      return AppendRaw({AppendHeaderMessage("s", 100, over_chunk),
+                        AppendChunkMessage(0, 0, over_chunk, Rows(big.k[0], 0, over_chunk),
+                                           Rows(big.v[0], 0, over_chunk))});
     });
     const uint32_t over_message = kMaxMessage / (2 * kRowBytes) + 8;  // k+v over the message
     ExpectRejected(C::kResourceExhausted, "append: message over max_message_bytes", [&] {
-      return AppendRaw({Header("s", 100, over_message),
-                        Chunk(0, 0, over_message, Rows(big.k[0], 0, over_message),
-                              Rows(big.v[0], 0, over_message))});
+      return AppendRaw({AppendHeaderMessage("s", 100, over_message),
+                        AppendChunkMessage(0, 0, over_message, Rows(big.k[0], 0, over_message),
+                                           Rows(big.v[0], 0, over_message))});
     });
   }
   ExpectRejected(C::kCancelled, "append: cancelled after a layer", [&] {
-    return AppendRaw({Header("s", 100, 10), Chunk(0, 0, 10, k1, v1_)}, true);
+    return AppendRaw({AppendHeaderMessage("s", 100, 10), AppendChunkMessage(0, 0, 10, k1, v1_)},
+                     true);
   });
 
   // --- AppendKv: states ---
-  ExpectRejected(C::kFailedPrecondition, "append: sealed sequence",
-                 [&] { return AppendRaw(good_chunks({Header("s-sealed", 100, 10)})); });
+  ExpectRejected(C::kFailedPrecondition, "append: sealed sequence", [&] {
+    return AppendRaw(good_chunks({AppendHeaderMessage("s-sealed", 100, 10)}));
+  });
   ExpectRejected(C::kFailedPrecondition, "append: prefill after end_of_prefill",
-                 [&] { return AppendRaw(good_chunks({Header("s-final", 100, 10)})); });
+                 [&] { return AppendRaw(good_chunks({AppendHeaderMessage("s-final", 100, 10)})); });
 
   // --- pool full: 4096 tokens of a large bypass model need 64 MiB of a 32 MiB pool ---
   {
@@ -302,7 +292,7 @@ TEST_F(BadInputTest, EveryBadRequestGetsItsCodeAndLeavesThePoolUnchanged) {
                     .ok());
     ASSERT_TRUE(client().CreateSequence("bad-big", "s-big").ok());
     ExpectRejected(C::kResourceExhausted, "append: pool full",
-                   [&] { return AppendRaw({Header("s-big", 0, 4096)}); });
+                   [&] { return AppendRaw({AppendHeaderMessage("s-big", 0, 4096)}); });
   }
 
   // --- AppendDecode ---
@@ -607,10 +597,10 @@ TEST_F(BadInputTest, DeepStreamsFailLateOrCommitExactly) {
   // One message per token and layer, layer 0 first; `edit` may change the messages.
   auto one_token_chunks = [&](const std::string& id,
                               const std::function<void(std::vector<v1::AppendKvRequest>*)>& edit) {
-    std::vector<v1::AppendKvRequest> m = {Header(id, 0, kTokens)};
+    std::vector<v1::AppendKvRequest> m = {AppendHeaderMessage(id, 0, kTokens)};
     for (int l = 0; l < 2; ++l) {
       for (uint32_t t = 0; t < kTokens; ++t) {
-        m.push_back(Chunk(l, t, 1, Rows(kv.k[l], t, 1), Rows(kv.v[l], t, 1)));
+        m.push_back(AppendChunkMessage(l, t, 1, Rows(kv.k[l], t, 1), Rows(kv.v[l], t, 1)));
       }
     }
     if (edit) edit(&m);

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "tests/support/api_requests.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::integration {
@@ -82,14 +83,7 @@ void DaemonTest::SetUp() {
 absl::StatusOr<v1::ModelInfo> RegisterDataFree(const KvpoolClient& c, const std::string& id,
                                                const Shape& shape, v1::RotationKind kind,
                                                uint64_t seed, const v1::QuantConfig& quant) {
-  v1::ModelSpec spec;
-  spec.set_model_id(id);
-  spec.mutable_shape()->set_num_layers(shape.num_layers);
-  spec.mutable_shape()->set_q_heads(shape.q_heads);
-  spec.mutable_shape()->set_kv_heads(shape.kv_heads);
-  spec.mutable_shape()->set_head_dim(shape.head_dim);
-  spec.mutable_data_free()->set_kind(kind);
-  spec.mutable_data_free()->set_seed(seed);
+  v1::ModelSpec spec = testing::DataFreeModelSpec(id, shape, kind, seed);
   *spec.mutable_quant() = quant;
   absl::StatusOr<v1::RegisterModelResponse> r = c.RegisterModel(spec);
   if (!r.ok()) return r.status();

@@ -14,6 +14,7 @@
 #include "common/status_macros.h"
 #include "kernels/block_layout.h"
 #include "tests/soak/soak_util.h"
+#include "tests/support/api_requests.h"
 
 namespace kvpool::soak {
 
@@ -32,14 +33,7 @@ std::string CodesOf(absl::Span<const StatusCode> codes) {
 
 v1::ModelSpec SoakModelSpec(const std::string& id, const SoakShape& shape, bool exact,
                             v1::RotationKind kind, uint64_t seed, int bits) {
-  v1::ModelSpec spec;
-  spec.set_model_id(id);
-  spec.mutable_shape()->set_num_layers(shape.num_layers);
-  spec.mutable_shape()->set_q_heads(shape.q_heads);
-  spec.mutable_shape()->set_kv_heads(shape.kv_heads);
-  spec.mutable_shape()->set_head_dim(shape.head_dim);
-  spec.mutable_data_free()->set_kind(kind);
-  spec.mutable_data_free()->set_seed(seed);
+  v1::ModelSpec spec = testing::DataFreeModelSpec(id, shape, kind, seed);
   v1::QuantConfig* q = spec.mutable_quant();
   q->set_block_tokens(kBlockTokens);
   q->set_sink_tokens(kSinkTokens);

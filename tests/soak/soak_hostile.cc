@@ -10,10 +10,13 @@
 #include "common/status_macros.h"
 #include "tests/soak/soak_client.h"
 #include "tests/soak/soak_util.h"
+#include "tests/support/api_requests.h"
 
 namespace kvpool::soak {
 
 using absl::StatusCode;
+using testing::AppendChunkMessage;
+using testing::AppendHeaderMessage;
 
 absl::Status SoakClient::CheckUnchanged(const LiveSequence& s, absl::string_view what) {
   absl::StatusOr<v1::SequenceInfo> info = client_->DescribeSequence(s.id);
@@ -51,36 +54,6 @@ absl::Status SoakClient::Hostile() {
       return HostileAttend();
   }
 }
-
-namespace {
-
-// Raw AppendKv messages for hostile streams.
-
-v1::AppendKvRequest HeaderMessage(const std::string& id, uint32_t start, uint32_t n,
-                                  v1::DType dtype, bool end_of_prefill) {
-  v1::AppendKvRequest r;
-  v1::AppendKvHeader* h = r.mutable_header();
-  h->set_sequence_id(id);
-  h->set_token_start(start);
-  h->set_num_tokens(n);
-  h->set_dtype(dtype);
-  h->set_end_of_prefill(end_of_prefill);
-  return r;
-}
-
-v1::AppendKvRequest ChunkMessage(int layer, uint32_t offset, uint32_t n, std::string k,
-                                 std::string v) {
-  v1::AppendKvRequest r;
-  v1::KvChunk* c = r.mutable_chunk();
-  c->set_layer(layer);
-  c->set_token_offset(offset);
-  c->set_num_tokens(n);
-  c->set_k(std::move(k));
-  c->set_v(std::move(v));
-  return r;
-}
-
-}  // namespace
 
 absl::Status SoakClient::SendAppend(const std::vector<v1::AppendKvRequest>& messages,
                                     bool half_close) {
@@ -127,10 +100,10 @@ absl::Status SoakClient::HostileAppend(LiveSequence& s, int kind) {
   };
   // A prefill stream for this sequence, every layer in one chunk, valid unless altered.
   auto prefill = [&] {
-    std::vector<v1::AppendKvRequest> m{HeaderMessage(s.id, start, n, v1::DTYPE_BF16, false)};
+    std::vector<v1::AppendKvRequest> m{AppendHeaderMessage(s.id, start, n, v1::DTYPE_BF16, false)};
     for (int l = 0; l < shape.num_layers; ++l) {
-      m.push_back(
-          ChunkMessage(l, 0, n, std::string(rows[l].k_bytes()), std::string(rows[l].v_bytes())));
+      m.push_back(AppendChunkMessage(l, 0, n, std::string(rows[l].k_bytes()),
+                                     std::string(rows[l].v_bytes())));
     }
     return m;
   };
@@ -357,7 +330,7 @@ absl::Status SoakClient::HostileLimits() {
   switch (Uniform(0, 6)) {
     case 0: {  // more tokens than one append may carry
       std::vector<v1::AppendKvRequest> m{
-          HeaderMessage(probe_.id, 0, limits.max_append_tokens() + 1, v1::DTYPE_BF16, false)};
+          AppendHeaderMessage(probe_.id, 0, limits.max_append_tokens() + 1, v1::DTYPE_BF16, false)};
       KVPOOL_RETURN_IF_ERROR(
           Expect("bad:AppendKv(too many tokens)", SendAppend(m, true), {kInvalid}, probe_.id));
       return CheckUnchanged(probe_, "an oversize append");
@@ -369,9 +342,10 @@ absl::Status SoakClient::HostileLimits() {
       }
       const uint32_t n = limits.max_chunk_bytes() / row_bytes + 1;
       if (n > limits.max_append_tokens()) return absl::OkStatus();
-      std::vector<v1::AppendKvRequest> m{HeaderMessage(probe_.id, 0, n, v1::DTYPE_BF16, false),
-                                         ChunkMessage(0, 0, n, std::string(n * row_bytes, '\0'),
-                                                      std::string(n * row_bytes, '\0'))};
+      std::vector<v1::AppendKvRequest> m{
+          AppendHeaderMessage(probe_.id, 0, n, v1::DTYPE_BF16, false),
+          AppendChunkMessage(0, 0, n, std::string(n * row_bytes, '\0'),
+                             std::string(n * row_bytes, '\0'))};
       KVPOOL_RETURN_IF_ERROR(
           Expect("bad:AppendKv(chunk size)", SendAppend(m, true), {kInvalid}, probe_.id));
       return CheckUnchanged(probe_, "an oversize chunk");
@@ -679,13 +653,13 @@ absl::Status SoakClient::TinyDeadline() {
     auto context = ContextWithDeadline(timeout);
     v1::AppendKvResponse response;
     auto writer = client_->sequences()->AppendKv(context.get(), &response);
-    v1::AppendKvRequest header = HeaderMessage(s->id, start, n, v1::DTYPE_BF16, false);
+    v1::AppendKvRequest header = AppendHeaderMessage(s->id, start, n, v1::DTYPE_BF16, false);
     header.mutable_header()->mutable_token_ids()->Add(ids.begin(), ids.end());
     bool open = writer->Write(header);
     for (int l = 0; open && l < shape.num_layers; ++l) {
       const LayerRows rows = ExpectedRows(shape, l, start, ids);
       open = writer->Write(
-          ChunkMessage(l, 0, n, std::string(rows.k_bytes()), std::string(rows.v_bytes())));
+          AppendChunkMessage(l, 0, n, std::string(rows.k_bytes()), std::string(rows.v_bytes())));
     }
     writer->WritesDone();
     got = Answer(writer->Finish(), "AppendKv");
@@ -800,7 +774,7 @@ absl::Status SoakClient::AbandonStream(LiveSequence& s) {
 
 absl::Status SoakClient::WaitAppendIdle(const LiveSequence& s) {
   const std::vector<v1::AppendKvRequest> m{
-      HeaderMessage(s.id, s.length() + 1, 1, v1::DTYPE_BF16, false)};
+      AppendHeaderMessage(s.id, s.length() + 1, 1, v1::DTYPE_BF16, false)};
   return Expect("bad:AppendKv(idle probe)",
                 RetryAborted("bad:AppendKv(idle probe)", [&] { return SendAppend(m, true); }),
                 {StatusCode::kFailedPrecondition}, s.id);

@@ -3,9 +3,11 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "proto/service_stubs.h"
 #include "proto/status.h"
 #include "server/server_test_util.h"
 #include "spdlog/spdlog.h"
+#include "tests/support/api_requests.h"
 
 namespace kvpool::server::testing {
 
@@ -39,11 +41,7 @@ absl::StatusOr<std::unique_ptr<TestDaemon>> TestDaemon::Start(const TestDaemonOp
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   d->channel_ = grpc::CreateCustomChannel(d->target(), grpc::InsecureChannelCredentials(), args);
-  d->models_ = v1::ModelService::NewStub(d->channel_);
-  d->seqs_ = v1::SequenceService::NewStub(d->channel_);
-  d->reads_ = v1::ReadService::NewStub(d->channel_);
-  d->attn_ = v1::AttentionService::NewStub(d->channel_);
-  d->stats_ = v1::StatsService::NewStub(d->channel_);
+  d->stubs_ = std::make_unique<ServiceStubs>(d->channel_);
   return d;
 }
 
@@ -60,16 +58,11 @@ absl::Status TestDaemon::RegisterModel(const ModelShapeSpec& spec) {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::RegisterModelResponse resp;
-  auto w = models_->RegisterModel(&ctx, &resp);
+  auto w = stubs_->models->RegisterModel(&ctx, &resp);
   v1::RegisterModelRequest req;
-  v1::ModelSpec* m = req.mutable_spec();
-  m->set_model_id(spec.model_id);
-  m->mutable_shape()->set_num_layers(spec.num_layers);
-  m->mutable_shape()->set_q_heads(spec.q_heads);
-  m->mutable_shape()->set_kv_heads(spec.kv_heads);
-  m->mutable_shape()->set_head_dim(spec.head_dim);
-  m->mutable_data_free()->set_kind(spec.rotation);
-  v1::QuantConfig* q = m->mutable_quant();
+  *req.mutable_spec() =
+      kvpool::testing::DataFreeModelSpec(spec.model_id, spec, spec.rotation, /*seed=*/0);
+  v1::QuantConfig* q = req.mutable_spec()->mutable_quant();
   q->set_method(spec.method);
   q->set_block_tokens(spec.block_tokens);
   q->set_sink_tokens(spec.sink_tokens);
@@ -87,7 +80,7 @@ absl::Status TestDaemon::CreateSequence(const std::string& model_id, const std::
   req.set_model_id(model_id);
   req.set_sequence_id(id);
   v1::CreateSequenceResponse resp;
-  return FromGrpcStatus(seqs_->CreateSequence(&ctx, req, &resp), "CreateSequence");
+  return FromGrpcStatus(stubs_->sequences->CreateSequence(&ctx, req, &resp), "CreateSequence");
 }
 
 absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
@@ -96,27 +89,16 @@ absl::StatusOr<v1::AppendKvResponse> TestDaemon::AppendInline(
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::AppendKvResponse resp;
-  auto w = seqs_->AppendKv(&ctx, &resp);
-  v1::AppendKvRequest req;
-  v1::AppendKvHeader* h = req.mutable_header();
-  h->set_sequence_id(id);
-  h->set_token_start(token_start);
-  h->set_num_tokens(tokens);
-  h->set_dtype(v1::DTYPE_BF16);
-  h->set_end_of_prefill(end_of_prefill);
-  bool ok = w->Write(req);
+  auto w = stubs_->sequences->AppendKv(&ctx, &resp);
+  bool ok = w->Write(kvpool::testing::AppendHeaderMessage(id, token_start, tokens, v1::DTYPE_BF16,
+                                                          end_of_prefill));
   for (size_t layer = 0; layer < k.size() && ok; ++layer) {
     const size_t token_bytes = k[layer].size() / tokens;
     for (uint32_t off = 0; off < tokens && ok; off += chunk_tokens) {
       const uint32_t n = std::min(chunk_tokens, tokens - off);
-      v1::AppendKvRequest c;
-      v1::KvChunk* ch = c.mutable_chunk();
-      ch->set_layer(static_cast<int>(layer));
-      ch->set_token_offset(off);
-      ch->set_num_tokens(n);
-      ch->set_k(k[layer].substr(off * token_bytes, n * token_bytes));
-      ch->set_v(v[layer].substr(off * token_bytes, n * token_bytes));
-      ok = w->Write(c);
+      ok = w->Write(kvpool::testing::AppendChunkMessage(
+          static_cast<int>(layer), off, n, k[layer].substr(off * token_bytes, n * token_bytes),
+          v[layer].substr(off * token_bytes, n * token_bytes)));
     }
   }
   w->WritesDone();
@@ -132,7 +114,7 @@ absl::Status TestDaemon::ReadAll(const std::string& id, std::vector<std::string>
   v1::ReadKvRequest req;
   req.set_sequence_id(id);
   req.set_dtype(v1::DTYPE_BF16);
-  auto r = reads_->ReadKv(&ctx, req);
+  auto r = stubs_->reads->ReadKv(&ctx, req);
   v1::ReadKvResponse msg;
   k->clear();
   v->clear();
@@ -153,7 +135,7 @@ absl::StatusOr<v1::AttendResponse> TestDaemon::AttendInline(const v1::AttendRequ
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::AttendResponse resp;
-  absl::Status s = FromGrpcStatus(attn_->Attend(&ctx, request, &resp), "Attend");
+  absl::Status s = FromGrpcStatus(stubs_->attention->Attend(&ctx, request, &resp), "Attend");
   if (!s.ok()) return s;
   return resp;
 }
@@ -162,7 +144,8 @@ absl::StatusOr<v1::GetStatsResponse> TestDaemon::Stats() {
   grpc::ClientContext ctx;
   Deadline(&ctx);
   v1::GetStatsResponse resp;
-  absl::Status s = FromGrpcStatus(stats_->GetStats(&ctx, v1::GetStatsRequest(), &resp), "GetStats");
+  absl::Status s =
+      FromGrpcStatus(stubs_->stats->GetStats(&ctx, v1::GetStatsRequest(), &resp), "GetStats");
   if (!s.ok()) return s;
   return resp;
 }
@@ -173,7 +156,8 @@ absl::StatusOr<v1::SequenceInfo> TestDaemon::Describe(const std::string& id) {
   v1::DescribeSequenceRequest req;
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
-  absl::Status s = FromGrpcStatus(seqs_->DescribeSequence(&ctx, req, &resp), "DescribeSequence");
+  absl::Status s =
+      FromGrpcStatus(stubs_->sequences->DescribeSequence(&ctx, req, &resp), "DescribeSequence");
   if (!s.ok()) return s;
   return resp;
 }
@@ -184,7 +168,7 @@ absl::Status TestDaemon::Release(const std::string& id) {
   v1::ReleaseSequenceRequest req;
   req.set_sequence_id(id);
   v1::ReleaseSequenceResponse resp;
-  return FromGrpcStatus(seqs_->ReleaseSequence(&ctx, req, &resp), "ReleaseSequence");
+  return FromGrpcStatus(stubs_->sequences->ReleaseSequence(&ctx, req, &resp), "ReleaseSequence");
 }
 
 std::string TestRowBytes(int tokens, size_t row_values, uint64_t seed) {

@@ -23,11 +23,20 @@
 #include "kvpool/v1/read_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
+#include "proto/service_stubs.h"
 #include "server/server.h"
 
 namespace kvpool::server::testing {
 
 namespace v1 = ::kvpool::v1;
+
+// One UCX transport selection (UCX_TLS) the transport tests run under; `name` names the case.
+struct UcxTls {
+  const char* name;
+  const char* tls;
+};
+// The loopback selections: shared memory and TCP.
+inline constexpr UcxTls kLoopbackTls[] = {{"shm", "posix,sysv,cma"}, {"tcp", "tcp"}};
 
 struct TestDaemonOptions {
   std::string ucx_tls = "posix,sysv,cma";
@@ -89,11 +98,7 @@ class TestDaemon {
   TestDaemon() = default;
   std::unique_ptr<KvpoolServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::ModelService::Stub> models_;
-  std::unique_ptr<v1::SequenceService::Stub> seqs_;
-  std::unique_ptr<v1::ReadService::Stub> reads_;
-  std::unique_ptr<v1::AttentionService::Stub> attn_;
-  std::unique_ptr<v1::StatsService::Stub> stats_;
+  std::unique_ptr<ServiceStubs> stubs_;
 };
 
 // Deterministic real-like BF16 rows as bytes: `tokens` x `row_values` values.

@@ -25,11 +25,7 @@ using testing::ModelShapeSpec;
 using testing::TestDaemon;
 using testing::TestDaemonOptions;
 using testing::TestRowBytes;
-
-struct Tls {
-  const char* name;
-  const char* tls;
-};
+using testing::UcxTls;
 
 // A child process with its stdout on a pipe; SIGKILLed when destroyed or when the test dies.
 class ChildProcess {
@@ -90,7 +86,7 @@ class ChildProcess {
   int out_ = -1;
 };
 
-class UcxPeerKilledTest : public ::testing::TestWithParam<Tls> {
+class UcxPeerKilledTest : public ::testing::TestWithParam<UcxTls> {
  protected:
   void SetUp() override {
     TestDaemonOptions o;
@@ -193,8 +189,7 @@ TEST_P(UcxPeerKilledTest, KilledWithMessagesInFlight) {
   ExpectSequenceAcceptsAPush();
 }
 
-INSTANTIATE_TEST_SUITE_P(Loopback, UcxPeerKilledTest,
-                         ::testing::Values(Tls{"shm", "posix,sysv,cma"}, Tls{"tcp", "tcp"}),
+INSTANTIATE_TEST_SUITE_P(Loopback, UcxPeerKilledTest, ::testing::ValuesIn(testing::kLoopbackTls),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -28,19 +28,32 @@ using testing::ModelShapeSpec;
 using testing::TestDaemon;
 using testing::TestDaemonOptions;
 using testing::TestRowBytes;
+using testing::UcxTls;
 
-struct Tls {
-  const char* name;
-  const char* tls;
-};
-
-class UcxTransportTest : public ::testing::TestWithParam<Tls> {
+class UcxTransportTest : public ::testing::TestWithParam<UcxTls> {
  protected:
   void StartDaemon(TestDaemonOptions o = {}) {
     o.ucx_tls = GetParam().tls;
     auto d = TestDaemon::Start(o);
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = *std::move(d);
+  }
+
+  // 16 KiB messages and one staging slot (32 KiB: a message's K and V halves), so a layer takes
+  // many chunks and pushes wait for the slot.
+  void StartDaemonWithOneStagingSlot() {
+    TestDaemonOptions o;
+    o.message_bytes = 16 << 10;
+    o.staging_bytes = 32 << 10;
+    StartDaemon(o);
+  }
+
+  // Model "m" stored exactly (identity rotation, bypass quantizer): reads return what was sent.
+  static ModelShapeSpec ExactModel() {
+    ModelShapeSpec m;
+    m.rotation = v1::ROTATION_KIND_IDENTITY;
+    m.method = v1::QUANT_METHOD_BYPASS;
+    return m;
   }
 
   std::unique_ptr<UcxChannel> Connect() {
@@ -64,6 +77,27 @@ class UcxTransportTest : public ::testing::TestWithParam<Tls> {
       k->push_back(TestRowBytes(tokens, row, seed + 2 * l));
       v->push_back(TestRowBytes(tokens, row, seed + 2 * l + 1));
     }
+  }
+
+  // A 64-token push into sequence "s" of model `m` whose layer 0 is sent and acknowledged and
+  // whose other layers never come, so the push stays open. `push` is null when it did not begin.
+  struct OpenPush {
+    std::unique_ptr<UcxChannel> channel;
+    std::unique_ptr<UcxLayerPush> push;
+  };
+  OpenPush PushFirstLayerOnly(const ModelShapeSpec& m) {
+    OpenPush open;
+    open.channel = Connect();
+    if (open.channel == nullptr) return open;
+    std::vector<std::string> k, v;
+    MakeKv(m, 64, 5, &k, &v);
+    auto push = open.channel->BeginPush(UcxPushSpec{"s", 0, 64, true, {}});
+    EXPECT_TRUE(push.ok()) << push.status();
+    if (!push.ok()) return open;
+    EXPECT_TRUE((*push)->PushLayer(0, 0, 64, k[0], v[0]).ok());
+    EXPECT_TRUE((*push)->WaitLayer(0).ok());
+    open.push = *std::move(push);
+    return open;
   }
 
   v1::TransportStats TransportStats() {
@@ -129,9 +163,7 @@ TEST_P(UcxTransportTest, FallsBackToGrpcInlineWithoutUcx) {
 
 TEST_P(UcxTransportTest, LayerwisePushStoresExactlyWhatWasSent) {
   StartDaemon();
-  ModelShapeSpec m;
-  m.rotation = v1::ROTATION_KIND_IDENTITY;
-  m.method = v1::QUANT_METHOD_BYPASS;
+  const ModelShapeSpec m = ExactModel();
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "s").ok());
   auto ch = Connect();
@@ -164,10 +196,7 @@ TEST_P(UcxTransportTest, LayerwisePushStoresExactlyWhatWasSent) {
 
 TEST_P(UcxTransportTest, QuantizedPushEqualsInlineAppend) {
   // Small messages and staging: many chunks per layer, out-of-order layers, backpressure.
-  TestDaemonOptions o;
-  o.message_bytes = 16 << 10;
-  o.staging_bytes = 32 << 10;
-  StartDaemon(o);
+  StartDaemonWithOneStagingSlot();
   ModelShapeSpec m;
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "ucx").ok());
@@ -207,13 +236,8 @@ TEST_P(UcxTransportTest, ConcurrentPushesShareOneStagingSlot) {
   // push stores exactly what was sent, and the slot comes back. (Whether another session's K
   // lands between a chunk's K and V depends on timing; the rule that a chunk's second half
   // never queues behind it is in UcxTransport::OnLayerData and ServePending.)
-  TestDaemonOptions o;
-  o.message_bytes = 16 << 10;
-  o.staging_bytes = 32 << 10;
-  StartDaemon(o);
-  ModelShapeSpec m;
-  m.rotation = v1::ROTATION_KIND_IDENTITY;
-  m.method = v1::QUANT_METHOD_BYPASS;
+  StartDaemonWithOneStagingSlot();
+  const ModelShapeSpec m = ExactModel();
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   const int tokens = 700;  // several chunks per layer (256 tokens per 16 KiB message)
   std::vector<std::unique_ptr<UcxChannel>> channels;
@@ -384,21 +408,15 @@ TEST_P(UcxTransportTest, IdlePushTimesOutAndRollsBack) {
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "s").ok());
   const uint64_t before = UsedBytes();
-  auto ch = Connect();
-  ASSERT_NE(ch, nullptr);
-  std::vector<std::string> k, v;
-  MakeKv(m, 64, 5, &k, &v);
-  auto push = ch->BeginPush(UcxPushSpec{"s", 0, 64, true, {}});
-  ASSERT_TRUE(push.ok());
-  ASSERT_TRUE((*push)->PushLayer(0, 0, 64, k[0], v[0]).ok());
-  ASSERT_TRUE((*push)->WaitLayer(0).ok());
+  OpenPush open = PushFirstLayerOnly(m);
+  ASSERT_NE(open.push, nullptr);
   // The prefill "stalls": the daemon rolls the push back on its own.
   EXPECT_TRUE(Eventually([&] { return TransportStats().timeouts() == 1; }));
   EXPECT_TRUE(Eventually([&] {
     auto t = TransportStats();
     return t.open_pushes() == 0 && UsedBytes() == before;
   }));
-  auto r = (*push)->Finish();
+  auto r = open.push->Finish();
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
 }
 
@@ -407,25 +425,18 @@ TEST_P(UcxTransportTest, ClientSeesDaemonGoneWithinDeadline) {
   ModelShapeSpec m;
   ASSERT_TRUE(daemon_->RegisterModel(m).ok());
   ASSERT_TRUE(daemon_->CreateSequence("m", "s").ok());
-  auto ch = Connect();
-  ASSERT_NE(ch, nullptr);
-  std::vector<std::string> k, v;
-  MakeKv(m, 64, 5, &k, &v);
-  auto push = ch->BeginPush(UcxPushSpec{"s", 0, 64, true, {}});
-  ASSERT_TRUE(push.ok());
-  ASSERT_TRUE((*push)->PushLayer(0, 0, 64, k[0], v[0]).ok());
-  ASSERT_TRUE((*push)->WaitLayer(0).ok());
+  OpenPush open = PushFirstLayerOnly(m);
+  ASSERT_NE(open.push, nullptr);
   daemon_->Kill();
   // The push ends with an error (the daemon rolled it back while shutting down and said so),
   // not a hang.
-  auto r = (*push)->Finish();
+  auto r = open.push->Finish();
   EXPECT_FALSE(r.ok());
   EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsDeadlineExceeded(r.status()))
       << r.status();
 }
 
-INSTANTIATE_TEST_SUITE_P(Loopback, UcxTransportTest,
-                         ::testing::Values(Tls{"shm", "posix,sysv,cma"}, Tls{"tcp", "tcp"}),
+INSTANTIATE_TEST_SUITE_P(Loopback, UcxTransportTest, ::testing::ValuesIn(testing::kLoopbackTls),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

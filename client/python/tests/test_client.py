@@ -29,6 +29,14 @@ def register_exact(client: Client, model_id: str):
                                  head_dim=D, data_free="identity", quant=EXACT)
 
 
+def exact_sequence(client: Client, uid: str):
+    """An exact model (register_exact) and an empty sequence of it, named after `uid`."""
+    model, seq = f"exact-{uid}", f"seq-{uid}"
+    register_exact(client, model)
+    client.create_sequence(model, seq)
+    return model, seq
+
+
 def test_health_stats_and_limits(client):
     assert client.health() == "SERVING"
     stats = client.get_stats()
@@ -73,12 +81,10 @@ def test_layerwise_push_is_bit_exact_in_any_layer_order(client, uid):
 def test_float_inputs_are_rounded_like_the_daemon(client, uid, dtype):
     """FP32/FP16 payloads are stored as BF16 by the daemon; our BF16 rounding agrees bit for
     bit, and an FP32 read returns the same values."""
-    model, seq = f"exact-{uid}", f"seq-{uid}"
-    register_exact(client, model)
+    model, seq = exact_sequence(client, uid)
     k, v = kv(np.random.default_rng(2), 40)
     if dtype is DType.FP16:
         k, v = k.astype(np.float16), v.astype(np.float16)
-    client.create_sequence(model, seq)
     client.append_kv(seq, k, v, end_of_prefill=True)  # dtype from the arrays
     back = client.read_kv(seq, dtype=DType.FP32)
     assert back.k.dtype == np.float32
@@ -88,11 +94,9 @@ def test_float_inputs_are_rounded_like_the_daemon(client, uid, dtype):
 
 
 def test_remote_attention_matches_dense_and_merges(client, uid):
-    model, seq = f"exact-{uid}", f"seq-{uid}"
-    register_exact(client, model)
+    model, seq = exact_sequence(client, uid)
     rng = np.random.default_rng(3)
     k, v = kv(rng, 300)
-    client.create_sequence(model, seq)
     client.append_kv(seq, k[:, :200], v[:, :200], token_ids=range(200), end_of_prefill=True)
     stored_k, stored_v = bf16_to_float32(bf16_bits(k)), bf16_to_float32(bf16_bits(v))
     q = rng.standard_normal((2, HQ, D), dtype=np.float32)
@@ -112,11 +116,9 @@ def test_remote_attention_matches_dense_and_merges(client, uid):
 
 
 def test_decode_appends_demote_and_describe(client, uid):
-    model, seq = f"exact-{uid}", f"seq-{uid}"
-    register_exact(client, model)
+    model, seq = exact_sequence(client, uid)
     rng = np.random.default_rng(4)
     k, v = kv(rng, 64)
-    client.create_sequence(model, seq)
     client.append_kv(seq, k, v, end_of_prefill=True)
     demoted = 0
     for step in range(20):
@@ -174,9 +176,7 @@ def test_errors_carry_code_and_rpc(client, uid):
         client.describe_sequence(f"nope-{uid}")
     assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.rpc == "DescribeSequence"
     assert not e.value.retryable and e.value.reason is None
-    model, seq = f"exact-{uid}", f"seq-{uid}"
-    register_exact(client, model)
-    client.create_sequence(model, seq)
+    model, seq = exact_sequence(client, uid)
     with pytest.raises(KvpoolError) as e:
         client.create_sequence(model, seq)
     assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
@@ -196,9 +196,7 @@ def test_errors_carry_code_and_rpc(client, uid):
 
 
 def test_failed_and_cancelled_streams_change_nothing(client, uid):
-    model, seq = f"exact-{uid}", f"seq-{uid}"
-    register_exact(client, model)
-    client.create_sequence(model, seq)
+    model, seq = exact_sequence(client, uid)
     k, v = kv(np.random.default_rng(7), 32)
     # A layer outside the model: the daemon fails the call, the stream reports it.
     with pytest.raises(KvpoolError) as e:
