@@ -48,12 +48,10 @@ std::shared_ptr<Sequence> SequenceStore::Find(const TenantId& tenant, const std:
   return it == sequences_.end() ? nullptr : it->second;
 }
 
-absl::Status SequenceStore::AllocatePages(PageClassId cls, size_t count, std::vector<PageId>* out) {
-  for (;;) {
-    absl::Status s = pool_->Allocate(cls, count, out);
-    if (s.ok() || !absl::IsResourceExhausted(s)) return s;
-    if (index_->EvictOne() == 0) return s;
-  }
+absl::Status SequenceStore::AllocatePages(const TenantId& tenant,
+                                          absl::Span<const PageRequest> requests,
+                                          std::vector<std::vector<PageId>>* out) {
+  return index_->AllocateEvicting(tenant, requests, out);
 }
 
 absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStore::Create(
@@ -233,13 +231,12 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   }
   // Reserve every page up front: a full pool fails now, before the client streams anything.
   const size_t layers = m.num_layers;
-  std::vector<PageId> bf16_pages, blocks;
-  KVPOOL_RETURN_IF_ERROR(AllocatePages(m.block_class, layers * new_history, &blocks));
-  if (absl::Status s = AllocatePages(m.bf16_class, layers * (new_sink + new_recent), &bf16_pages);
-      !s.ok()) {
-    pool_->UnrefAll(blocks);
-    return s;
-  }
+  const PageRequest requests[2] = {{m.block_class, layers * new_history},
+                                   {m.bf16_class, layers * (new_sink + new_recent)}};
+  std::vector<std::vector<PageId>> allocated;
+  KVPOOL_RETURN_IF_ERROR(AllocatePages(tenant, requests, &allocated));
+  const std::vector<PageId>& blocks = allocated[0];
+  const std::vector<PageId>& bf16_pages = allocated[1];
   size_t bi = 0, hi = 0;
   for (size_t layer = 0; layer < layers; ++layer) {
     AppendTxn::LayerState& l = txn->layers_[layer];

@@ -70,7 +70,8 @@ class SequenceStore {
 
   // Starts an append. NotFound, FailedPrecondition (sealed, wrong phase, token_start not the
   // length), InvalidArgument (counts, token ids), Aborted (another append in progress),
-  // ResourceExhausted (pool, after evicting what the prefix cache can give up).
+  // ResourceExhausted (the pool, even after evicting every evictable cached unit; then nothing
+  // was evicted).
   [[nodiscard]] absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(const TenantId& tenant,
                                                                        const std::string& id,
                                                                        AppendSpec spec);
@@ -95,8 +96,12 @@ class SequenceStore {
   std::map<std::string, StoreTotals> TotalsByModel(const TenantId& tenant) const;
   size_t size() const;
 
-  // Allocates pages, evicting cached prefix units while the pool is full.
-  [[nodiscard]] absl::Status AllocatePages(PageClassId cls, size_t count, std::vector<PageId>* out);
+  // Allocates pages of several classes for `tenant` (all or nothing), evicting cached prefix
+  // units only when that makes the allocation fit, `tenant`'s least recently used first
+  // (PrefixIndex::AllocateEvicting). ResourceExhausted leaves the pool and the cache unchanged.
+  [[nodiscard]] absl::Status AllocatePages(const TenantId& tenant,
+                                           absl::Span<const PageRequest> requests,
+                                           std::vector<std::vector<PageId>>* out);
   static PrefixContext ContextOf(const Model& model);
 
  private:
