@@ -198,6 +198,9 @@ std::vector<PrefixHash> PrefixIndex::EvictionOrderLocked(const TenantId& tenant)
 absl::Status PrefixIndex::AllocateEvicting(const TenantId& tenant,
                                            absl::Span<const PageRequest> requests,
                                            std::vector<std::vector<PageId>>* out) {
+  // Most appends fit the free pages: no need to rank the cache for them.
+  absl::StatusOr<size_t> fitted = pool_->AllocateReleasing(requests, {}, out);
+  if (fitted.ok() || !absl::IsResourceExhausted(fitted.status())) return fitted.status();
   absl::MutexLock lock(&mu_);
   // Under the index lock nobody can take a reference on a unit held only by the index (Match
   // is the only way to one), so the order stays valid through the pool's decision.
