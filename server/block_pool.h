@@ -70,6 +70,12 @@ struct PageClassStats {
   size_t slabs = 0;
 };
 
+// `count` pages of class `cls`: one part of an allocation of several classes at once.
+struct PageRequest {
+  PageClassId cls = 0;
+  size_t count = 0;
+};
+
 struct BlockPoolStats {
   size_t capacity_bytes = 0;
   size_t slab_bytes = 0;
@@ -102,6 +108,17 @@ class BlockPool {
   // Appends `count` fresh pages of `cls` (reference count 1, contents unspecified) to `out`.
   // All or nothing: ResourceExhausted leaves the pool and `out` unchanged.
   [[nodiscard]] absl::Status Allocate(PageClassId cls, size_t count, std::vector<PageId>* out);
+
+  // Allocates every request (out->at(i) gets request i's pages; all or nothing). When the free
+  // pages do not cover them, first drops one reference on each page of the fewest leading
+  // `releasable` groups (pages whose only reference the caller holds) that make them fit, and
+  // returns how many groups it released. ResourceExhausted, nothing released or allocated, when
+  // even releasing every group would not make room. The fit is worked out under one lock from
+  // the slabs' exact occupancy (a freed page only makes room for its own class until its whole
+  // slab is free).
+  [[nodiscard]] absl::StatusOr<size_t> AllocateReleasing(
+      absl::Span<const PageRequest> requests, absl::Span<const absl::Span<const PageId>> releasable,
+      std::vector<std::vector<PageId>>* out);
 
   void Ref(PageId page);
   void RefAll(absl::Span<const PageId> pages);
@@ -192,6 +209,9 @@ class BlockPool {
   std::atomic<uint64_t>& ChecksumWord(PageId page) const {
     return checksums_[page >> 16][page & 0xffffu];
   }
+  // Allocate's work once capacity is known to suffice.
+  void AllocateLocked(PageClassId cls, size_t count, std::vector<PageId>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t UnrefLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::unique_ptr<Arena> arena_;

@@ -42,6 +42,11 @@ ABSL_FLAG(int32_t, max_append_tokens, 1 << 20, "Most tokens in one AppendKv stre
 ABSL_FLAG(int32_t, max_connections, 0,
           "Most client connections held at once (more are closed at once); 0 = what the "
           "descriptor limit leaves room for (kvpoold raises its soft limit to the hard one)");
+ABSL_FLAG(absl::Duration, sequence_ttl, absl::ZeroDuration(),
+          "Lease of a sequence created without its own (CreateSequenceRequest.ttl_ms): released "
+          "after this long without an append, read or attention, and counted in GetStats "
+          "(lifecycle.expired_sequences); later calls on it answer NOT_FOUND, reason EXPIRED. "
+          "0 = no lease (e.g. 10m, 90s)");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file once serving (for tests)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
@@ -144,6 +149,9 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("--max_attention_batch must be >= 1");
   }
   if (max_append_tokens < 1) return absl::InvalidArgumentError("--max_append_tokens must be >= 1");
+  if (sequence_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--sequence_ttl must be >= 0 (0 = no lease)");
+  }
   if (shutdown_grace_ms < 0) return absl::InvalidArgumentError("--shutdown_grace_ms must be >= 0");
   if (transports != "" && transports != "ucx") {
     return absl::InvalidArgumentError(
@@ -298,6 +306,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.max_attention_batch = absl::GetFlag(FLAGS_max_attention_batch);
   c.max_append_tokens = absl::GetFlag(FLAGS_max_append_tokens);
   c.max_connections = absl::GetFlag(FLAGS_max_connections);
+  c.sequence_ttl = absl::GetFlag(FLAGS_sequence_ttl);
   c.port_file = absl::GetFlag(FLAGS_port_file);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);

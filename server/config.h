@@ -45,6 +45,9 @@ struct ServerConfig {
   // Most client connections held at once; 0 = as many as the descriptor limit leaves room for
   // (server/connection_listener.h). Connections over the cap are closed at once.
   int max_connections = 0;
+  // Lease of a sequence created without one (CreateSequenceRequest.ttl_ms): released after this
+  // long without an append, read or attention; zero = no lease.
+  absl::Duration sequence_ttl = absl::ZeroDuration();
   std::string port_file;
   std::string log_level = "info";
   int shutdown_grace_ms = 5000;

@@ -23,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/config.h"
 #include "server/scrubber.h"
+#include "server/sequence_reaper.h"
 #include "server/service_context.h"
 
 namespace kvpool::server {
@@ -73,6 +74,7 @@ class KvpoolServer {
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<ModelRegistry> registry_;
   std::unique_ptr<SequenceStore> store_;
+  std::unique_ptr<SequenceReaper> reaper_;  // releases the store's expired leases
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
   std::unique_ptr<IngestEngine> ingest_;
