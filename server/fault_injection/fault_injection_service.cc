@@ -36,15 +36,15 @@ class FaultInjectionService final : public t::FaultInjection::CallbackService {
         ctx_->store->Snapshot(tenant, r.sequence_id(), {layer});
     if (!snap.ok()) return snap.status();
     const SequenceSnapshot::Layer& l = (*snap)->layers().at(0);
-    const std::vector<PageId>* pages = r.tier() == t::PAGE_TIER_SINK      ? &l.sink
-                                       : r.tier() == t::PAGE_TIER_HISTORY ? &l.history
-                                       : r.tier() == t::PAGE_TIER_RECENT  ? &l.recent
-                                                                          : nullptr;
+    const std::vector<int32_t>* pages = r.tier() == t::PAGE_TIER_SINK      ? &l.sink
+                                        : r.tier() == t::PAGE_TIER_HISTORY ? &l.history
+                                        : r.tier() == t::PAGE_TIER_RECENT  ? &l.recent
+                                                                           : nullptr;
     if (pages == nullptr) return absl::InvalidArgumentError("tier must be set");
     if (r.page_index() >= pages->size()) {
       return absl::OutOfRangeError(absl::StrCat("page ", r.page_index(), " of ", pages->size()));
     }
-    const PageId page = (*pages)[r.page_index()];
+    const PageId page = ctx_->pool->PageOfBlock((*pages)[r.page_index()]);
     if (r.byte_offset() >= ctx_->pool->PageBytes(page) || r.bit() > 7) {
       return absl::OutOfRangeError("byte_offset or bit beyond the page");
     }
