@@ -71,7 +71,7 @@ class CorruptionTest : public ::testing::Test {
   void FlipHistoryBit(const std::string& id) {
     auto snap = core_.store->Snapshot(kDefaultTenant, id, {1});
     ASSERT_TRUE(snap.ok()) << snap.status();
-    const PageId page = (*snap)->layers()[0].history.at(0);
+    const PageId page = core_.pool->PageOfBlock((*snap)->layers()[0].history.at(0));
     core_.pool->Data(page)[m_->block_layout.CodesOffset(KvTensor::kValue, 1) + 3] ^= 0x10;
   }
 
