@@ -638,6 +638,14 @@ absl::Status Stats(const KvpoolClient& c) {
               static_cast<unsigned long long>(svc.ingested_tokens()),
               static_cast<unsigned long long>(svc.attention_calls()),
               static_cast<unsigned long long>(svc.attention_sequences()));
+  const v1::LifecycleStats& life = s.lifecycle();
+  std::printf(
+      "lifecycle: %llu calls cancelled (%llu units of work skipped), %llu sequences expired, "
+      "%llu leased (default lease %.0f s, 0 = none)\n",
+      static_cast<unsigned long long>(life.calls_cancelled()),
+      static_cast<unsigned long long>(life.units_skipped()),
+      static_cast<unsigned long long>(life.expired_sequences()),
+      static_cast<unsigned long long>(life.leased_sequences()), life.sequence_ttl_seconds());
   for (const v1::ModelStats& m : s.models()) {
     std::printf(
         "model %s: %llu sequences, tokens sink %llu + history %llu + recent %llu, pool "
@@ -649,8 +657,13 @@ absl::Status Stats(const KvpoolClient& c) {
         Bytes(m.bf16_equivalent_bytes()).c_str());
   }
   for (const v1::SequenceStats& q : s.sequences()) {
-    std::printf("  sequence %s (model %s): %u tokens, %s\n", q.sequence_id().c_str(),
+    std::printf("  sequence %s (model %s): %u tokens, %s", q.sequence_id().c_str(),
                 q.model_id().c_str(), q.total_tokens(), Bytes(q.pool_bytes()).c_str());
+    if (q.ttl_ms() > 0) {
+      std::printf(", lease %llu ms, idle %llu ms", static_cast<unsigned long long>(q.ttl_ms()),
+                  static_cast<unsigned long long>(q.idle_ms()));
+    }
+    std::printf("\n");
   }
   const v1::ServerLimits& l = s.limits();
   std::printf(

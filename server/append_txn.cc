@@ -64,7 +64,32 @@ absl::Status AppendTxn::Demote(LayerState& l) {
     moves = std::move(pending_moves_);
     pending_moves_.clear();
   }
-  return store_->demotions_.Demote(*model_, std::move(moves));
+  std::vector<uint32_t> sums(moves.size());
+  for (size_t i = 0; i < sums.size(); ++i) moves[i].checksum = &sums[i];
+  std::vector<RowMove> done = moves;
+  KVPOOL_RETURN_IF_ERROR(store_->demotions_.Demote(*model_, std::move(moves)));
+  for (size_t i = 0; i < sums.size(); ++i) {
+    RecordWritten(done[i].dst, done[i].dst_slot, done[i].count, sums[i]);
+  }
+  return absl::OkStatus();
+}
+
+void AppendTxn::RecordWritten(const uint8_t* page, int slot, int count, uint32_t sum) {
+  const PageId id = pool_->PageOf(page);
+  absl::MutexLock lock(&checksum_mu_);
+  auto [it, fresh] = written_.try_emplace(id);
+  PageChecksum& c = it->second;
+  if (fresh) c = pool_->Checksum(id);  // its committed slots; appends write the ones after them
+  if (c.empty()) c = {static_cast<uint32_t>(slot), static_cast<uint32_t>(slot), 0};
+  c.first = std::min<uint32_t>(c.first, slot);
+  c.end = std::max<uint32_t>(c.end, slot + count);
+  c.sum += sum;
+}
+
+void AppendTxn::PublishChecksums() {
+  absl::MutexLock lock(&checksum_mu_);
+  for (const auto& [page, c] : written_) pool_->SetChecksum(page, c);
+  written_.clear();
 }
 
 absl::Status AppendTxn::CheckChunk(int layer, int offset, int n) const {
@@ -133,7 +158,12 @@ absl::Status AppendTxn::Stage(
     if (a >= b) continue;
     PlanWrites(l, seg.tier, seg.dest + (a - seg.input), a - offset, b - a, &writes);
   }
+  std::vector<uint32_t> sums(writes.size());
+  for (size_t i = 0; i < sums.size(); ++i) writes[i].checksum = &sums[i];
   KVPOOL_RETURN_IF_ERROR(write(writes));
+  for (size_t i = 0; i < sums.size(); ++i) {
+    RecordWritten(writes[i].block, writes[i].slot, writes[i].count, sums[i]);
+  }
   l.cursor = end;
   if (l.cursor == num_tokens_) KVPOOL_RETURN_IF_ERROR(Demote(l));
   return absl::OkStatus();

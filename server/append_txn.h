@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -135,6 +136,11 @@ class AppendTxn {
   // decode step appends one token to every layer), shared with the demotions of other appends
   // running at the same moment (DemotionBatcher).
   absl::Status Demote(LayerState& l);
+  // Adds the checksum `sum` of slots [slot, slot + count), just written, to the record `page`
+  // will have at commit.
+  void RecordWritten(const uint8_t* page, int slot, int count, uint32_t sum);
+  // Sets the pool's checksum records of every page this transaction wrote (at commit).
+  void PublishChecksums();
   void Release();
 
   SequenceStore* store_ = nullptr;
@@ -160,6 +166,8 @@ class AppendTxn {
   std::vector<LayerState> layers_;
   std::vector<PageId> base_refs_;  // references on base pages this transaction touches
   bool done_ = false;
+  absl::Mutex checksum_mu_;  // layers may be staged concurrently
+  absl::flat_hash_map<PageId, PageChecksum> written_ ABSL_GUARDED_BY(checksum_mu_);
 };
 
 }  // namespace kvpool::server

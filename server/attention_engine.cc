@@ -86,7 +86,14 @@ struct AttentionEngine::Batch {
   std::vector<absl::Status> errors;  // per sequence (host backend)
   std::atomic<size_t> pending{0};
   AttentionDone done;
+  std::shared_ptr<CallCancellation> cancel;  // null: runs to the end
 };
+
+bool AttentionEngine::StopIfCancelled(Batch* b, size_t units) {
+  if (b->cancel == nullptr || !b->cancel->Cancelled()) return false;
+  b->cancel->Skip(units);
+  return true;
+}
 
 absl::Status AttentionEngine::Validate(const Model& model, int layer,
                                        const AttentionRequest& request) {
@@ -195,6 +202,14 @@ void AttentionEngine::AttendCoalesced(std::shared_ptr<Batch> b) {
     }
     std::vector<bool> done(round.size(), false);
     for (size_t i = 0; i < round.size(); ++i) {
+      // A request whose caller has gone leaves the round before the device works on it.
+      if (StopIfCancelled(round[i].get(), round[i]->snapshots.size())) {
+        done[i] = true;
+        round[i]->snapshots.clear();
+        round[i]->done(round[i]->cancel->status());
+      }
+    }
+    for (size_t i = 0; i < round.size(); ++i) {
       if (done[i]) continue;
       std::vector<Batch*> group;
       for (size_t j = i; j < round.size(); ++j) {
@@ -217,6 +232,10 @@ void AttentionEngine::AttendCoalesced(std::shared_ptr<Batch> b) {
 }
 
 void AttentionEngine::AttendOne(Batch* b, size_t i) {
+  if (StopIfCancelled(b, 1)) {
+    b->errors[i] = b->cancel->status();
+    return;
+  }
   const Model& m = *b->model;
   const size_t first = b->first_row[i];
   const int rows = b->request.num_queries[i];
@@ -307,9 +326,11 @@ absl::StatusOr<std::vector<int>> AttentionEngine::RunOnDevice(const TenantId& te
 }
 
 absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<const Model> model,
-                                    int layer, AttentionRequest request, AttentionDone done) {
+                                    int layer, AttentionRequest request, AttentionDone done,
+                                    std::shared_ptr<CallCancellation> cancellation) {
   KVPOOL_RETURN_IF_ERROR(Validate(*model, layer, request));
   auto b = std::make_shared<Batch>();
+  b->cancel = std::move(cancellation);
   b->tenant = tenant;
   b->model = std::move(model);
   b->layer = layer;
@@ -324,6 +345,11 @@ absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<cons
     if (b->pending.fetch_sub(1) == 1) b->done(Finish(b.get()));
   };
   const bool queued = workers_->TrySubmit([this, b, finish_one]() {
+    // Abandoned while it waited in the queue: none of its sequences are looked at.
+    if (StopIfCancelled(b.get(), b->request.sequence_ids.size())) {
+      b->done(b->cancel->status());
+      return;
+    }
     absl::Status s = Prepare(b.get());
     if (s.ok() && backend_->device() >= 0) {
       AttendCoalesced(b);  // with whatever other requests are waiting

@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "server/backend.h"
+#include "server/call_cancellation.h"
 #include "server/model_registry.h"
 #include "server/sequence_store.h"
 #include "server/worker_pool.h"
@@ -70,9 +71,12 @@ class AttentionEngine {
   // Checks shapes and values of the request (InvalidArgument), then queues the work; `done`
   // is called exactly once, on a worker thread, with the answer (sequences in request order) or
   // the first error (NotFound for an unknown sequence, InvalidArgument for one of another model).
-  // ResourceExhausted when the worker queue is full (`done` is then not called).
+  // ResourceExhausted when the worker queue is full (`done` is then not called). With
+  // `cancellation`, each sequence's work is skipped once the caller has gone or its deadline
+  // passed (counted there); `done` then gets CANCELLED or DEADLINE_EXCEEDED.
   [[nodiscard]] absl::Status Start(const TenantId& tenant, std::shared_ptr<const Model> model,
-                                   int layer, AttentionRequest request, AttentionDone done);
+                                   int layer, AttentionRequest request, AttentionDone done,
+                                   std::shared_ptr<CallCancellation> cancellation = nullptr);
   // The same computation on the calling thread.
   [[nodiscard]] absl::StatusOr<AttentionAnswer> Run(const TenantId& tenant,
                                                     std::shared_ptr<const Model> model, int layer,
@@ -101,6 +105,8 @@ class AttentionEngine {
                                                                const std::string& id) const;
   absl::Status Prepare(Batch* batch);
   void AttendOne(Batch* batch, size_t i);  // one sequence's rows (host backend)
+  // Whether the batch's caller is gone; if so, counts `units` sequences as skipped.
+  static bool StopIfCancelled(Batch* batch, size_t units);
   // Device backends: one backend call for a group of requests of one model and layer.
   absl::Status AttendBatched(absl::Span<Batch* const> group);
   // Queues a prepared request; the first thread to find no round running leads rounds that

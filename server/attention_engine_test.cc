@@ -1,5 +1,6 @@
 #include "server/attention_engine.h"
 
+#include <atomic>
 #include <cmath>
 
 #include "absl/synchronization/notification.h"
@@ -192,6 +193,58 @@ TEST(AttentionEngineTest, FullQueueIsResourceExhausted) {
       engine.Start(kDefaultTenant, m, 0, RequestOf(Queries(*m, {"s"})), [](auto) { FAIL(); });
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
   release.Notify();
+  workers.Shutdown();
+}
+
+TEST(AttentionEngineTest, CancelledCallSkipsTheSequencesItHasNotStarted) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
+  std::vector<std::string> ids;
+  for (int i = 0; i < 5; ++i) {
+    ids.push_back("s" + std::to_string(i));
+    ASSERT_TRUE(core.store->Create(kDefaultTenant, m, ids.back(), {}).ok());
+    ASSERT_TRUE(AppendAll(*core.store, *m, ids.back(), 0, 40, AppendKind::kFinalPrefill, i).ok());
+  }
+  // One worker: the call's task checks before looking at the sequences, then before sequence
+  // 0, then the other sequences' tasks check in turn. The caller goes away after sequence 0.
+  WorkerPool workers(1, 64);
+  AttentionEngine engine(core.store.get(), core.backend.get(), &workers);
+  CancellationCounters counters;
+  std::atomic<int> checks{0};
+  auto cancel = std::make_shared<CallCancellation>(
+      absl::InfiniteFuture(), [&] { return checks.fetch_add(1) >= 2; }, &counters);
+  absl::Notification done;
+  absl::Status status;
+  ASSERT_TRUE(engine
+                  .Start(
+                      kDefaultTenant, m, 0, RequestOf(Queries(*m, ids)),
+                      [&](absl::StatusOr<AttentionAnswer> a) {
+                        status = a.status();
+                        done.Notify();
+                      },
+                      cancel)
+                  .ok());
+  done.WaitForNotification();
+  EXPECT_TRUE(absl::IsCancelled(status)) << status;
+  EXPECT_EQ(counters.calls_cancelled.load(), 1u);
+  EXPECT_EQ(counters.units_skipped.load(), ids.size() - 1);
+
+  // A deadline already past: nothing is looked at.
+  CancellationCounters late;
+  absl::Notification late_done;
+  ASSERT_TRUE(engine
+                  .Start(
+                      kDefaultTenant, m, 0, RequestOf(Queries(*m, ids)),
+                      [&](absl::StatusOr<AttentionAnswer> a) {
+                        status = a.status();
+                        late_done.Notify();
+                      },
+                      std::make_shared<CallCancellation>(absl::InfinitePast(), nullptr, &late))
+                  .ok());
+  late_done.WaitForNotification();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(status)) << status;
+  EXPECT_EQ(late.calls_cancelled.load(), 1u);
+  EXPECT_EQ(late.units_skipped.load(), ids.size());
   workers.Shutdown();
 }
 

@@ -55,6 +55,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     ctx->counters.attention_calls++;
     ctx->counters.attention_sequences += batch;
     const size_t per_lse = static_cast<size_t>(model->q_heads);
+    std::shared_ptr<CallCancellation> cancellation =
+        CancellationOf(context, &ctx->counters.cancellation);
     return ctx->attention->Start(
         tenant, std::move(model), request->layer(), std::move(queries),
         [request, response, reactor, per_query, per_lse](absl::StatusOr<AttentionAnswer> answer) {
@@ -74,7 +76,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
             row += rows;
           }
           reactor->Finish(grpc::Status::OK);
-        });
+        },
+        std::move(cancellation));
   };
   if (absl::Status s = start(); !s.ok()) reactor->Finish(ToGrpcStatus(s));
   return reactor;

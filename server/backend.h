@@ -52,22 +52,37 @@ class Arena {
 // Input rows [input_row, input_row + count) of an arriving chunk go to slots
 // [slot, slot + count) of one pool block: clipped and quantized into an INT2 history block
 // (`history`), or kept as rotated BF16 in a sink/recent page.
+// With `checksum` set, the backend also stores there the checksum (kernels/page_checksum.h) of
+// the slots it wrote, computed from pool memory after the write.
 struct RowWrite {
   int input_row = 0;
   int count = 0;
   uint8_t* block = nullptr;
   int slot = 0;
   bool history = false;
+  uint32_t* checksum = nullptr;
 };
 
 // Demotion: rows of slots [src_slot, src_slot + count) of a BF16 page are quantized into slots
 // [dst_slot, dst_slot + count) of an INT2 history block.
+// [dst_slot, dst_slot + count) of an INT2 history block; `checksum` as in RowWrite, of the slots
+// written in `dst`.
 struct RowMove {
   const uint8_t* src = nullptr;
   int src_slot = 0;
   uint8_t* dst = nullptr;
   int dst_slot = 0;
   int count = 0;
+  uint32_t* checksum = nullptr;
+};
+
+// Slots [first_slot, first_slot + count) of a pool page: an INT2 history block (`history`) or a
+// BF16 page.
+struct SlotRange {
+  const uint8_t* page = nullptr;
+  int first_slot = 0;
+  int count = 0;
+  bool history = false;
 };
 
 // Query rows of an attention call and their outputs: `rows` consecutive rows of the batch.
@@ -143,6 +158,10 @@ class ComputeBackend {
   // The exact BF16 words of rows of a BF16 page, [count][kv_heads][D].
   virtual absl::Status ReadBf16Rows(const Model& model, const uint8_t* page, KvTensor t, int slot,
                                     int count, absl::Span<Bf16> out) = 0;
+  // The checksum (kernels/page_checksum.h) of each range, computed where the pool lives, into
+  // out[i] (out.size() == ranges.size()).
+  virtual absl::Status ChecksumSlots(const Model& model, absl::Span<const SlotRange> ranges,
+                                     absl::Span<uint32_t> out) = 0;
   // Raw bytes out of pool memory (attention-ready blocks for clients).
   virtual absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) = 0;
 

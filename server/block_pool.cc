@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -55,6 +56,8 @@ BlockPool::BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num
       num_slabs_(num_slabs),
       block_stride_(block_stride),
       slab_page_bytes_(num_slabs, 0),
+      checksums_(num_slabs),
+      checksum_slots_(num_slabs, 0),
       slabs_(num_slabs) {
   for (size_t i = 0; i < num_slabs; ++i) free_slabs_.insert(static_cast<int>(i));
 }
@@ -113,6 +116,12 @@ absl::Status BlockPool::Allocate(PageClassId cls, size_t count, std::vector<Page
         "block pool exhausted: need ", count, " pages of ", c.page_bytes, " bytes, ", available,
         " available (", used_bytes_, " of ", capacity_bytes(), " bytes in use)"));
   }
+  AllocateLocked(cls, count, out);
+  return absl::OkStatus();
+}
+
+void BlockPool::AllocateLocked(PageClassId cls, size_t count, std::vector<PageId>* out) {
+  PageClass& c = classes_[cls];
   out->reserve(out->size() + count);
   for (size_t i = 0; i < count; ++i) {
     if (c.slabs_with_free.empty()) {
@@ -129,6 +138,10 @@ absl::Status BlockPool::Allocate(PageClassId cls, size_t count, std::vector<Page
       }
       slab.in_use = 0;
       slab_page_bytes_[s] = c.page_bytes;
+      if (checksum_slots_[s] < c.pages_per_slab) {
+        checksums_[s].reset(new std::atomic<uint64_t>[c.pages_per_slab]);
+        checksum_slots_[s] = c.pages_per_slab;
+      }
       ++c.slabs;
       c.slabs_with_free.insert(s);
     }
@@ -137,13 +150,86 @@ absl::Status BlockPool::Allocate(PageClassId cls, size_t count, std::vector<Page
     const uint16_t slot = slab.free_slots.back();
     slab.free_slots.pop_back();
     slab.refcounts[slot] = 1;
+    checksums_[s][slot].store(0, std::memory_order_relaxed);  // published with the page id
     ++slab.in_use;
     if (slab.free_slots.empty()) c.slabs_with_free.erase(s);
     out->push_back((static_cast<PageId>(s) << 16) | slot);
   }
   c.pages_in_use += count;
   used_bytes_ += count * c.page_bytes;
-  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> BlockPool::AllocateReleasing(
+    absl::Span<const PageRequest> requests, absl::Span<const absl::Span<const PageId>> releasable,
+    std::vector<std::vector<PageId>>* out) {
+  absl::MutexLock lock(&mu_);
+  std::vector<size_t> need(classes_.size(), 0);
+  for (const PageRequest& r : requests) {
+    if (r.cls < 0 || static_cast<size_t>(r.cls) >= classes_.size()) {
+      return absl::InternalError(absl::StrCat("unknown page class ", r.cls));
+    }
+    need[r.cls] += r.count;
+  }
+  // The pool as it would be after releasing groups: whole free slabs, and per class the free
+  // slots of its partly used slabs (Allocate fills those before taking a free slab).
+  size_t free_slabs = free_slabs_.size();
+  std::vector<size_t> free_slots(classes_.size(), 0);
+  for (size_t cls = 0; cls < classes_.size(); ++cls) {
+    for (int s : classes_[cls].slabs_with_free) free_slots[cls] += slabs_[s].free_slots.size();
+  }
+  auto fits = [&]() {
+    size_t slabs_needed = 0;
+    for (size_t cls = 0; cls < classes_.size(); ++cls) {
+      if (need[cls] <= free_slots[cls]) continue;
+      const size_t per_slab = classes_[cls].pages_per_slab;
+      slabs_needed += (need[cls] - free_slots[cls] + per_slab - 1) / per_slab;
+    }
+    return slabs_needed <= free_slabs;
+  };
+  size_t released = 0;
+  if (!fits()) {
+    // Simulate the releases group by group, stopping at the first prefix that makes room.
+    absl::flat_hash_map<PageId, uint32_t> drops;   // references dropped per page
+    absl::flat_hash_map<int, size_t> slab_in_use;  // occupancy of touched slabs
+    bool room = false;
+    while (!room && released < releasable.size()) {
+      for (PageId p : releasable[released]) {
+        const int s = static_cast<int>(p >> 16);
+        const Slab& slab = slabs_[s];
+        const size_t slot = p & 0xffffu;
+        if (slab.cls < 0 || slot >= slab.refcounts.size()) continue;
+        const uint32_t dropped = ++drops[p];
+        if (dropped != slab.refcounts[slot]) continue;  // still referenced by someone else
+        auto [it, inserted] = slab_in_use.try_emplace(s, slab.in_use);
+        if (--it->second > 0) {
+          ++free_slots[slab.cls];
+        } else {
+          // The whole slab comes free: its slots stop counting for its class.
+          free_slots[slab.cls] -= classes_[slab.cls].pages_per_slab - 1;
+          ++free_slabs;
+        }
+      }
+      ++released;
+      room = fits();
+    }
+    if (!room) {
+      size_t pages = 0;
+      for (const PageRequest& r : requests) pages += r.count;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("block pool exhausted: need ", pages,
+                       " pages, and evicting every evictable cached "
+                       "unit would not make room (",
+                       used_bytes_, " of ", capacity_bytes(), " bytes in use)"));
+    }
+    for (size_t g = 0; g < released; ++g) {
+      for (PageId p : releasable[g]) UnrefLocked(p);
+    }
+  }
+  out->assign(requests.size(), {});
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (requests[i].count > 0) AllocateLocked(requests[i].cls, requests[i].count, &(*out)[i]);
+  }
+  return released;
 }
 
 BlockPool::Slab& BlockPool::SlabOf(PageId page) { return slabs_[page >> 16]; }

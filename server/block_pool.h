@@ -18,9 +18,16 @@
 //   uint8_t* data = (*pool)->Data(pages[0]);
 //   (*pool)->UnrefAll(pages);                                     // frees them
 //
-// Thread-safe: every method may be called concurrently. Data() is lock-free (pure arithmetic).
+// Beside the pages, the pool keeps each page's checksum record (PageChecksum): which slots were
+// written and the checksum of their rows (kernels/page_checksum.h). Writers set it when their
+// rows become visible (AppendTxn's commit); readers and the scrubber verify against it. A fresh
+// page's record is empty.
+//
+// Thread-safe: every method may be called concurrently. Data() is lock-free (pure arithmetic),
+// and so are Checksum(), SetChecksum() and PageOf() for a page the caller holds a reference on.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -45,10 +52,28 @@ using PageClassId = int;
 
 inline constexpr PageId kInvalidPage = 0xffffffffu;
 
+// A page's checksum record: slots [first, end) hold written rows whose checksum is `sum`.
+struct PageChecksum {
+  uint32_t first = 0;
+  uint32_t end = 0;
+  uint32_t sum = 0;
+  bool empty() const { return end <= first; }
+  int count() const { return empty() ? 0 : static_cast<int>(end - first); }
+  bool operator==(const PageChecksum& o) const {
+    return first == o.first && end == o.end && sum == o.sum;
+  }
+};
+
 struct PageClassStats {
   size_t page_bytes = 0;
   size_t pages_in_use = 0;
   size_t slabs = 0;
+};
+
+// `count` pages of class `cls`: one part of an allocation of several classes at once.
+struct PageRequest {
+  PageClassId cls = 0;
+  size_t count = 0;
 };
 
 struct BlockPoolStats {
@@ -84,6 +109,17 @@ class BlockPool {
   // All or nothing: ResourceExhausted leaves the pool and `out` unchanged.
   [[nodiscard]] absl::Status Allocate(PageClassId cls, size_t count, std::vector<PageId>* out);
 
+  // Allocates every request (out->at(i) gets request i's pages; all or nothing). When the free
+  // pages do not cover them, first drops one reference on each page of the fewest leading
+  // `releasable` groups (pages whose only reference the caller holds) that make them fit, and
+  // returns how many groups it released. ResourceExhausted, nothing released or allocated, when
+  // even releasing every group would not make room. The fit is worked out under one lock from
+  // the slabs' exact occupancy (a freed page only makes room for its own class until its whole
+  // slab is free).
+  [[nodiscard]] absl::StatusOr<size_t> AllocateReleasing(
+      absl::Span<const PageRequest> requests, absl::Span<const absl::Span<const PageId>> releasable,
+      std::vector<std::vector<PageId>>* out);
+
   void Ref(PageId page);
   void RefAll(absl::Span<const PageId> pages);
   // Drops one reference; the page is free at zero. Returns the bytes freed (0 or page size).
@@ -113,6 +149,31 @@ class BlockPool {
   int64_t block_stride() const { return block_stride_; }
   // The arena as a pool of blocks of `layout` addressed by block id.
   PagedKvView View(const BlockLayout& layout, ScaleDtype scale_dtype) const;
+
+  // The page holding `data` (a pointer into a live page's bytes, as from Data()).
+  PageId PageOf(const uint8_t* data) const {
+    const size_t off = static_cast<size_t>(data - base_);
+    const size_t slab = off / slab_bytes_;
+    return static_cast<PageId>((slab << 16) | ((off % slab_bytes_) / slab_page_bytes_[slab]));
+  }
+
+  // The page whose bytes start at block id `block` (the inverse of BlockId).
+  PageId PageOfBlock(int32_t block) const {
+    return PageOf(base_ + static_cast<size_t>(block) * static_cast<size_t>(block_stride_));
+  }
+
+  // The page's checksum record (empty for a fresh page), and its replacement. Slot numbers fit
+  // 16 bits (a page holds at most 1024 tokens).
+  PageChecksum Checksum(PageId page) const {
+    const uint64_t v = ChecksumWord(page).load(std::memory_order_acquire);
+    return {static_cast<uint32_t>(v >> 48), static_cast<uint32_t>((v >> 32) & 0xffffu),
+            static_cast<uint32_t>(v)};
+  }
+  void SetChecksum(PageId page, const PageChecksum& c) {
+    ChecksumWord(page).store((static_cast<uint64_t>(c.first & 0xffffu) << 48) |
+                                 (static_cast<uint64_t>(c.end & 0xffffu) << 32) | c.sum,
+                             std::memory_order_release);
+  }
 
   BlockPoolStats Stats() const;
   size_t capacity_bytes() const { return num_slabs_ * slab_bytes_; }
@@ -145,6 +206,12 @@ class BlockPool {
     return static_cast<size_t>(page & 0xffffu) * slab_page_bytes_[page >> 16];
   }
   Slab& SlabOf(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::atomic<uint64_t>& ChecksumWord(PageId page) const {
+    return checksums_[page >> 16][page & 0xffffu];
+  }
+  // Allocate's work once capacity is known to suffice.
+  void AllocateLocked(PageClassId cls, size_t count, std::vector<PageId>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t UnrefLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::unique_ptr<Arena> arena_;
@@ -156,6 +223,10 @@ class BlockPool {
   // slab is assigned, before any page of it is handed out (under mu_, which the caller that got
   // the page id also went through).
   std::vector<size_t> slab_page_bytes_;
+  // Checksum records per slab and slot, replaced (under mu_) only when a free slab is assigned to
+  // a class with more pages per slab than its array holds: the same reasoning as above.
+  std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> checksums_;
+  std::vector<size_t> checksum_slots_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex mu_;
   std::vector<Slab> slabs_ ABSL_GUARDED_BY(mu_);

@@ -29,6 +29,35 @@ TEST(BlockPoolTest, RejectsBadGeometry) {
   EXPECT_FALSE(pool->RegisterClass(kSlab + 16).ok());  // larger than a slab
 }
 
+// Checksum records: empty for a fresh page, kept while it lives, empty again when the page is
+// handed out anew, including after its slab moved to a class with more pages per slab.
+TEST(BlockPoolTest, ChecksumRecordsLiveWithTheirPage) {
+  auto pool = MakePool(1);
+  const PageClassId big = *pool->RegisterClass(kSlab / 4);
+  const PageClassId small = *pool->RegisterClass(kSlab / 64);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(pool->Allocate(big, 4, &pages).ok());
+  for (PageId p : pages) {
+    EXPECT_TRUE(pool->Checksum(p).empty());
+    EXPECT_EQ(p, pool->PageOf(pool->Data(p)));
+    EXPECT_EQ(p, pool->PageOf(pool->Data(p) + kSlab / 4 - 1));
+  }
+  const PageChecksum c{2, 9, 0xdeadbeef};
+  pool->SetChecksum(pages[1], c);
+  EXPECT_EQ(c, pool->Checksum(pages[1]));
+  EXPECT_TRUE(pool->Checksum(pages[0]).empty());
+  pool->UnrefAll(pages);
+  pages.clear();
+  ASSERT_TRUE(pool->Allocate(small, 64, &pages).ok());  // the slab, now of 64 pages
+  for (PageId p : pages) {
+    EXPECT_TRUE(pool->Checksum(p).empty());
+    EXPECT_EQ(p, pool->PageOf(pool->Data(p)));
+  }
+  pool->SetChecksum(pages[63], c);
+  EXPECT_EQ(c, pool->Checksum(pages[63]));
+  pool->UnrefAll(pages);
+}
+
 TEST(BlockPoolTest, ClassesOfEqualSizeAreOne) {
   auto pool = MakePool(2);
   EXPECT_EQ(*pool->RegisterClass(1024), *pool->RegisterClass(1024));
@@ -180,6 +209,66 @@ TEST(BlockPoolTest, ArenaBeyond32GiBWidensTheBlockStride) {
     EXPECT_EQ(view.Block(id), p.Data(page));
   }
   EXPECT_GT(p.Data(pages[pages.size() - 4]) - p.arena().data(), int64_t{32} << 30);
+}
+
+TEST(BlockPoolTest, AllocateReleasingReleasesOnlyWhatMakesRoomAcrossClasses) {
+  auto pool = MakePool(3);
+  const PageClassId small = *pool->RegisterClass(16 * 1024);  // 4 per slab
+  const PageClassId large = *pool->RegisterClass(32 * 1024);  // 2 per slab
+  // Slab 0: small pages, two of them group `a`; slab 1: group `c`'s two large pages; slab 2: a
+  // live owner's small pages. Nothing is free.
+  std::vector<PageId> slab0, c, live;
+  ASSERT_TRUE(pool->Allocate(small, 4, &slab0).ok());
+  ASSERT_TRUE(pool->Allocate(large, 2, &c).ok());
+  ASSERT_TRUE(pool->Allocate(small, 4, &live).ok());
+  const std::vector<PageId> a(slab0.begin(), slab0.begin() + 2);
+  const size_t used = pool->used_bytes();
+
+  // One large page: nothing is free; releasing `a` frees two small slots but no whole slab,
+  // releasing `c` frees a whole slab. Groups are released in order until the request fits.
+  const absl::Span<const PageId> groups[2] = {a, c};
+  const PageRequest one_large[1] = {{large, 1}};
+  std::vector<std::vector<PageId>> out;
+  absl::StatusOr<size_t> released = pool->AllocateReleasing(one_large, groups, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 2u);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].size(), 1u);
+  EXPECT_EQ(pool->RefCount(a[0]), 0);
+  EXPECT_EQ(pool->used_bytes(), used - 2 * 16 * 1024 - 2 * 32 * 1024 + 32 * 1024);
+
+  // Two small pages now fit in the slots `a` left: nothing is released.
+  const PageRequest two_small[1] = {{small, 2}};
+  released = pool->AllocateReleasing(two_small, {}, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 0u);
+}
+
+TEST(BlockPoolTest, AllocateReleasingRefusesWithoutReleasingWhenGroupsCannotMakeRoom) {
+  auto pool = MakePool(2);
+  const PageClassId cls = *pool->RegisterClass(16 * 1024);
+  std::vector<PageId> group, live;
+  ASSERT_TRUE(pool->Allocate(cls, 4, &group).ok());
+  ASSERT_TRUE(pool->Allocate(cls, 4, &live).ok());
+  pool->Ref(group[0]);  // someone else also holds one page: the group cannot free its slab
+  const size_t used = pool->used_bytes();
+  const absl::Span<const PageId> groups[1] = {group};
+  const PageRequest requests[2] = {{cls, 2}, {cls, 2}};
+  std::vector<std::vector<PageId>> out;
+  absl::StatusOr<size_t> released = pool->AllocateReleasing(requests, groups, &out);
+  EXPECT_TRUE(absl::IsResourceExhausted(released.status())) << released.status();
+  EXPECT_EQ(pool->used_bytes(), used);
+  EXPECT_EQ(pool->RefCount(group[1]), 1);
+  EXPECT_EQ(pool->RefCount(group[0]), 2);
+  // Three pages fit once the group's three sole-owned pages go.
+  const PageRequest three[2] = {{cls, 1}, {cls, 2}};
+  released = pool->AllocateReleasing(three, groups, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 1u);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].size(), 1u);
+  EXPECT_EQ(out[1].size(), 2u);
+  EXPECT_EQ(pool->RefCount(group[0]), 1);
 }
 
 }  // namespace

@@ -42,6 +42,11 @@ ABSL_FLAG(int32_t, max_append_tokens, 1 << 20, "Most tokens in one AppendKv stre
 ABSL_FLAG(int32_t, max_connections, 0,
           "Most client connections held at once (more are closed at once); 0 = what the "
           "descriptor limit leaves room for (kvpoold raises its soft limit to the hard one)");
+ABSL_FLAG(absl::Duration, sequence_ttl, absl::ZeroDuration(),
+          "Lease of a sequence created without its own (CreateSequenceRequest.ttl_ms): released "
+          "after this long without an append, read or attention, and counted in GetStats "
+          "(lifecycle.expired_sequences); later calls on it answer NOT_FOUND, reason EXPIRED. "
+          "0 = no lease (e.g. 10m, 90s)");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file once serving (for tests)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
@@ -79,6 +84,12 @@ ABSL_FLAG(int32_t, transport_idle_timeout_ms, 30000,
           "A UCX push with no progress for this long is rolled back");
 ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
           "UCX keepalive interval: how fast a vanished peer is noticed");
+ABSL_FLAG(absl::Duration, scrub_period, absl::Minutes(5),
+          "One full checksum sweep of every stored page per this period (e.g. 300s, 10m; 0 = no "
+          "scrubber)");
+ABSL_FLAG(uint64_t, scrub_max_bytes_per_second, uint64_t{128} << 20,
+          "Most bytes of pool memory the scrubber reads per second (a sweep that needs more "
+          "takes longer than --scrub_period)");
 ABSL_FLAG(bool, cuda_programmatic_launch, kvpool::cuda::AttentionTuning{}.programmatic_launch,
           "CUDA backend: the attention kernels after the query rotation start while their "
           "predecessor finishes (programmatic dependent launch); false launches them in plain "
@@ -138,6 +149,9 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("--max_attention_batch must be >= 1");
   }
   if (max_append_tokens < 1) return absl::InvalidArgumentError("--max_append_tokens must be >= 1");
+  if (sequence_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--sequence_ttl must be >= 0 (0 = no lease)");
+  }
   if (shutdown_grace_ms < 0) return absl::InvalidArgumentError("--shutdown_grace_ms must be >= 0");
   if (transports != "" && transports != "ucx") {
     return absl::InvalidArgumentError(
@@ -160,6 +174,12 @@ absl::Status ServerConfig::Validate() const {
   }
   if (cuda_tuning.attention.max_history_chunk_tokens < 0) {
     return absl::InvalidArgumentError("--cuda_history_chunk_tokens must be >= 0 (0 = no cap)");
+  }
+  if (scrub_period < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--scrub_period must be >= 0 (0 = no scrubber)");
+  }
+  if (scrub_max_bytes_per_second < 1) {
+    return absl::InvalidArgumentError("--scrub_max_bytes_per_second must be >= 1");
   }
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error"};
   bool level_ok = false;
@@ -286,6 +306,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.max_attention_batch = absl::GetFlag(FLAGS_max_attention_batch);
   c.max_append_tokens = absl::GetFlag(FLAGS_max_append_tokens);
   c.max_connections = absl::GetFlag(FLAGS_max_connections);
+  c.sequence_ttl = absl::GetFlag(FLAGS_sequence_ttl);
   c.port_file = absl::GetFlag(FLAGS_port_file);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
@@ -298,6 +319,8 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);
+  c.scrub_period = absl::GetFlag(FLAGS_scrub_period);
+  c.scrub_max_bytes_per_second = absl::GetFlag(FLAGS_scrub_max_bytes_per_second);
   c.transport_keepalive_ms = absl::GetFlag(FLAGS_transport_keepalive_ms);
   c.cuda_tuning.attention.programmatic_launch = absl::GetFlag(FLAGS_cuda_programmatic_launch);
   c.cuda_tuning.attention.max_history_chunk_tokens = absl::GetFlag(FLAGS_cuda_history_chunk_tokens);

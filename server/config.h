@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "kernels/cuda/kernel_tuning.h"
 
 namespace kvpool::server {
@@ -44,6 +45,9 @@ struct ServerConfig {
   // Most client connections held at once; 0 = as many as the descriptor limit leaves room for
   // (server/connection_listener.h). Connections over the cap are closed at once.
   int max_connections = 0;
+  // Lease of a sequence created without one (CreateSequenceRequest.ttl_ms): released after this
+  // long without an append, read or attention; zero = no lease.
+  absl::Duration sequence_ttl = absl::ZeroDuration();
   std::string port_file;
   std::string log_level = "info";
   int shutdown_grace_ms = 5000;
@@ -61,6 +65,10 @@ struct ServerConfig {
   int transport_idle_timeout_ms = 30000;
   int transport_keepalive_ms = 1000;
   int transport_hello_timeout_ms = 10000;
+  // Integrity (server/scrubber.h): one full checksum sweep of the stored pages per period
+  // (zero: no scrubber), reading pool memory at most this fast.
+  absl::Duration scrub_period = absl::Minutes(5);
+  size_t scrub_max_bytes_per_second = 128u << 20;
   // Kernels of the CUDA backend (--device=cuda:N): the measured defaults with
   // --cuda_programmatic_launch and --cuda_history_chunk_tokens applied.
   cuda::KernelTuning cuda_tuning;

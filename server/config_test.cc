@@ -2,6 +2,7 @@
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 
 ABSL_DECLARE_FLAG(uint64_t, pool_bytes);
@@ -10,6 +11,7 @@ ABSL_DECLARE_FLAG(int32_t, worker_threads);
 ABSL_DECLARE_FLAG(std::string, ucx_listen);
 ABSL_DECLARE_FLAG(bool, cuda_programmatic_launch);
 ABSL_DECLARE_FLAG(int32_t, cuda_history_chunk_tokens);
+ABSL_DECLARE_FLAG(absl::Duration, sequence_ttl);
 
 namespace kvpool::server {
 namespace {
@@ -46,6 +48,20 @@ TEST(ConfigTest, ConfigTextSetsFlagsAndRejectsMistakes) {
   EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
   absl::SetFlag(&FLAGS_listen, "127.0.0.1:50051");
   absl::SetFlag(&FLAGS_worker_threads, 0);
+}
+
+TEST(ConfigTest, SequenceTtlIsADurationZeroMeaningNone) {
+  auto c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sequence_ttl, absl::ZeroDuration());
+  ASSERT_TRUE(ApplyConfigText("sequence_ttl = 90s", "t").ok());
+  c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sequence_ttl, absl::Seconds(90));
+  EXPECT_TRUE(absl::IsInvalidArgument(ApplyConfigText("sequence_ttl = soon", "t")));
+  absl::SetFlag(&FLAGS_sequence_ttl, absl::Seconds(-1));
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  absl::SetFlag(&FLAGS_sequence_ttl, absl::ZeroDuration());
 }
 
 TEST(ConfigTest, HostPortSplitsAndRejectsMalformedAddresses) {

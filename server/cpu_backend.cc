@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "kernels/arrival_encoder.h"
 #include "kernels/attention.h"
+#include "kernels/page_checksum.h"
 #include "server/model_registry.h"
 
 namespace kvpool::server {
@@ -61,6 +62,10 @@ class CpuBackend final : public ComputeBackend {
         KVPOOL_RETURN_IF_ERROR(enc.EncodeIntoBlock(layer, KvTensor::kValue, layout,
                                                    v.subspan(from, len), w.slot, w.block));
       }
+      // Right after the encode, while the block's rows are in cache.
+      if (w.checksum != nullptr) {
+        *w.checksum = PageSlotsChecksum(w.block, PageChecksumGeometry::Of(layout), w.slot, w.count);
+      }
     }
     return absl::OkStatus();
   }
@@ -75,6 +80,22 @@ class CpuBackend final : public ComputeBackend {
         KVPOOL_RETURN_IF_ERROR(
             m.row_codec.EncodeIntoBlock(t, m.block_layout, rows, mv.dst_slot, mv.dst));
       }
+      if (mv.checksum != nullptr) {
+        *mv.checksum = PageSlotsChecksum(mv.dst, PageChecksumGeometry::Of(m.block_layout),
+                                         mv.dst_slot, mv.count);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ChecksumSlots(const Model& m, absl::Span<const SlotRange> ranges,
+                             absl::Span<uint32_t> out) override {
+    if (out.size() != ranges.size()) return absl::InternalError("ChecksumSlots: sizes differ");
+    const PageChecksumGeometry history = PageChecksumGeometry::Of(m.block_layout);
+    const PageChecksumGeometry bf16 = PageChecksumGeometry::Of(m.bf16_layout);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const SlotRange& r = ranges[i];
+      out[i] = PageSlotsChecksum(r.page, r.history ? history : bf16, r.first_slot, r.count);
     }
     return absl::OkStatus();
   }

@@ -22,6 +22,7 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
+#include "kernels/cuda/page_checksum_cuda.h"
 #include "kernels/paged_kv.h"
 #include "server/model_registry.h"
 
@@ -224,7 +225,17 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(m.codec.quant, View(m, /*history=*/true), batch[1],
                                                  from, lane->error_word, lane->stream,
                                                  tuning_.arrival));
+    // Checksums of the slots written, in one more launch on the same stream.
+    std::vector<SlotRange> written;
+    std::vector<uint32_t*> sums;
+    for (const RowMove& mv : moves) {
+      if (mv.checksum == nullptr) continue;
+      written.push_back({mv.dst, mv.dst_slot, mv.count, /*history=*/true});
+      sums.push_back(mv.checksum);
+    }
+    KVPOOL_ASSIGN_OR_RETURN(uint32_t * d_sums, EnqueueChecksums(*lane, m, written));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CopyChecksums(*lane, d_sums, sums));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "demotion"));
     AddTime(*lane, &BackendTimes::arrival_seconds);
     return absl::OkStatus();
@@ -245,6 +256,19 @@ class CudaBackend final : public ComputeBackend {
   absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
                             absl::Span<Bf16> out) override {
     return ReadWords(m, page, /*history=*/false, t, slot, count, out);
+  }
+
+  absl::Status ChecksumSlots(const Model& m, absl::Span<const SlotRange> ranges,
+                             absl::Span<uint32_t> out) override {
+    if (out.size() != ranges.size()) return absl::InternalError("ChecksumSlots: sizes differ");
+    if (ranges.empty()) return absl::OkStatus();
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    KVPOOL_ASSIGN_OR_RETURN(uint32_t * d_sums, EnqueueChecksums(*lane, m, ranges));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(out.data(), d_sums, out.size() * sizeof(uint32_t),
+                                   cudaMemcpyDeviceToHost, lane->stream),
+                   "D2H checksums"));
+    return Finish(*lane, "checksums");
   }
 
   absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
@@ -595,7 +619,17 @@ class CudaBackend final : public ComputeBackend {
     }
     KVPOOL_RETURN_IF_ERROR(
         cuda::QuantizeOnArrivalJobs(jobs, lane->error_word, lane->stream, tuning_.arrival));
+    // Checksums of the slots written, in one more launch on the same stream.
+    std::vector<SlotRange> written;
+    std::vector<uint32_t*> sums;
+    for (const RowWrite& w : writes) {
+      if (w.checksum == nullptr) continue;
+      written.push_back({w.block, w.slot, w.count, w.history});
+      sums.push_back(w.checksum);
+    }
+    KVPOOL_ASSIGN_OR_RETURN(uint32_t * d_sums, EnqueueChecksums(*lane, m, written));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
+    KVPOOL_RETURN_IF_ERROR(CopyChecksums(*lane, d_sums, sums));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
     AddTime(*lane, &BackendTimes::arrival_seconds);
     return absl::OkStatus();
@@ -711,6 +745,48 @@ class CudaBackend final : public ComputeBackend {
       }
     }
     return dst;
+  }
+
+  // Enqueues the checksums of `ranges` (kernels/cuda/page_checksum_cuda.h) on the lane's stream,
+  // after its earlier work; returns the device array they land in (in the lane's table buffer,
+  // valid until the lane's next upload), or nullptr for no ranges.
+  absl::StatusOr<uint32_t*> EnqueueChecksums(Lane& lane, const Model& m,
+                                             absl::Span<const SlotRange> ranges) {
+    if (ranges.empty()) return nullptr;
+    std::vector<cuda::ChecksumRange> host(ranges.size());
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      KVPOOL_ASSIGN_OR_RETURN(host[i].block, BlockId(ranges[i].page));
+      host[i].first_slot = ranges[i].first_slot;
+      host[i].count = ranges[i].count;
+      host[i].history = ranges[i].history ? 1 : 0;
+    }
+    const size_t range_bytes = (host.size() * sizeof(cuda::ChecksumRange) + 15) / 16 * 16;
+    KVPOOL_ASSIGN_OR_RETURN(
+        uint8_t * dev,
+        lane.tables.Reserve(range_bytes + host.size() * sizeof(uint32_t), lane.stream));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(cuda::ChecksumRange),
+                                   cudaMemcpyHostToDevice, lane.stream),
+                   "H2D checksum ranges"));
+    uint32_t* out = reinterpret_cast<uint32_t*>(dev + range_bytes);
+    KVPOOL_RETURN_IF_ERROR(cuda::PageChecksums(
+        arena_.load(), PageChecksumGeometry::Of(m.block_layout),
+        PageChecksumGeometry::Of(m.bf16_layout), reinterpret_cast<const cuda::ChecksumRange*>(dev),
+        static_cast<int>(host.size()), out, lane.stream));
+    return out;
+  }
+
+  // Copies EnqueueChecksums' results to the writers' checksum fields (waits for the stream).
+  absl::Status CopyChecksums(Lane& lane, const uint32_t* d_sums, absl::Span<uint32_t* const> to) {
+    if (to.empty()) return absl::OkStatus();
+    std::vector<uint32_t> host(to.size());
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(host.data(), d_sums, host.size() * sizeof(uint32_t),
+                                   cudaMemcpyDeviceToHost, lane.stream),
+                   "D2H checksums"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane.stream), "D2H checksums"));
+    for (size_t i = 0; i < to.size(); ++i) *to[i] = host[i];
+    return absl::OkStatus();
   }
 
   // Adds the time between the lane's start and stop events (both complete) to `field`.

@@ -19,6 +19,9 @@
 #include "server/server.h"
 #include "server/stats_service.h"
 #include "spdlog/spdlog.h"
+#if defined(KVPOOL_FAULT_INJECTION)
+#include "server/fault_injection/fault_injection_service.h"
+#endif
 
 namespace {
 
@@ -64,7 +67,14 @@ int main(int argc, char** argv) {
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ kvpoold: %v");
   spdlog::set_level(spdlog::level::from_str(config->log_level));
 
+#if defined(KVPOOL_FAULT_INJECTION)
+  // kvpoold-fault-injection only (server/CMakeLists.txt): the test service that damages pages.
+  spdlog::warn("this daemon serves kvpool.testing.FaultInjection: for tests only");
+  absl::StatusOr<std::unique_ptr<KvpoolServer>> server =
+      KvpoolServer::Start(*config, kvpool::server::NewFaultInjectionService);
+#else
   absl::StatusOr<std::unique_ptr<KvpoolServer>> server = KvpoolServer::Start(*config);
+#endif
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().ToString());
     return 1;

@@ -1,6 +1,9 @@
 #include "server/prefix_index.h"
 
 #include <algorithm>
+#include <functional>
+#include <queue>
+#include <tuple>
 
 #include "absl/container/flat_hash_set.h"
 
@@ -131,7 +134,7 @@ bool PrefixIndex::Contains(const PrefixHash& hash) const {
   return entries_.contains(hash);
 }
 
-size_t PrefixIndex::RemoveLocked(const PrefixHash& hash) {
+size_t PrefixIndex::RemoveLocked(const PrefixHash& hash, bool unref) {
   auto it = entries_.find(hash);
   if (it == entries_.end()) return 0;
   Entry& e = it->second;
@@ -140,29 +143,76 @@ size_t PrefixIndex::RemoveLocked(const PrefixHash& hash) {
     if (p != entries_.end()) --p->second.children;
   }
   lru_.erase({e.last_use, hash});
-  const size_t freed = pool_->UnrefAll(e.pages);
+  const size_t freed = unref ? pool_->UnrefAll(e.pages) : 0;
   entries_.erase(it);
   return freed;
+}
+
+bool PrefixIndex::EvictableLocked(const Entry& e) const {
+  for (PageId p : e.pages) {
+    if (pool_->RefCount(p) != 1) return false;
+  }
+  return true;
 }
 
 size_t PrefixIndex::EvictOne() {
   absl::MutexLock lock(&mu_);
   for (const auto& [tick, hash] : lru_) {
     const Entry& e = entries_.at(hash);
-    if (e.children > 0) continue;
-    bool only_index = true;
-    for (PageId p : e.pages) {
-      if (pool_->RefCount(p) != 1) {
-        only_index = false;
-        break;
-      }
-    }
-    if (!only_index) continue;
+    if (e.children > 0 || !EvictableLocked(e)) continue;
     const PrefixHash victim = hash;
     ++evicted_;
     return RemoveLocked(victim);
   }
   return 0;
+}
+
+std::vector<PrefixHash> PrefixIndex::EvictionOrderLocked(const TenantId& tenant) const {
+  // Candidates by (another tenant's, last use): the requester's own units go first.
+  using Rank = std::tuple<bool, uint64_t, PrefixHash>;
+  std::priority_queue<Rank, std::vector<Rank>, std::greater<Rank>> leaves;
+  auto rank = [&](const Entry& e, const PrefixHash& hash) {
+    return Rank{e.tenant != tenant, e.last_use, hash};
+  };
+  for (const auto& [hash, e] : entries_) {
+    if (e.children == 0 && EvictableLocked(e)) leaves.push(rank(e, hash));
+  }
+  absl::flat_hash_map<PrefixHash, int, HashHasher> children_left;
+  std::vector<PrefixHash> order;
+  while (!leaves.empty()) {
+    const PrefixHash hash = std::get<2>(leaves.top());
+    leaves.pop();
+    order.push_back(hash);
+    const Entry& e = entries_.at(hash);
+    if (!e.has_parent) continue;
+    auto parent = entries_.find(e.parent);
+    if (parent == entries_.end()) continue;
+    auto [left, inserted] = children_left.try_emplace(e.parent, parent->second.children);
+    if (--left->second == 0 && EvictableLocked(parent->second)) {
+      leaves.push(rank(parent->second, e.parent));
+    }
+  }
+  return order;
+}
+
+absl::Status PrefixIndex::AllocateEvicting(const TenantId& tenant,
+                                           absl::Span<const PageRequest> requests,
+                                           std::vector<std::vector<PageId>>* out) {
+  // Most appends fit the free pages: no need to rank the cache for them.
+  absl::StatusOr<size_t> fitted = pool_->AllocateReleasing(requests, {}, out);
+  if (fitted.ok() || !absl::IsResourceExhausted(fitted.status())) return fitted.status();
+  absl::MutexLock lock(&mu_);
+  // Under the index lock nobody can take a reference on a unit held only by the index (Match
+  // is the only way to one), so the order stays valid through the pool's decision.
+  const std::vector<PrefixHash> order = EvictionOrderLocked(tenant);
+  std::vector<absl::Span<const PageId>> groups;
+  groups.reserve(order.size());
+  for (const PrefixHash& hash : order) groups.push_back(entries_.at(hash).pages);
+  absl::StatusOr<size_t> released = pool_->AllocateReleasing(requests, groups, out);
+  if (!released.ok()) return released.status();
+  for (size_t i = 0; i < *released; ++i) RemoveLocked(order[i], /*unref=*/false);
+  evicted_ += *released;
+  return absl::OkStatus();
 }
 
 size_t PrefixIndex::DropModel(const TenantId& tenant, const std::string& model_id) {

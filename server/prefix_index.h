@@ -29,6 +29,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kernels/codec_version.h"
@@ -106,6 +107,14 @@ class PrefixIndex {
   // Evicts the least recently used leaf unit whose pages only the index references. Returns
   // the pool bytes freed (0 when nothing is evictable).
   size_t EvictOne();
+  // Allocates `requests` from the pool (BlockPool::AllocateReleasing), evicting cached units
+  // only when that makes the whole allocation fit: the fewest units, taken in eviction order
+  // (leaves whose pages only the index references; `tenant`'s least recently used first, then
+  // other tenants' least recently used). ResourceExhausted when evicting every evictable unit
+  // would not make room: then nothing is evicted and nothing allocated.
+  [[nodiscard]] absl::Status AllocateEvicting(const TenantId& tenant,
+                                              absl::Span<const PageRequest> requests,
+                                              std::vector<std::vector<PageId>>* out);
   // Drops every unit of (tenant, model_id); returns the pool bytes freed.
   size_t DropModel(const TenantId& tenant, const std::string& model_id);
 
@@ -132,7 +141,13 @@ class PrefixIndex {
     }
   };
 
-  size_t RemoveLocked(const PrefixHash& hash) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the unit (and, with `unref`, its page references).
+  size_t RemoveLocked(const PrefixHash& hash, bool unref = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EvictableLocked(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every unit that evictions could remove, in the order they would: a unit becomes a leaf
+  // once its children are gone, so the order is worked out as if evicting one by one.
+  std::vector<PrefixHash> EvictionOrderLocked(const TenantId& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   BlockPool* const pool_;
   mutable absl::Mutex mu_;

@@ -27,6 +27,15 @@ class ErrorReactor final : public OrderedReactor<grpc::ServerWriteReactor<Respon
   }
 };
 
+// Between a read's messages: whether to stop because the caller went away (`write_ok` false:
+// the stream is broken) or its deadline passed; if so, counts the `layers_left` unread layers.
+bool StopIfCancelled(bool write_ok, CallCancellation* cancel, size_t layers_left) {
+  if (!write_ok) cancel->Stop();
+  if (!cancel->Cancelled()) return false;
+  cancel->Skip(layers_left);
+  return true;
+}
+
 std::vector<int> RequestedLayers(const google::protobuf::RepeatedField<int32_t>& layers) {
   return std::vector<int>(layers.begin(), layers.end());
 }
@@ -37,8 +46,12 @@ std::vector<int> RequestedLayers(const google::protobuf::RepeatedField<int32_t>&
 class ReadBlocksReactor final
     : public OrderedReactor<grpc::ServerWriteReactor<v1::ReadBlocksResponse>> {
  public:
-  ReadBlocksReactor(ServiceContext* ctx, std::unique_ptr<SequenceSnapshot> snap)
-      : ctx_(ctx), snap_(std::move(snap)), target_(TargetMessageBytes(*ctx->config)) {
+  ReadBlocksReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
+                    std::unique_ptr<SequenceSnapshot> snap)
+      : ctx_(ctx),
+        cancel_(CancellationOf(call, &ctx->counters.cancellation)),
+        snap_(std::move(snap)),
+        target_(TargetMessageBytes(*ctx->config)) {
     const Model& m = snap_->model();
     v1::ReadBlocksHeader* h = message_.mutable_header();
     h->set_sequence_id(snap_->sequence_id());
@@ -54,7 +67,10 @@ class ReadBlocksReactor final
 
   void OnWriteDone(bool ok) override {
     AcquireFromGrpc(this);
-    if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
+    if (StopIfCancelled(ok, cancel_.get(), snap_->layers().size() - layer_)) {
+      snap_.reset();
+      return Finish(ToGrpcStatus(cancel_->status()));
+    }
     message_.Clear();
     if (!Next()) {
       snap_.reset();
@@ -114,6 +130,9 @@ class ReadBlocksReactor final
             error_ = ctx_->backend->CopyFromPool(data->data(), snap_->HistoryBlock(layer_, b),
                                                  m.block_bytes);
             if (!error_.ok()) return false;
+            // Verified on the copy that leaves: no second read of pool memory.
+            error_ = snap_->CheckHistoryCopy(layer_, b, reinterpret_cast<uint8_t*>(data->data()));
+            if (!error_.ok()) return false;
             const size_t unit = static_cast<size_t>(b + sink_units);
             if (unit < snap_->prefix_chain().size()) {
               block->set_prefix_hash(PrefixHashHex(snap_->prefix_chain()[unit].hash));
@@ -133,6 +152,7 @@ class ReadBlocksReactor final
   }
 
   ServiceContext* const ctx_;
+  const std::shared_ptr<CallCancellation> cancel_;
   std::unique_ptr<SequenceSnapshot> snap_;
   const size_t target_;
   v1::ReadBlocksResponse message_;
@@ -147,9 +167,14 @@ class ReadBlocksReactor final
 
 class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::ReadKvResponse>> {
  public:
-  ReadKvReactor(ServiceContext* ctx, std::unique_ptr<SequenceSnapshot> snap, int start, int count,
-                v1::DType dtype)
-      : ctx_(ctx), snap_(std::move(snap)), start_(start), end_(start + count), dtype_(dtype) {
+  ReadKvReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
+                std::unique_ptr<SequenceSnapshot> snap, int start, int count, v1::DType dtype)
+      : ctx_(ctx),
+        cancel_(CancellationOf(call, &ctx->counters.cancellation)),
+        snap_(std::move(snap)),
+        start_(start),
+        end_(start + count),
+        dtype_(dtype) {
     const Model& m = snap_->model();
     const size_t elem = DTypeSize(dtype_);
     tokens_per_message_ = std::max<int>(
@@ -173,7 +198,11 @@ class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::R
 
   void OnWriteDone(bool ok) override {
     AcquireFromGrpc(this);
-    if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
+    const size_t layers_left = start_ == end_ ? 0 : snap_->layers().size() - layer_;
+    if (StopIfCancelled(ok, cancel_.get(), layers_left)) {
+      snap_.reset();
+      return Finish(ToGrpcStatus(cancel_->status()));
+    }
     if (layer_ >= snap_->layers().size() || start_ == end_) {
       snap_.reset();
       return Finish(grpc::Status::OK);
@@ -233,6 +262,7 @@ class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::R
   }
 
   ServiceContext* const ctx_;
+  const std::shared_ptr<CallCancellation> cancel_;
   std::unique_ptr<SequenceSnapshot> snap_;
   const int start_;
   const int end_;
@@ -250,7 +280,7 @@ grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadServiceImpl::ReadBlocks(
   const std::vector<int> layers = RequestedLayers(request->layers());
   auto snap = ctx_->store->Snapshot(TenantOf(context), request->sequence_id(), layers);
   if (!snap.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(snap.status());
-  return new ReadBlocksReactor(ctx_, *std::move(snap));
+  return new ReadBlocksReactor(ctx_, context, *std::move(snap));
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(
@@ -274,8 +304,8 @@ grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(
         absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", start + count,
                                            ") are outside the sequence's ", total, " tokens")));
   }
-  return new ReadKvReactor(ctx_, *std::move(snap), static_cast<int>(start), static_cast<int>(count),
-                           dtype);
+  return new ReadKvReactor(ctx_, context, *std::move(snap), static_cast<int>(start),
+                           static_cast<int>(count), dtype);
 }
 
 }  // namespace kvpool::server

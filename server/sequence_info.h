@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <string>
 
+#include "absl/time/time.h"
 #include "server/tenant.h"
 
 namespace kvpool::server {
@@ -28,6 +29,9 @@ struct SequenceInfo {
   size_t pool_bytes = 0;
   size_t shared_bytes = 0;
   size_t bf16_equivalent_bytes = 0;
+  // Lease (zero: none) and time since the last append, read or attention.
+  absl::Duration ttl = absl::ZeroDuration();
+  absl::Duration idle = absl::ZeroDuration();
   int total() const { return sink + history + recent; }
 };
 

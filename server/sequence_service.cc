@@ -79,7 +79,8 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::CreateSequence(
     const std::vector<uint32_t> ids(request->prefix_token_ids().begin(),
                                     request->prefix_token_ids().end());
     KVPOOL_ASSIGN_OR_RETURN(auto created,
-                            ctx_->store->Create(tenant, model, request->sequence_id(), ids));
+                            ctx_->store->Create(tenant, model, request->sequence_id(), ids,
+                                                absl::Milliseconds(request->ttl_ms())));
     FillSequenceInfo(created.first, response->mutable_sequence());
     response->set_reused_tokens(created.first.reused_tokens);
     for (const PrefixUnitKey& k : created.second) FillPrefixUnit(k, response->add_reused_units());

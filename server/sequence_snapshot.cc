@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "common/status_macros.h"
+#include "kernels/page_checksum.h"
+#include "server/internal/sequence.h"
 
 namespace kvpool::server {
 
@@ -24,6 +26,54 @@ const uint8_t* SequenceSnapshot::HistoryBlock(size_t i, size_t b) const {
   return history_pool_.Block(layers_.at(i).history.at(b));
 }
 
+absl::Status SequenceSnapshot::MarkCorrupt() const {
+  if (!seq_->corrupt.exchange(true)) counters_->corrupt_sequences.fetch_add(1);
+  return CorruptSequenceError(id_);
+}
+
+absl::Status SequenceSnapshot::VerifyTokens(ComputeBackend* backend, size_t i, int start,
+                                            int count) const {
+  const Layer& l = layers_.at(i);
+  const int bt = model_->block_tokens();
+  const int end = start + count;
+  std::vector<PageToVerify> pages;
+  // Pages of a tier holding positions [tier_begin, tier_end) of the sequence from slot `base`.
+  auto add = [&](const std::vector<int32_t>& tier, bool history, int tier_begin, int tier_end,
+                 int base) {
+    const int a = std::max(start, tier_begin);
+    const int b = std::min(end, tier_end);
+    if (a >= b) return;
+    for (int p = (base + a - tier_begin) / bt; p <= (base + b - 1 - tier_begin) / bt; ++p) {
+      pages.push_back({pool_->PageOfBlock(tier.at(p)), history});
+    }
+  };
+  add(l.sink, false, 0, sink_, 0);
+  add(l.history, true, sink_, sink_ + history_, 0);
+  add(l.recent, false, sink_ + history_, total(), recent_head_);
+  if (seq_->corrupt.load()) return CorruptSequenceError(id_);
+  const absl::Status s = VerifyPages(backend, *pool_, *model_, pages);
+  if (absl::IsDataLoss(s)) return MarkCorrupt();
+  return s;
+}
+
+absl::Status SequenceSnapshot::CheckHistoryCopy(size_t i, size_t b, const uint8_t* copy) const {
+  const PageChecksum c = pool_->Checksum(pool_->PageOfBlock(layers_.at(i).history.at(b)));
+  if (c.empty()) return absl::OkStatus();
+  const uint32_t sum = PageSlotsChecksum(copy, PageChecksumGeometry::Of(model_->block_layout),
+                                         static_cast<int>(c.first), c.count());
+  return sum == c.sum ? absl::OkStatus() : MarkCorrupt();
+}
+
+std::vector<PageToVerify> SequenceSnapshot::AllPages() const {
+  std::vector<PageToVerify> pages;
+  for (const Layer& l : layers_) {
+    for (int32_t b : l.sink) pages.push_back({pool_->PageOfBlock(b), false});
+    for (int32_t b : l.history) pages.push_back({pool_->PageOfBlock(b), true});
+    for (int32_t b : l.recent) pages.push_back({pool_->PageOfBlock(b), false});
+  }
+  return pages;
+}
+
 absl::Status SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier,
                                             int start, int count, absl::Span<Bf16> k,
                                             absl::Span<Bf16> v) const {
@@ -32,6 +82,8 @@ absl::Status SequenceSnapshot::CopyBf16Rows(ComputeBackend* backend, size_t i, b
   const size_t row = model_->row_values();
   const int base = recent_tier ? recent_head_ : 0;
   const std::vector<int32_t>& pages = recent_tier ? l.recent : l.sink;
+  KVPOOL_RETURN_IF_ERROR(
+      VerifyTokens(backend, i, (recent_tier ? sink_ + history_ : 0) + start, count));
   for (int done = 0; done < count;) {
     const int slot = base + start + done;
     const int in_page = slot % bt;
@@ -55,6 +107,7 @@ absl::Status SequenceSnapshot::ReadRotated(ComputeBackend* backend, size_t i, in
   const int bt = m.block_tokens();
   const size_t row = m.row_values();
   const int end = start + count;
+  KVPOOL_RETURN_IF_ERROR(VerifyTokens(backend, i, start, count));
   // Tier by tier: [first, last) of the sequence's positions in `pages`, whose position 0 is
   // at `base` of the page list.
   auto read = [&](const std::vector<int32_t>& pages, bool history, int tier_begin, int tier_end,

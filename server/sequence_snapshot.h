@@ -26,9 +26,14 @@
 #include "server/backend.h"
 #include "server/block_pool.h"
 #include "server/model_registry.h"
+#include "server/page_verifier.h"
 #include "server/prefix_index.h"
 
 namespace kvpool::server {
+
+namespace internal {
+class Sequence;
+}  // namespace internal
 
 // A consistent, reference-holding view of some layers of a sequence.
 class SequenceSnapshot {
@@ -63,16 +68,30 @@ class SequenceSnapshot {
   // layers()[i] as one sequence of a paged KV batch, attended by `rows` query rows.
   PagedKvTables::Sequence KvSequence(size_t i, int rows = 1) const;
   // Rotated K and V of tokens [start, start + count) of layers()[i], as fp32
-  // [count][kv_heads][head_dim] each (sink and recent exact, history dequantized).
+  // [count][kv_heads][head_dim] each (sink and recent exact, history dequantized). The pages
+  // read are verified first (VerifyTokens).
   [[nodiscard]] absl::Status ReadRotated(ComputeBackend* backend, size_t i, int start, int count,
                                          absl::Span<float> k, absl::Span<float> v) const;
   // BF16 rows of the sink (tier 0) or recent (tier 1) tokens [start, start + count) relative
-  // to the tier, of layers()[i], copied into [count][kv_heads][head_dim] buffers.
+  // to the tier, of layers()[i], copied into [count][kv_heads][head_dim] buffers, after
+  // verifying the pages read.
   [[nodiscard]] absl::Status CopyBf16Rows(ComputeBackend* backend, size_t i, bool recent_tier,
                                           int start, int count, absl::Span<Bf16> k,
                                           absl::Span<Bf16> v) const;
   // Bytes of history block `b` of layers()[i].
   const uint8_t* HistoryBlock(size_t i, size_t b) const;
+
+  // Integrity (page_verifier.h). Each check that fails marks the sequence corrupt and returns
+  // its DATA_LOSS error.
+  // Verifies every page holding tokens [start, start + count) of layers()[i].
+  [[nodiscard]] absl::Status VerifyTokens(ComputeBackend* backend, size_t i, int start,
+                                          int count) const;
+  // Checks a host copy of history block `b` of layers()[i] (ReadBlocks sends that copy).
+  [[nodiscard]] absl::Status CheckHistoryCopy(size_t i, size_t b, const uint8_t* copy) const;
+  // Every page of every layer of the snapshot, for the scrubber.
+  std::vector<PageToVerify> AllPages() const;
+  // Marks the sequence corrupt (counted once) and returns its error.
+  absl::Status MarkCorrupt() const;
 
  private:
   friend class SequenceStore;
@@ -81,6 +100,8 @@ class SequenceSnapshot {
   BlockPool* pool_ = nullptr;
   PagedKvView history_pool_;
   PagedKvView bf16_pool_;
+  std::shared_ptr<internal::Sequence> seq_;
+  std::shared_ptr<IntegrityCounters> counters_;
   std::shared_ptr<const Model> model_;
   std::string id_;
   int sink_ = 0;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
+#include "proto/status.h"
 #include "server/internal/sequence.h"
 
 namespace kvpool::server {
@@ -13,13 +14,24 @@ namespace {
 
 int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
+absl::Status ExpiredError(const std::string& id) {
+  return WithReason(absl::NotFoundError(absl::StrCat("sequence ", Quote(id),
+                                                     " expired: its lease ran out without use")),
+                    ErrorReason::kExpired);
+}
+
 }  // namespace
 
 using internal::LayerPages;
 using internal::Sequence;
 
-SequenceStore::SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend)
-    : pool_(pool), index_(index), backend_(backend), demotions_(backend) {}
+SequenceStore::SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend,
+                             absl::Duration default_ttl)
+    : pool_(pool),
+      index_(index),
+      backend_(backend),
+      demotions_(backend),
+      default_ttl_(default_ttl) {}
 
 SequenceStore::~SequenceStore() {
   absl::MutexLock lock(&mu_);
@@ -48,18 +60,25 @@ std::shared_ptr<Sequence> SequenceStore::Find(const TenantId& tenant, const std:
   return it == sequences_.end() ? nullptr : it->second;
 }
 
-absl::Status SequenceStore::AllocatePages(PageClassId cls, size_t count, std::vector<PageId>* out) {
-  for (;;) {
-    absl::Status s = pool_->Allocate(cls, count, out);
-    if (s.ok() || !absl::IsResourceExhausted(s)) return s;
-    if (index_->EvictOne() == 0) return s;
+absl::Status SequenceStore::Missing(const TenantId& tenant, const std::string& id) const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (expired_ids_.count(std::make_pair(tenant, id)) > 0) return ExpiredError(id);
   }
+  return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+}
+
+absl::Status SequenceStore::AllocatePages(const TenantId& tenant,
+                                          absl::Span<const PageRequest> requests,
+                                          std::vector<std::vector<PageId>>* out) {
+  return index_->AllocateEvicting(tenant, requests, out);
 }
 
 absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStore::Create(
     const TenantId& tenant, std::shared_ptr<const Model> model, std::string id,
-    absl::Span<const uint32_t> prefix_token_ids) {
+    absl::Span<const uint32_t> prefix_token_ids, absl::Duration ttl) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
+  if (ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("a lease cannot be negative");
   if (!id.empty()) KVPOOL_RETURN_IF_ERROR(ValidateId("sequence_id", id));
   auto reserve_id = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     if (id.empty()) {
@@ -76,6 +95,8 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
     KVPOOL_RETURN_IF_ERROR(reserve_id());
   }
   auto seq = std::make_shared<Sequence>(tenant, id, model);
+  seq->ttl = ttl > absl::ZeroDuration() ? ttl : default_ttl_;
+  seq->Touch();
   std::vector<PrefixUnitKey> attached;
   std::vector<PageId> attached_pages;  // references taken by Match, now the sequence's
   if (!prefix_token_ids.empty()) {
@@ -118,6 +139,12 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
     return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
   }
   sequences_.emplace(std::make_pair(tenant, id), seq);
+  if (seq->ttl > absl::ZeroDuration()) ++leased_count_;
+  // The id names a live sequence again: NotFound for it no longer means it expired.
+  if (expired_ids_.erase(std::make_pair(tenant, id)) > 0) {
+    expired_order_.erase(
+        std::find(expired_order_.begin(), expired_order_.end(), std::make_pair(tenant, id)));
+  }
   absl::MutexLock seq_lock(&seq->mu);
   return std::make_pair(seq->InfoLocked(*pool_), std::move(attached));
 }
@@ -126,7 +153,8 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
                                                                       const std::string& id,
                                                                       AppendSpec spec) {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+  if (seq == nullptr) return Missing(tenant, id);
+  seq->Touch();
   const Model& m = *seq->model;
   if (spec.num_tokens < 1) {
     return absl::InvalidArgumentError(
@@ -136,6 +164,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
     return absl::InvalidArgumentError(absl::StrCat("token_ids has ", spec.token_ids.size(),
                                                    " entries for ", spec.num_tokens, " tokens"));
   }
+  if (seq->corrupt.load()) return CorruptSequenceError(id);
   const int bt = m.block_tokens();
   auto txn = std::unique_ptr<AppendTxn>(new AppendTxn());
   txn->pool_ = pool_;
@@ -148,7 +177,10 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   int new_sink = 0, new_history = 0, new_recent = 0;
   {
     absl::MutexLock lock(&seq->mu);
-    if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+    if (seq->released) {
+      return seq->expired ? ExpiredError(id)
+                          : absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+    }
     if (seq->state == SequenceState::kSealed) {
       return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(id), " is sealed"));
     }
@@ -233,13 +265,12 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   }
   // Reserve every page up front: a full pool fails now, before the client streams anything.
   const size_t layers = m.num_layers;
-  std::vector<PageId> bf16_pages, blocks;
-  KVPOOL_RETURN_IF_ERROR(AllocatePages(m.block_class, layers * new_history, &blocks));
-  if (absl::Status s = AllocatePages(m.bf16_class, layers * (new_sink + new_recent), &bf16_pages);
-      !s.ok()) {
-    pool_->UnrefAll(blocks);
-    return s;
-  }
+  const PageRequest requests[2] = {{m.block_class, layers * new_history},
+                                   {m.bf16_class, layers * (new_sink + new_recent)}};
+  std::vector<std::vector<PageId>> allocated;
+  KVPOOL_RETURN_IF_ERROR(AllocatePages(tenant, requests, &allocated));
+  const std::vector<PageId>& blocks = allocated[0];
+  const std::vector<PageId>& bf16_pages = allocated[1];
   size_t bi = 0, hi = 0;
   for (size_t layer = 0; layer < layers; ++layer) {
     AppendTxn::LayerState& l = txn->layers_[layer];
@@ -264,6 +295,7 @@ void SequenceStore::Abort(AppendTxn* txn) {
 absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> txn) {
   KVPOOL_RETURN_IF_ERROR(txn->CheckComplete());
   Sequence& seq = *txn->seq_;
+  seq.Touch();
   const Model& m = *seq.model;
   const int bt = m.block_tokens();
   AppendResult result;
@@ -271,8 +303,9 @@ absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> tx
   {
     absl::MutexLock lock(&seq.mu);
     if (seq.released) {
-      return absl::NotFoundError(
-          absl::StrCat("sequence ", Quote(seq.id), " was released during the append"));
+      return seq.expired ? ExpiredError(seq.id)
+                         : absl::NotFoundError(absl::StrCat("sequence ", Quote(seq.id),
+                                                            " was released during the append"));
     }
     for (size_t layer = 0; layer < seq.layers.size(); ++layer) {
       LayerPages& pages = seq.layers[layer];
@@ -324,6 +357,7 @@ absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> tx
         seq.chain.push_back(key);
       }
     }
+    txn->PublishChecksums();  // with the state, under the sequence's lock
     seq.append_active = false;
     result.info = seq.InfoLocked(*pool_);
   }
@@ -338,7 +372,8 @@ absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> tx
 
 absl::StatusOr<SequenceInfo> SequenceStore::Seal(const TenantId& tenant, const std::string& id) {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+  if (seq == nullptr) return Missing(tenant, id);
+  seq->Touch();
   absl::MutexLock lock(&seq->mu);
   if (seq->append_active) {
     return absl::AbortedError(absl::StrCat("an append to sequence ", Quote(id), " is in progress"));
@@ -348,14 +383,19 @@ absl::StatusOr<SequenceInfo> SequenceStore::Seal(const TenantId& tenant, const s
 }
 
 absl::StatusOr<size_t> SequenceStore::Release(const TenantId& tenant, const std::string& id) {
-  std::shared_ptr<Sequence> seq;
   {
     absl::MutexLock lock(&mu_);
     auto it = sequences_.find(std::make_pair(tenant, id));
-    if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
-    seq = std::move(it->second);
-    sequences_.erase(it);
+    if (it != sequences_.end()) return ReleaseLocked(it);
   }
+  return Missing(tenant, id);
+}
+
+size_t SequenceStore::ReleaseLocked(
+    std::map<std::pair<TenantId, std::string>, std::shared_ptr<Sequence>>::iterator it) {
+  std::shared_ptr<Sequence> seq = std::move(it->second);
+  sequences_.erase(it);
+  if (seq->ttl > absl::ZeroDuration()) --leased_count_;
   std::vector<PageId> pages;
   {
     absl::MutexLock lock(&seq->mu);
@@ -364,6 +404,39 @@ absl::StatusOr<size_t> SequenceStore::Release(const TenantId& tenant, const std:
     seq->layers.assign(seq->layers.size(), LayerPages{});
   }
   return pool_->UnrefAll(pages);
+}
+
+size_t SequenceStore::ReleaseExpired(absl::Time now) {
+  if (leased_count_.load() == 0) return 0;
+  size_t released = 0;
+  absl::MutexLock lock(&mu_);
+  for (auto it = sequences_.begin(); it != sequences_.end();) {
+    Sequence& seq = *it->second;
+    if (!seq.ExpiredAt(now)) {
+      ++it;
+      continue;
+    }
+    {
+      absl::MutexLock seq_lock(&seq.mu);
+      // An append in progress is use: its commit renews the lease (an idle stream is the
+      // ingest engine's to time out).
+      if (seq.append_active) {
+        ++it;
+        continue;
+      }
+      seq.expired = true;
+    }
+    const std::pair<TenantId, std::string> key = it->first;
+    ReleaseLocked(it++);
+    if (expired_ids_.insert(key).second) expired_order_.push_back(key);
+    while (expired_order_.size() > kExpiredIdsRemembered) {
+      expired_ids_.erase(expired_order_.front());
+      expired_order_.pop_front();
+    }
+    ++released;
+  }
+  expired_count_ += released;
+  return released;
 }
 
 std::pair<size_t, size_t> SequenceStore::ReleaseModel(const TenantId& tenant,
@@ -389,7 +462,7 @@ std::pair<size_t, size_t> SequenceStore::ReleaseModel(const TenantId& tenant,
 absl::StatusOr<SequenceInfo> SequenceStore::Describe(const TenantId& tenant,
                                                      const std::string& id) const {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+  if (seq == nullptr) return Missing(tenant, id);
   absl::MutexLock lock(&seq->mu);
   return seq->InfoLocked(*pool_);
 }
@@ -397,7 +470,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Describe(const TenantId& tenant,
 absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
     const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+  if (seq == nullptr) return Missing(tenant, id);
+  seq->Touch();  // reads and attention renew the lease
   const Model& m = *seq->model;
   for (int layer : layers) {
     if (layer < 0 || layer >= m.num_layers) {
@@ -405,11 +479,17 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
           absl::StrCat("layer ", layer, " out of range [0, ", m.num_layers, ")"));
     }
   }
+  if (seq->corrupt.load()) return CorruptSequenceError(id);
   auto snap = std::unique_ptr<SequenceSnapshot>(new SequenceSnapshot());
+  snap->seq_ = seq;
+  snap->counters_ = integrity_;
   snap->model_ = seq->model;
   snap->id_ = seq->id;
   absl::MutexLock lock(&seq->mu);
-  if (seq->released) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+  if (seq->released) {
+    return seq->expired ? ExpiredError(id)
+                        : absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+  }
   snap->sink_ = seq->layout.sink();
   snap->history_ = seq->layout.history();
   snap->recent_ = seq->layout.recent();
@@ -449,6 +529,14 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->history_pool_ = pool_->View(m.block_layout, m.codec.quant.scale_dtype);
   snap->bf16_pool_ = pool_->View(m.bf16_layout, m.codec.quant.scale_dtype);
   return snap;
+}
+
+std::vector<std::pair<TenantId, std::string>> SequenceStore::Keys() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<TenantId, std::string>> keys;
+  keys.reserve(sequences_.size());
+  for (const auto& entry : sequences_) keys.push_back(entry.first);
+  return keys;
 }
 
 std::vector<SequenceInfo> SequenceStore::List(const TenantId& tenant) const {

@@ -18,10 +18,13 @@
 // transaction may be staged concurrently, one layer's chunks in order.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,12 +33,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "server/append_txn.h"
 #include "server/backend.h"
 #include "server/block_pool.h"
 #include "server/demotion_batcher.h"
 #include "server/model_registry.h"
+#include "server/page_verifier.h"
 #include "server/prefix_index.h"
 #include "server/sequence_info.h"
 #include "server/sequence_snapshot.h"
@@ -58,19 +63,23 @@ struct StoreTotals {
 
 class SequenceStore {
  public:
-  // All pointers outlive the store.
-  SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend);
+  // All pointers outlive the store. `default_ttl`: the lease of a sequence created without one
+  // (zero: none).
+  SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend,
+                absl::Duration default_ttl = absl::ZeroDuration());
   ~SequenceStore();  // releases every sequence
 
   // Creates an empty sequence (a fresh id when `id` is empty), or one starting from the
-  // longest cached prefix of `prefix_token_ids`. InvalidArgument, AlreadyExists.
+  // longest cached prefix of `prefix_token_ids`, with a lease of `ttl` (zero: the store's
+  // default). InvalidArgument, AlreadyExists.
   [[nodiscard]] absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> Create(
       const TenantId& tenant, std::shared_ptr<const Model> model, std::string id,
-      absl::Span<const uint32_t> prefix_token_ids);
+      absl::Span<const uint32_t> prefix_token_ids, absl::Duration ttl = absl::ZeroDuration());
 
   // Starts an append. NotFound, FailedPrecondition (sealed, wrong phase, token_start not the
   // length), InvalidArgument (counts, token ids), Aborted (another append in progress),
-  // ResourceExhausted (pool, after evicting what the prefix cache can give up).
+  // ResourceExhausted (the pool, even after evicting every evictable cached unit; then nothing
+  // was evicted).
   [[nodiscard]] absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(const TenantId& tenant,
                                                                        const std::string& id,
                                                                        AppendSpec spec);
@@ -86,32 +95,67 @@ class SequenceStore {
   [[nodiscard]] absl::StatusOr<SequenceInfo> Describe(const TenantId& tenant,
                                                       const std::string& id) const;
   // A snapshot of `layers` (all when empty; repeats merged, first occurrence kept). NotFound,
-  // InvalidArgument (layer range).
+  // InvalidArgument (layer range), DataLoss (reason CORRUPT: the sequence failed a checksum;
+  // BeginAppend answers the same).
   [[nodiscard]] absl::StatusOr<std::unique_ptr<SequenceSnapshot>> Snapshot(
       const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const;
 
   std::vector<SequenceInfo> List(const TenantId& tenant) const;
+  // (tenant, id) of every live sequence, for the scrubber.
+  std::vector<std::pair<TenantId, std::string>> Keys() const;
+  // Integrity counters (page_verifier.h), shared with the snapshots and the scrubber.
+  IntegrityCounters& integrity() const { return *integrity_; }
+
+  // Leases. Every sequence with a lease, unused (no append, read or attention; an append in
+  // progress counts as use) for its lease at `now`, is released as by Release; later calls on it
+  // answer NotFound with reason EXPIRED (proto/status.h) until its id is created again (the last
+  // kExpiredIdsRemembered ids are remembered). Returns how many were released.
+  size_t ReleaseExpired(absl::Time now);
+  // Sequences released by ReleaseExpired since start.
+  uint64_t expired_sequences() const { return expired_count_.load(); }
+  // Sequences that have a lease now (none: ReleaseExpired has nothing to look at).
+  size_t leased_sequences() const { return leased_count_.load(); }
+  absl::Duration default_ttl() const { return default_ttl_; }
+  static constexpr size_t kExpiredIdsRemembered = 4096;
   // Totals per model id (of every tenant when `tenant` is null).
   std::map<std::string, StoreTotals> TotalsByModel(const TenantId& tenant) const;
   size_t size() const;
 
-  // Allocates pages, evicting cached prefix units while the pool is full.
-  [[nodiscard]] absl::Status AllocatePages(PageClassId cls, size_t count, std::vector<PageId>* out);
+  // Allocates pages of several classes for `tenant` (all or nothing), evicting cached prefix
+  // units only when that makes the allocation fit, `tenant`'s least recently used first
+  // (PrefixIndex::AllocateEvicting). ResourceExhausted leaves the pool and the cache unchanged.
+  [[nodiscard]] absl::Status AllocatePages(const TenantId& tenant,
+                                           absl::Span<const PageRequest> requests,
+                                           std::vector<std::vector<PageId>>* out);
   static PrefixContext ContextOf(const Model& model);
 
  private:
   friend class AppendTxn;
   std::shared_ptr<internal::Sequence> Find(const TenantId& tenant, const std::string& id) const;
+  // NotFound for a sequence the caller names and the store does not have: with reason EXPIRED
+  // when its lease ran out.
+  absl::Status Missing(const TenantId& tenant, const std::string& id) const;
+  // Drops `seq` from the map (it must be there) and frees its pages; under mu_.
+  size_t ReleaseLocked(
+      std::map<std::pair<TenantId, std::string>, std::shared_ptr<internal::Sequence>>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Abort(AppendTxn* txn);
 
   BlockPool* const pool_;
   PrefixIndex* const index_;
   ComputeBackend* const backend_;
+  const std::shared_ptr<IntegrityCounters> integrity_ = std::make_shared<IntegrityCounters>();
   DemotionBatcher demotions_;  // concurrent appends' demotions share backend calls
   mutable absl::Mutex mu_;
   std::map<std::pair<TenantId, std::string>, std::shared_ptr<internal::Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_auto_id_ ABSL_GUARDED_BY(mu_) = 1;
+  const absl::Duration default_ttl_;
+  // Ids whose lease ran out, oldest first (at most kExpiredIdsRemembered).
+  std::set<std::pair<TenantId, std::string>> expired_ids_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<TenantId, std::string>> expired_order_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> expired_count_{0};
+  std::atomic<size_t> leased_count_{0};
 };
 
 }  // namespace kvpool::server

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "proto/status.h"
 #include "server/server_test_util.h"
 
 namespace kvpool::server {
@@ -440,6 +441,51 @@ TEST(SequenceStoreTest, EvictsCachedUnitsWhenThePoolIsFull) {
   EXPECT_GT(core.index->Stats().evicted_units, 0u);
   ASSERT_TRUE(core.store->Release(kDefaultTenant, "big").ok());
   EXPECT_EQ(core.pool->used_bytes(), core.index->Stats().bytes);
+}
+
+TEST(SequenceStoreTest, LeasesRunOutWithoutUseAndAnswerExpired) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
+  SequenceStore store(core.pool.get(), core.index.get(), core.backend.get(),
+                      /*default_ttl=*/absl::Minutes(10));
+  ASSERT_TRUE(store.Create(kDefaultTenant, m, "default", {}).ok());
+  ASSERT_TRUE(store.Create(kDefaultTenant, m, "own", {}, absl::Minutes(1)).ok());
+  ASSERT_TRUE(AppendAll(store, *m, "default", 0, 40, AppendKind::kFinalPrefill, 1).ok());
+  EXPECT_EQ(store.leased_sequences(), 2u);
+  EXPECT_EQ(store.Describe(kDefaultTenant, "own")->ttl, absl::Minutes(1));
+  EXPECT_GT(core.pool->used_bytes(), 0u);
+
+  // Nothing expires before its lease; "own" after its minute, "default" after ten.
+  const absl::Time now = absl::Now();
+  EXPECT_EQ(store.ReleaseExpired(now + absl::Seconds(50)), 0u);
+  EXPECT_EQ(store.ReleaseExpired(now + absl::Minutes(2)), 1u);
+  absl::StatusOr<SequenceInfo> own = store.Describe(kDefaultTenant, "own");
+  EXPECT_TRUE(absl::IsNotFound(own.status())) << own.status();
+  EXPECT_EQ(ReasonOf(own.status()), ErrorReason::kExpired);
+  EXPECT_EQ(ReasonOf(store.Snapshot(kDefaultTenant, "own", {}).status()), ErrorReason::kExpired);
+  EXPECT_EQ(ReasonOf(store.Release(kDefaultTenant, "own").status()), ErrorReason::kExpired);
+  EXPECT_EQ(ReasonOf(AppendAll(store, *m, "own", 0, 1, AppendKind::kPrefill, 1)),
+            ErrorReason::kExpired);
+  // A name never seen is plain NotFound.
+  EXPECT_FALSE(ReasonOf(store.Describe(kDefaultTenant, "never").status()).has_value());
+
+  // An append in progress holds the lease.
+  absl::StatusOr<std::unique_ptr<AppendTxn>> txn =
+      store.BeginAppend(kDefaultTenant, "default", AppendSpec{40, 1, AppendKind::kDecode, {}});
+  ASSERT_TRUE(txn.ok()) << txn.status();
+  EXPECT_EQ(store.ReleaseExpired(now + absl::Minutes(20)), 0u);
+  txn->reset();  // rolled back
+  EXPECT_EQ(store.ReleaseExpired(now + absl::Minutes(20)), 1u);
+  EXPECT_EQ(store.expired_sequences(), 2u);
+  EXPECT_EQ(store.leased_sequences(), 0u);
+  EXPECT_EQ(store.size(), 0u);
+  EXPECT_EQ(core.pool->used_bytes(), core.index->Stats().bytes);
+
+  // The id can be created again, and is then an ordinary live sequence.
+  ASSERT_TRUE(store.Create(kDefaultTenant, m, "own", {}).ok());
+  EXPECT_TRUE(store.Describe(kDefaultTenant, "own").ok());
+  ASSERT_TRUE(store.Release(kDefaultTenant, "own").ok());
+  EXPECT_FALSE(ReasonOf(store.Describe(kDefaultTenant, "own").status()).has_value());
 }
 
 TEST(SequenceStoreTest, ConcurrentAppendsKeepExactAccounting) {

@@ -55,7 +55,8 @@ void SetHealth(grpc::Server* server, bool serving) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerConfig& config) {
+absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
+    const ServerConfig& config, const ServiceFactory& extra_service) {
   KVPOOL_RETURN_IF_ERROR(config.Validate());
   TuneMalloc(config.malloc_retain_bytes);
   auto s = std::unique_ptr<KvpoolServer>(new KvpoolServer());
@@ -72,7 +73,9 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));
   s->index_ = std::make_unique<PrefixIndex>(s->pool_.get());
   s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get());
-  s->store_ = std::make_unique<SequenceStore>(s->pool_.get(), s->index_.get(), s->backend_.get());
+  s->store_ = std::make_unique<SequenceStore>(s->pool_.get(), s->index_.get(), s->backend_.get(),
+                                              config.sequence_ttl);
+  s->reaper_ = std::make_unique<SequenceReaper>(s->store_.get(), SequenceReaper::kCheckPeriod);
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
@@ -151,11 +154,19 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(const ServerCo
   builder.RegisterService(s->attention_service_.get());
   builder.RegisterService(s->stats_service_.get());
   builder.RegisterService(s->transport_service_.get());
+  if (extra_service != nullptr) {
+    s->extra_service_ = extra_service(&ctx);
+    builder.RegisterService(s->extra_service_.get());
+  }
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot serve on ", config.listen));
   }
   s->listener_->Start(s->acceptor_.get(), max_connections);
+  s->scrubber_ = std::make_unique<Scrubber>(
+      s->store_.get(), s->backend_.get(), s->pool_.get(),
+      ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second});
+  s->scrubber_->Start();
   spdlog::info("serving on port {}, at most {} connections", s->port_, max_connections);
   SetHealth(s->server_.get(), true);
   return s;
@@ -174,6 +185,7 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
   }
   SetHealth(server_.get(), false);
   listener_->Stop();
+  scrubber_->Stop();
   for (const auto& t : transports_) t->Shutdown();  // rolls back open pushes
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   workers_->Shutdown();

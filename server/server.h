@@ -14,6 +14,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -21,6 +22,8 @@
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "server/config.h"
+#include "server/scrubber.h"
+#include "server/sequence_reaper.h"
 #include "server/service_context.h"
 
 namespace kvpool::server {
@@ -38,7 +41,10 @@ class KvpoolServer {
  public:
   // Builds everything and starts listening. InvalidArgument (config), Unavailable (cannot bind
   // the address), ResourceExhausted (pool memory).
-  static absl::StatusOr<std::unique_ptr<KvpoolServer>> Start(const ServerConfig& config);
+  // `extra_service`, when set, builds one more service to register (a test daemon's).
+  using ServiceFactory = std::function<std::unique_ptr<grpc::Service>(ServiceContext*)>;
+  static absl::StatusOr<std::unique_ptr<KvpoolServer>> Start(
+      const ServerConfig& config, const ServiceFactory& extra_service = nullptr);
   ~KvpoolServer();
 
   KvpoolServer(const KvpoolServer&) = delete;
@@ -68,9 +74,11 @@ class KvpoolServer {
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<ModelRegistry> registry_;
   std::unique_ptr<SequenceStore> store_;
+  std::unique_ptr<SequenceReaper> reaper_;  // releases the store's expired leases
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
   std::unique_ptr<IngestEngine> ingest_;
+  std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;
   std::unique_ptr<ModelServiceImpl> model_service_;
@@ -79,6 +87,7 @@ class KvpoolServer {
   std::unique_ptr<AttentionServiceImpl> attention_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
   std::unique_ptr<TransportServiceImpl> transport_service_;
+  std::unique_ptr<grpc::Service> extra_service_;
   std::unique_ptr<ConnectionListener> listener_;  // accepts connections for server_
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;

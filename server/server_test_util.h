@@ -68,6 +68,10 @@ class ForwardingBackend : public ComputeBackend {
                             absl::Span<Bf16> out) override {
     return inner_->ReadBf16Rows(m, page, t, slot, count, out);
   }
+  absl::Status ChecksumSlots(const Model& m, absl::Span<const SlotRange> ranges,
+                             absl::Span<uint32_t> out) override {
+    return inner_->ChecksumSlots(m, ranges, out);
+  }
   absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
     return inner_->CopyFromPool(dst, src, bytes);
   }

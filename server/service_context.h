@@ -12,14 +12,16 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "proto/status.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/status.h"
 #include "server/attention_engine.h"
 #include "server/backend.h"
 #include "server/block_pool.h"
+#include "server/call_cancellation.h"
 #include "server/config.h"
 #include "server/model_registry.h"
 #include "server/prefix_index.h"
@@ -37,6 +39,8 @@ class ConnectionListener;  // server/connection_listener.h
 struct ServiceCounters {
   std::atomic<uint64_t> attention_calls{0};
   std::atomic<uint64_t> attention_sequences{0};
+  // Attend, ReadKv and ReadBlocks calls stopped because their caller went away.
+  CancellationCounters cancellation;
 };
 
 struct ServiceContext {
@@ -58,6 +62,15 @@ struct ServiceContext {
   ServiceCounters counters;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
+
+// The cancellation of a call served with `context` (the caller cancelling, or its deadline),
+// counted in `counters`. Valid until the call is finished.
+inline std::shared_ptr<CallCancellation> CancellationOf(grpc::CallbackServerContext* context,
+                                                        CancellationCounters* counters) {
+  return std::make_shared<CallCancellation>(
+      absl::FromChrono(context->deadline()), [context] { return context->IsCancelled(); },
+      counters);
+}
 
 // The caller's tenant. Authentication comes later (a token in the call metadata mapped to a
 // tenant); until then every caller is the default tenant.

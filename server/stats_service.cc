@@ -67,7 +67,23 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   s->set_arrival_device_seconds(times.arrival_seconds);
   s->set_attention_device_seconds(times.attention_seconds);
 
+  v1::LifecycleStats* life = response->mutable_lifecycle();
+  life->set_calls_cancelled(ctx_->counters.cancellation.calls_cancelled.load());
+  life->set_units_skipped(ctx_->counters.cancellation.units_skipped.load());
+  life->set_expired_sequences(ctx_->store->expired_sequences());
+  life->set_leased_sequences(ctx_->store->leased_sequences());
+  life->set_sequence_ttl_seconds(absl::ToDoubleSeconds(ctx_->store->default_ttl()));
+
   const ServerConfig& cfg = *ctx_->config;
+  const IntegrityCounters& ic = ctx_->store->integrity();
+  v1::IntegrityStats* integrity = response->mutable_integrity();
+  integrity->set_corrupt_sequences(ic.corrupt_sequences.load());
+  integrity->set_pages_scrubbed(ic.pages_scrubbed.load());
+  integrity->set_bytes_scrubbed(ic.bytes_scrubbed.load());
+  integrity->set_sweeps_completed(ic.sweeps_completed.load());
+  integrity->set_scrub_period_seconds(absl::ToDoubleSeconds(cfg.scrub_period));
+  integrity->set_scrub_max_bytes_per_second(cfg.scrub_max_bytes_per_second);
+
   v1::ServerLimits* l = response->mutable_limits();
   l->set_max_message_bytes(cfg.max_message_bytes);
   l->set_max_chunk_bytes(cfg.max_chunk_bytes);
@@ -110,6 +126,8 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
       out->set_model_id(info.model_id);
       out->set_total_tokens(info.total());
       out->set_pool_bytes(info.pool_bytes);
+      out->set_ttl_ms(absl::ToInt64Milliseconds(info.ttl));
+      out->set_idle_ms(absl::ToInt64Milliseconds(info.idle));
     }
   }
   response->set_tenant(tenant);

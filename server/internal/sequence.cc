@@ -27,6 +27,8 @@ SequenceInfo Sequence::InfoLocked(const BlockPool& pool) const {
   info.model_id = model->id;
   info.tenant = tenant;
   info.state = state;
+  info.ttl = ttl;
+  info.idle = absl::Now() - absl::FromUnixNanos(last_use_ns.load(std::memory_order_relaxed));
   info.sink = layout.sink();
   info.history = layout.history();
   info.recent = layout.recent();

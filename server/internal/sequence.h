@@ -6,6 +6,7 @@
 //   const SequenceInfo info = seq->InfoLocked(*pool);
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -14,6 +15,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/mixed_sequence.h"
 #include "server/block_pool.h"
 #include "server/model_registry.h"
@@ -37,6 +40,18 @@ class Sequence {
   const TenantId tenant;
   const std::string id;
   const std::shared_ptr<const Model> model;
+  // Lease: released by the store's reaper after `ttl` without use (zero: never). Set before the
+  // sequence is published; `last_use` is renewed by appends, reads and attention, lock-free.
+  absl::Duration ttl = absl::ZeroDuration();
+  std::atomic<int64_t> last_use_ns{0};
+  void Touch() { last_use_ns.store(absl::ToUnixNanos(absl::Now()), std::memory_order_relaxed); }
+  bool ExpiredAt(absl::Time now) const {
+    return ttl > absl::ZeroDuration() &&
+           now - absl::FromUnixNanos(last_use_ns.load(std::memory_order_relaxed)) >= ttl;
+  }
+
+  // Set when a page of the sequence failed its checksum; never cleared (release ends it).
+  std::atomic<bool> corrupt{false};
 
   mutable absl::Mutex mu;
   MixedSequenceLayout layout ABSL_GUARDED_BY(mu);
@@ -45,6 +60,7 @@ class Sequence {
   SequenceState state ABSL_GUARDED_BY(mu) = SequenceState::kPrefill;
   bool append_active ABSL_GUARDED_BY(mu) = false;
   bool released ABSL_GUARDED_BY(mu) = false;
+  bool expired ABSL_GUARDED_BY(mu) = false;  // released because its lease ran out
   std::vector<uint32_t> token_ids ABSL_GUARDED_BY(mu);
   bool token_ids_complete ABSL_GUARDED_BY(mu) = true;
   // Units of the prefix chain hashed so far (attached, published, or already cached).

@@ -4,9 +4,9 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "proto/status.h"
 #include "kvpool/v1/model_service.grpc.pb.h"
 #include "kvpool/v1/sequence_service.grpc.pb.h"
+#include "proto/status.h"
 #include "spdlog/spdlog.h"
 #include "tests/fuzz/fuzz_requests.h"
 
@@ -134,6 +134,10 @@ absl::StatusOr<v1::GetStatsResponse> FuzzDaemon::StateSnapshot() {
   resp.clear_service();
   resp.clear_transport();
   resp.mutable_pool()->clear_evicted_units();
+  // Counters of calls stopped and leases, and the time since each sequence's last use, move
+  // with any read or call, successful or not.
+  resp.clear_lifecycle();
+  for (v1::SequenceStats& s : *resp.mutable_sequences()) s.clear_idle_ms();
   return resp;
 }
 

@@ -51,7 +51,8 @@ class FuzzDaemon {
   // Back to the base state.
   [[nodiscard]] absl::Status Reset();
   // What an input may not change unless it succeeded in changing it: pool usage, models and
-  // sequences (GetStats without the service and transport counters).
+  // sequences (GetStats without the service, transport and lifecycle counters and the
+  // sequences' idle times).
   [[nodiscard]] absl::StatusOr<::kvpool::v1::GetStatsResponse> StateSnapshot();
 
   // Sets a deadline of kCallDeadline on `ctx`.

@@ -32,6 +32,7 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/kernel_tuning.h"
+#include "kernels/cuda/page_checksum_cuda.h"
 #include "kernels/cuda/testing_fill.h"
 #include "kernels/rotation.h"
 
@@ -180,6 +181,41 @@ void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base)
                 us, g_results.back().value, floor_us);
   }
   Check(TakeCodecErrors(err, stream), "codec errors");
+  // Page checksums (kernels/cuda/page_checksum_cuda.h): arrival of K and V with the checksum
+  // launch the CUDA backend adds after it, against arrival alone, in the same run.
+  {
+    std::vector<ChecksumRange> ranges(static_cast<size_t>(blocks) * kSets);
+    for (size_t b = 0; b < ranges.size(); ++b) {
+      ranges[b] = {static_cast<int32_t>(b * layout.block_bytes() / 16), 0, layout.tokens, 1};
+    }
+    ChecksumRange* d_ranges = Upload(ranges);
+    uint32_t* d_sums = DeviceAlloc<uint32_t>(ranges.size());
+    const PageChecksumGeometry geo = PageChecksumGeometry::Of(layout);
+    auto arrival = [&](int i, bool checksum) {
+      const int s = i % kSets;
+      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+        Check(QuantizeOnArrival(cfg, kv, batch_for(s), t,
+                                ArrivalRows{rows + s * rows_per_set, rotation, nullptr}, err,
+                                stream, base),
+              "quantize");
+      }
+      if (checksum) {
+        Check(PageChecksums(pool, geo, geo, d_ranges + static_cast<size_t>(s) * blocks, blocks,
+                            d_sums + static_cast<size_t>(s) * blocks, stream),
+              "checksums");
+      }
+    };
+    const double without_us = TimeUs(stream, 5, 40, [&](int i) { arrival(i, false); });
+    const double with_us = TimeUs(stream, 5, 40, [&](int i) { arrival(i, true); });
+    g_results.push_back({"arrival_kv_with_checksums_us",
+                         "{\"Hkv\": 8, \"D\": 128, \"tokens\": 65536, \"bits\": 2}", with_us, "us",
+                         "arrival_kv_without_checksums_us", without_us, without_us / with_us});
+    std::printf("%-34s %10.1f us  vs %.1f us without (%.2f%% more)\n", "arrival_kv_with_checksums",
+                with_us, without_us, (with_us / without_us - 1) * 100);
+    Check(TakeCodecErrors(err, stream), "codec errors");
+    cudaFree(d_ranges);
+    cudaFree(d_sums);
+  }
   const double us = TimeUs(stream, 5, 40, [&](int i) {
     const int s = i % kSets;
     Check(DequantizeToBf16(cfg, kv, batch_for(s), KvTensor::kKey, out, err, stream), "dequant");

@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu-carry}
 JOBS=${JOBS:-1}
-KERNEL_TARGETS="cuda_codec_test cuda_attention_test kvpool-gpu-bench"
+KERNEL_TARGETS="cuda_codec_test cuda_attention_test page_checksum_cuda_test kvpool-gpu-bench"
 DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip_test
   integration_attention_test integration_prefix_test integration_concurrency_test
   integration_bad_input_test integration_cli_test integration_device_transport_test

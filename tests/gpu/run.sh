@@ -74,6 +74,7 @@ step() {  # step NAME LOG cmd...
 SLOW='*Batch32At128K*'
 if [ "$MODE" = all ] || [ "$MODE" = test ] || [ "$MODE" = quick ]; then
   step "codec test (GPU vs CPU, bit-exact)" "$OUT/test.log" "$BIN/cuda_codec_test" --gtest_color=no
+  step "page checksums (GPU vs CPU)" "$OUT/test.log" "$BIN/page_checksum_cuda_test" --gtest_color=no
   if [ "$MODE" = quick ]; then
     step "attention test (fast cases)" "$OUT/test.log" "$BIN/cuda_attention_test" \
       --gtest_color=no --gtest_filter="-$SLOW"

@@ -31,8 +31,13 @@ AttentionTolerance RemoteAttentionTolerance() {
 std::string KvpooldPath() { return BinaryPath("KVPOOL_KVPOOLD", KVPOOL_KVPOOLD_PATH); }
 
 absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags) {
+  return StartDaemonBinary(KvpooldPath(), std::move(flags));
+}
+
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemonBinary(const std::string& binary,
+                                                               std::vector<std::string> flags) {
   client::LocalDaemonOptions options;
-  options.binary = KvpooldPath();
+  options.binary = binary;
   const bool has_level = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
     return absl::StartsWith(f, "--log_level");
   });

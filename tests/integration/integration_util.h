@@ -50,6 +50,9 @@ std::string KvpooldPath();
 // when that is set and `flags` name no device, so one suite runs against every backend), waits
 // for SERVING.
 absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags);
+// StartDaemon with another daemon binary (kvpoold-fault-injection, say).
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemonBinary(const std::string& binary,
+                                                               std::vector<std::string> flags);
 
 // Whether the suite runs against a GPU daemon (KVPOOL_TEST_DEVICE=cuda:N).
 bool TestingOnGpu();

@@ -1,0 +1,171 @@
+// Stored-page checksums against the real daemon: kvpoold-fault-injection (built with
+// KVPOOL_FAULT_INJECTION) flips a bit of a stored page; ReadBlocks and ReadKv, and the scrubber,
+// find it; exactly that sequence answers DATA_LOSS with reason CORRUPT until it is released.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kvpool/testing/fault_injection.grpc.pb.h"
+#include "proto/status.h"
+#include "tests/integration/integration_util.h"
+
+namespace kvpool::integration {
+namespace {
+
+namespace t = ::kvpool::testing;
+
+const Shape kShape{2, 4, 2, 64};
+constexpr int kTokens = 400;  // sink 64, history blocks, a recent window of 256
+
+std::string FaultDaemonPath() {
+  return BinaryPath("KVPOOL_FAULT_INJECTION_DAEMON", KVPOOL_FAULT_INJECTION_DAEMON_PATH);
+}
+
+class IntegrityTest : public ::testing::Test {
+ protected:
+  void StartWith(std::vector<std::string> flags) {
+    // Host memory even where KVPOOL_TEST_DEVICE names a GPU: CorruptPage writes the pool from
+    // the host (a GPU pool's checksums are the same code, kernels/cuda/page_checksum_cuda_test).
+    flags.insert(flags.end(), {"--pool_bytes=268435456", "--worker_threads=2", "--device=cpu"});
+    absl::StatusOr<std::unique_ptr<LocalDaemon>> d = StartDaemonBinary(FaultDaemonPath(), flags);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = *std::move(d);
+    absl::StatusOr<std::unique_ptr<KvpoolClient>> c = KvpoolClient::Connect(daemon_->target());
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *std::move(c);
+    faults_ = t::FaultInjection::NewStub(client_->channel());
+    ASSERT_TRUE(RegisterDataFree(*client_, "m", kShape, v1::ROTATION_KIND_HADAMARD, 1).ok());
+  }
+
+  void TearDown() override {
+    if (daemon_ != nullptr) {
+      const absl::Status stopped = daemon_->Stop(absl::Seconds(120));
+      EXPECT_TRUE(stopped.ok()) << stopped;
+    }
+  }
+
+  void Push(const std::string& id, uint64_t seed) {
+    absl::StatusOr<v1::AppendKvResponse> r =
+        CreateAndAppend(*client_, "m", id, MakeSequenceKv(kShape, kTokens, seed), true);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+
+  void Corrupt(const std::string& id, t::PageTier tier, uint32_t layer) {
+    t::CorruptPageRequest r;
+    r.set_sequence_id(id);
+    r.set_layer(layer);
+    r.set_tier(tier);
+    r.set_page_index(0);
+    r.set_byte_offset(5);  // K codes (or BF16 words) of head 0, slot 0: always written
+    r.set_bit(3);
+    t::CorruptPageResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    const grpc::Status s = faults_->CorruptPage(&context, r, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+
+  absl::Status ReadBlocks(const std::string& id) {
+    v1::ReadBlocksRequest r;
+    r.set_sequence_id(id);
+    return client_->ReadBlocks(r).status();
+  }
+  absl::Status ReadKv(const std::string& id) {
+    v1::ReadKvRequest r;
+    r.set_sequence_id(id);
+    return client_->ReadKv(r).status();
+  }
+
+  v1::IntegrityStats Integrity() {
+    absl::StatusOr<v1::GetStatsResponse> s = client_->GetStats();
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? s->integrity() : v1::IntegrityStats{};
+  }
+
+  // Polls GetStats until `done` holds (no timing asserted: a generous deadline on a loaded
+  // machine).
+  template <typename Pred>
+  bool WaitFor(Pred done) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(300);
+    while (absl::Now() < deadline) {
+      if (done(Integrity())) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+
+  static void ExpectCorrupt(const absl::Status& s) {
+    EXPECT_EQ(absl::StatusCode::kDataLoss, s.code()) << s;
+    EXPECT_EQ(ErrorReason::kCorrupt, ReasonOf(s)) << s;
+  }
+
+  std::unique_ptr<LocalDaemon> daemon_;
+  std::unique_ptr<KvpoolClient> client_;
+  std::unique_ptr<t::FaultInjection::Stub> faults_;
+};
+
+TEST_F(IntegrityTest, ReadsFindAFlippedBitForThatSequenceOnlyUntilReleased) {
+  StartWith({"--scrub_period=0"});
+  if (HasFatalFailure()) return;
+  Push("a", 1);
+  Push("b", 2);
+  if (HasFatalFailure()) return;
+  KV_ASSERT_OK(ReadBlocks("a"));
+  KV_ASSERT_OK(ReadKv("a"));
+
+  Corrupt("a", t::PAGE_TIER_HISTORY, 1);  // an INT2 block: ReadBlocks checks the copy it sends
+  ExpectCorrupt(ReadBlocks("a"));
+  ExpectCorrupt(ReadKv("a"));
+  KV_ASSERT_OK(ReadBlocks("b"));
+  KV_ASSERT_OK(ReadKv("b"));
+  v1::IntegrityStats stats = Integrity();
+  EXPECT_EQ(1u, stats.corrupt_sequences());
+  EXPECT_EQ(0u, stats.sweeps_completed());
+  EXPECT_EQ(0u, stats.pages_scrubbed());
+
+  Corrupt("b", t::PAGE_TIER_RECENT, 0);  // a BF16 page: ReadKv checks it before decoding
+  ExpectCorrupt(ReadKv("b"));
+  ExpectCorrupt(ReadBlocks("b"));
+  EXPECT_EQ(2u, Integrity().corrupt_sequences());
+
+  // Release ends it: the id is free and a new sequence under it reads fine.
+  KV_ASSERT_OK(client_->ReleaseSequence("a").status());
+  Push("a", 3);
+  if (HasFatalFailure()) return;
+  KV_ASSERT_OK(ReadBlocks("a"));
+  KV_ASSERT_OK(ReadKv("a"));
+  ExpectCorrupt(ReadKv("b"));
+  EXPECT_EQ(2u, Integrity().corrupt_sequences());
+}
+
+TEST_F(IntegrityTest, ScrubberFindsAFlippedBitNobodyReads) {
+  StartWith({"--scrub_period=0.1s"});
+  if (HasFatalFailure()) return;
+  Push("a", 1);
+  Push("b", 2);
+  if (HasFatalFailure()) return;
+  // A sweep that started after both appends has read every page of both.
+  const uint64_t start = Integrity().sweeps_completed();
+  ASSERT_TRUE(
+      WaitFor([&](const v1::IntegrityStats& s) { return s.sweeps_completed() >= start + 2; }));
+  EXPECT_EQ(0u, Integrity().corrupt_sequences());
+  EXPECT_GT(Integrity().pages_scrubbed(), 0u);
+
+  Corrupt("a", t::PAGE_TIER_SINK, 0);
+  ASSERT_TRUE(WaitFor([](const v1::IntegrityStats& s) { return s.corrupt_sequences() >= 1; }));
+  ExpectCorrupt(ReadKv("a"));
+  ExpectCorrupt(ReadBlocks("a"));
+  KV_ASSERT_OK(ReadKv("b"));
+  // Further sweeps find nothing new.
+  const uint64_t after = Integrity().sweeps_completed();
+  ASSERT_TRUE(
+      WaitFor([&](const v1::IntegrityStats& s) { return s.sweeps_completed() >= after + 2; }));
+  EXPECT_EQ(1u, Integrity().corrupt_sequences());
+  KV_ASSERT_OK(client_->ReleaseSequence("a").status());
+  KV_ASSERT_OK(ReadBlocks("b"));
+}
+
+}  // namespace
+}  // namespace kvpool::integration
