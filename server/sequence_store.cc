@@ -233,6 +233,11 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   }
   // Reserve every page up front: a full pool fails now, before the client streams anything.
   const size_t layers = m.num_layers;
+  if (spec.admit) {
+    KVPOOL_RETURN_IF_ERROR(
+        spec.admit(layers * (new_history * pool_->ClassPageBytes(m.block_class) +
+                             (new_sink + new_recent) * pool_->ClassPageBytes(m.bf16_class))));
+  }
   std::vector<PageId> bf16_pages, blocks;
   KVPOOL_RETURN_IF_ERROR(AllocatePages(m.block_class, layers * new_history, &blocks));
   if (absl::Status s = AllocatePages(m.bf16_class, layers * (new_sink + new_recent), &bf16_pages);

@@ -70,7 +70,7 @@ class SequenceStore {
 
   // Starts an append. NotFound, FailedPrecondition (sealed, wrong phase, token_start not the
   // length), InvalidArgument (counts, token ids), Aborted (another append in progress),
-  // ResourceExhausted (pool, after evicting what the prefix cache can give up).
+  // ResourceExhausted (pool, after evicting what the prefix cache can give up), spec.admit's error.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(const TenantId& tenant,
                                                                        const std::string& id,
                                                                        AppendSpec spec);
