@@ -4,7 +4,8 @@
 // again), and a client frozen mid-push (a child process stopped with SIGSTOP) loses its
 // reservation and the sequence's append lock after the idle timeout, so another client's retry
 // and SealSequence succeed. The accounting is exact: the pool's fingerprint comes back to its
-// baseline and GetStats' admission counters say what happened.
+// baseline and GetStats' admission counters say what happened. An Attend whose answer could
+// not fit in one message is refused before any work (case 3's last failure).
 //
 // On 07fc4f8 none of this held: a header reserved every page of its append for as long as the
 // stream stayed open, with no cap on streams and no idle limit outside UCX pushes, so the fifth
@@ -214,6 +215,35 @@ TEST_F(AdmissionTest, HeaderOnlyStreamsAreCappedAndExpireSoAnHonestAppendSucceed
     return s.pool().used_bytes() == base.pool().used_bytes() && s.admission().open_streams() == 0 &&
            s.admission().reserved_bytes() == 0;
   }));
+}
+
+// An Attend whose FP32 answer could not fit in one message is refused before any work (it used to
+// be computed in full and then fail in gRPC): BF16 queries of 12 x 1000 rows fit the 16 MiB
+// message limit, their outputs and LSE (about 25 MB) do not.
+TEST_F(AdmissionTest, AnAttendWhoseAnswerExceedsTheMessageLimitIsRefusedUpFront) {
+  constexpr int kSequences = 12, kRows = 1000;
+  v1::AttendRequest req;
+  req.set_model_id("adm");
+  req.set_layer(0);
+  req.set_dtype(v1::DTYPE_BF16);
+  const std::vector<Bf16> q = GaussianBf16(size_t{kRows} * kShape.q_heads * kShape.head_dim, 3);
+  for (int i = 0; i < kSequences; ++i) {
+    const std::string id = absl::StrCat("att-", i);
+    ASSERT_TRUE(client().CreateSequence("adm", id).ok());
+    v1::SequenceQuery* sq = req.add_queries();
+    sq->set_sequence_id(id);
+    sq->set_num_queries(kRows);
+    sq->set_q(std::string(AsBytes(q)));
+  }
+  const v1::GetStatsResponse before = Stats();
+  ASSERT_LT(req.ByteSizeLong(), before.limits().max_message_bytes());
+  const absl::Status s = client().Attend(req).status();
+  ExpectLimit(s, absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("max_message_bytes"), std::string::npos) << s;
+  EXPECT_EQ(Stats().service().attention_calls(), before.service().attention_calls());
+  for (int i = 0; i < kSequences; ++i) {
+    EXPECT_TRUE(client().ReleaseSequence(absl::StrCat("att-", i)).ok());
+  }
 }
 
 // Runs `argv` with `env` added and a pipe on kChildReadyFd; returns the pid and the pipe's read
