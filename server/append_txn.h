@@ -40,9 +40,6 @@ struct AppendSpec {
   int num_tokens = 0;                      // >= 1
   AppendKind kind = AppendKind::kPrefill;  // kDecode: num_tokens decode steps
   std::vector<uint32_t> token_ids;         // empty, or num_tokens ids
-  // When set, runs once the append's new pages are counted and before any is allocated, with
-  // their pool bytes; its error refuses the append (admission's caps on reserved bytes).
-  std::function<absl::Status(size_t bytes)> admit;
 };
 
 struct AppendResult {

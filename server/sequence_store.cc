@@ -124,7 +124,8 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
 
 absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const TenantId& tenant,
                                                                       const std::string& id,
-                                                                      AppendSpec spec) {
+                                                                      AppendSpec spec,
+                                                                      const AdmitPages& admit) {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
   if (seq == nullptr) return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
   const Model& m = *seq->model;
@@ -233,10 +234,10 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   }
   // Reserve every page up front: a full pool fails now, before the client streams anything.
   const size_t layers = m.num_layers;
-  if (spec.admit) {
+  if (admit) {
     KVPOOL_RETURN_IF_ERROR(
-        spec.admit(layers * (new_history * pool_->ClassPageBytes(m.block_class) +
-                             (new_sink + new_recent) * pool_->ClassPageBytes(m.bf16_class))));
+        admit(layers * (new_history * pool_->ClassPageBytes(m.block_class) +
+                        (new_sink + new_recent) * pool_->ClassPageBytes(m.bf16_class))));
   }
   std::vector<PageId> bf16_pages, blocks;
   KVPOOL_RETURN_IF_ERROR(AllocatePages(m.block_class, layers * new_history, &blocks));

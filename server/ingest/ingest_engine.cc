@@ -40,12 +40,12 @@ class ExpiryTarget {
   absl::Status why_ ABSL_GUARDED_BY(mu_);
 };
 
-// Counts the append's pages against `ticket` as the store reserves them; `counted` (shared with
-// the caller) says how much, to give back when the append does not begin.
-void AdmitPages(const std::shared_ptr<Admission::Ticket>& ticket,
-                const std::shared_ptr<size_t>& counted, AppendSpec* spec) {
-  if (ticket == nullptr) return;
-  spec->admit = [ticket, counted](size_t bytes) {
+// Counts the append's pages against `ticket` as the store reserves them; `counted` says how
+// much, to give back when the append does not begin.
+SequenceStore::AdmitPages AdmitPagesOn(const std::shared_ptr<Admission::Ticket>& ticket,
+                                       size_t* counted) {
+  if (ticket == nullptr) return nullptr;
+  return [ticket, counted](size_t bytes) {
     KVPOOL_RETURN_IF_ERROR(ticket->Reserve(bytes));
     *counted += bytes;
     return absl::OkStatus();
@@ -83,13 +83,11 @@ absl::StatusOr<std::shared_ptr<IngestAppend>> IngestEngine::Begin(const TenantId
                             Admit(tenant, connection, "append",
                                   [target](absl::Status why) { target->Expire(std::move(why)); }));
   }
-  AppendSpec spec = AppendSpecOf(header);
-  auto counted = std::make_shared<size_t>(0);
-  AdmitPages(options.ticket, counted, &spec);
-  absl::StatusOr<std::unique_ptr<AppendTxn>> txn =
-      store_->BeginAppend(tenant, header.sequence_id(), std::move(spec));
+  size_t counted = 0;
+  absl::StatusOr<std::unique_ptr<AppendTxn>> txn = store_->BeginAppend(
+      tenant, header.sequence_id(), AppendSpecOf(header), AdmitPagesOn(options.ticket, &counted));
   if (!txn.ok()) {
-    if (options.ticket != nullptr) options.ticket->Unreserve(*counted);
+    if (options.ticket != nullptr) options.ticket->Unreserve(counted);
     return txn.status();
   }
   auto append =
@@ -127,9 +125,10 @@ absl::StatusOr<AppendResult> IngestEngine::AppendDecode(const TenantId& tenant,
                           Admit(tenant, connection, "AppendDecode", nullptr));
   AppendSpec spec = AppendSpecOf(header);
   spec.kind = AppendKind::kDecode;
-  AdmitPages(ticket, std::make_shared<size_t>(0), &spec);
+  size_t counted = 0;  // given back with the ticket
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<AppendTxn> txn,
-                          store_->BeginAppend(tenant, req.sequence_id(), std::move(spec)));
+                          store_->BeginAppend(tenant, req.sequence_id(), std::move(spec),
+                                              AdmitPagesOn(ticket, &counted)));
   const Model& m = txn->model();
   const size_t per_layer = static_cast<size_t>(req.num_tokens()) * m.row_values();
   const size_t values = per_layer * m.num_layers;
