@@ -7,6 +7,23 @@
 #include "server/proto_convert.h"
 
 namespace kvpool::server {
+namespace {
+
+// An upper bound of the AttendResponse's encoded size: per sequence its FP32 output rows and LSE
+// values, its id (at most 128 bytes) and the fields' tags and lengths.
+size_t AttendResponseBound(const v1::AttendRequest& request, const Model& model) {
+  constexpr size_t kPerSequenceOverhead = 128 + 64;
+  const size_t per_row =
+      (static_cast<size_t>(model.q_heads) * model.head_dim + model.q_heads) * sizeof(float);
+  size_t bytes = 0;
+  for (const v1::SequenceQuery& sq : request.queries()) {
+    const size_t rows = sq.num_queries() == 0 ? 1 : sq.num_queries();
+    bytes += rows * per_row + kPerSequenceOverhead;
+  }
+  return bytes;
+}
+
+}  // namespace
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const v1::AttendRequest* request,
@@ -22,6 +39,24 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
       return absl::InvalidArgumentError(absl::StrCat("batch of ", batch,
                                                      " sequences; must be in [1, ",
                                                      ctx->config->max_attention_batch, "]"));
+    }
+    for (const v1::SequenceQuery& sq : request->queries()) {
+      if (sq.num_queries() > 1024) {
+        return absl::InvalidArgumentError("num_queries must be at most 1024");
+      }
+    }
+    // The answer must fit in one message: refused before any work rather than after it.
+    if (const size_t answer = AttendResponseBound(*request, *model);
+        answer > ctx->config->max_message_bytes) {
+      return WithReason(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "Attend: the answer (FP32 outputs and LSE of ", batch,
+              " sequences) would take up to ", answer, " bytes, over max_message_bytes ",
+              ctx->config->max_message_bytes, "; send fewer sequences or query rows per call")),
+          ErrorReason::kLimit,
+          {{"limit", "max_message_bytes"},
+           {"value", absl::StrCat(ctx->config->max_message_bytes)},
+           {"needed", absl::StrCat(answer)}});
     }
     v1::DType dtype = request->dtype();
     if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_FP32;
@@ -41,9 +76,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     size_t at = 0;
     for (const v1::SequenceQuery& sq : request->queries()) {
       const int num_queries = sq.num_queries() == 0 ? 1 : static_cast<int>(sq.num_queries());
-      if (sq.num_queries() > 1024) {
-        return absl::InvalidArgumentError("num_queries must be at most 1024");
-      }
       const size_t n = per_query * num_queries;
       KVPOOL_RETURN_IF_ERROR(CheckPayload(dtype, sq.q(), n, "q"));
       KVPOOL_RETURN_IF_ERROR(

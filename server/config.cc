@@ -47,6 +47,21 @@ ABSL_FLAG(absl::Duration, sequence_ttl, absl::ZeroDuration(),
           "after this long without an append, read or attention, and counted in GetStats "
           "(lifecycle.expired_sequences); later calls on it answer NOT_FOUND, reason EXPIRED. "
           "0 = no lease (e.g. 10m, 90s)");
+ABSL_FLAG(int32_t, max_streams_per_connection, 64,
+          "Most streams (appends, pushes) open at once on one client connection; 0 = no cap");
+ABSL_FLAG(int32_t, max_streams_per_tenant, 1024,
+          "Most streams (appends, pushes) open at once for one tenant; 0 = no cap");
+ABSL_FLAG(uint64_t, max_reserved_bytes_per_connection, 0,
+          "Most pool bytes reserved at once by the in-flight appends of one client connection; "
+          "0 = no cap");
+ABSL_FLAG(uint64_t, max_reserved_bytes_per_tenant, 0,
+          "Most pool bytes reserved at once by the in-flight appends of one tenant; 0 = no cap");
+ABSL_FLAG(int32_t, stream_idle_timeout_ms, 30000,
+          "A stream or push with no progress for this long is ended (DEADLINE_EXCEEDED, reason "
+          "LIMIT) and its append rolled back");
+ABSL_FLAG(int32_t, stream_total_timeout_ms, 30 * 60 * 1000,
+          "A stream or push open for this long in all is ended (DEADLINE_EXCEEDED, reason LIMIT) "
+          "and its append rolled back");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file once serving (for tests)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
@@ -153,6 +168,14 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError("--sequence_ttl must be >= 0 (0 = no lease)");
   }
   if (shutdown_grace_ms < 0) return absl::InvalidArgumentError("--shutdown_grace_ms must be >= 0");
+  if (max_streams_per_connection < 0 || max_streams_per_tenant < 0) {
+    return absl::InvalidArgumentError(
+        "--max_streams_per_connection and --max_streams_per_tenant must be >= 0 (0 = no cap)");
+  }
+  if (stream_idle_timeout_ms < 1 || stream_total_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        "--stream_idle_timeout_ms and --stream_total_timeout_ms must be >= 1");
+  }
   if (transports != "" && transports != "ucx") {
     return absl::InvalidArgumentError(
         absl::StrCat("--transports must be '' or 'ucx', got '", transports, "'"));
@@ -307,6 +330,12 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.max_append_tokens = absl::GetFlag(FLAGS_max_append_tokens);
   c.max_connections = absl::GetFlag(FLAGS_max_connections);
   c.sequence_ttl = absl::GetFlag(FLAGS_sequence_ttl);
+  c.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+  c.max_streams_per_tenant = absl::GetFlag(FLAGS_max_streams_per_tenant);
+  c.max_reserved_bytes_per_connection = absl::GetFlag(FLAGS_max_reserved_bytes_per_connection);
+  c.max_reserved_bytes_per_tenant = absl::GetFlag(FLAGS_max_reserved_bytes_per_tenant);
+  c.stream_idle_timeout_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
+  c.stream_total_timeout_ms = absl::GetFlag(FLAGS_stream_total_timeout_ms);
   c.port_file = absl::GetFlag(FLAGS_port_file);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);

@@ -48,6 +48,15 @@ struct ServerConfig {
   // Lease of a sequence created without one (CreateSequenceRequest.ttl_ms): released after this
   // long without an append, read or attention; zero = no lease.
   absl::Duration sequence_ttl = absl::ZeroDuration();
+  // Admission (server/admission/): open streams and bytes reserved by in-flight appends per
+  // client connection and per tenant (0 = no cap), and the idle and total deadlines of every
+  // stream and data-plane push.
+  int max_streams_per_connection = 64;
+  int max_streams_per_tenant = 1024;
+  size_t max_reserved_bytes_per_connection = 0;
+  size_t max_reserved_bytes_per_tenant = 0;
+  int stream_idle_timeout_ms = 30000;
+  int stream_total_timeout_ms = 30 * 60 * 1000;
   std::string port_file;
   std::string log_level = "info";
   int shutdown_grace_ms = 5000;

@@ -3,6 +3,11 @@
 // (server/ingest/), every later one is handed to it, the half-close commits it, and the stream's
 // answer is the append's end (the AppendKvResponse, or the error once the append is rolled back).
 //
+// The stream holds an admission ticket from its start (IngestEngine::Admit, on the caller's
+// connection): a stream over a cap is refused before it reads anything (RESOURCE_EXHAUSTED,
+// reason LIMIT), and one that makes no progress for the idle timeout, header or not, ends with
+// DEADLINE_EXCEEDED (reason LIMIT) once its append is rolled back.
+//
 // The reactor only reads; the engine stages, bounds and rolls back. Reading overlaps staging: the
 // next read starts as soon as a message is handed over, unless the engine's queue is full; then
 // no read is pending, so gRPC flow control pushes back on a fast client, until the engine
@@ -13,7 +18,7 @@
 //   class AppendKvReactor final : public IngestStreamReactor<v1::AppendKvRequest> {
 //     ... Begin (the header), Stage (a chunk) ...
 //   };
-//   return new AppendKvReactor(...);   // its constructor ends with StartReading()
+//   return new AppendKvReactor(...);   // its constructor ends with StartReading(engine, tenant)
 //
 // Thread-safe. Deletes itself when the call is done.
 #pragma once
@@ -35,6 +40,8 @@
 #include "server/grpc_reactor_order.h"
 #include "server/ingest/append_response.h"
 #include "server/ingest/ingest_append.h"
+#include "server/ingest/ingest_engine.h"
+#include "server/tenant.h"
 
 namespace kvpool::server {
 
@@ -127,9 +134,25 @@ class IngestStreamReactor : public OrderedReactor<grpc::ServerReadReactor<Reques
   }
   virtual ~IngestStreamReactor() = default;
 
-  // The last step of the derived constructor: reads the first message.
-  void StartReading() {
+  // The last step of the derived constructor: admits the stream of `tenant` on the caller's
+  // connection and reads the first message, or answers the refusal.
+  void StartReading(IngestEngine* engine, const TenantId& tenant) {
+    std::shared_ptr<Link> link = link_;
+    absl::StatusOr<std::shared_ptr<Admission::Ticket>> ticket =
+        engine->Admit(tenant, call_->peer(), rpc_, [link](absl::Status why) {
+          With(link, [&](IngestStreamReactor* r) { r->OnExpired(std::move(why)); });
+        });
+    if (!ticket.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+      }
+      Ended(ticket.status());
+      this->Finish(ToGrpcStatus(ticket.status()));
+      return;
+    }
     absl::MutexLock lock(&mu_);
+    ticket_ = *std::move(ticket);
     this->StartRead(&request_);
   }
 
@@ -174,8 +197,9 @@ class IngestStreamReactor : public OrderedReactor<grpc::ServerReadReactor<Reques
     if (last) delete r;
   }
 
-  IngestOptions Options() {
+  IngestOptions Options() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     IngestOptions o;
+    o.ticket = ticket_;
     std::shared_ptr<Link> link = link_;
     o.on_end = [link](absl::StatusOr<AppendResult> result) {
       With(link, [&](IngestStreamReactor* r) { r->OnEnd(std::move(result)); });
@@ -187,6 +211,28 @@ class IngestStreamReactor : public OrderedReactor<grpc::ServerReadReactor<Reques
       return cancelled;
     };
     return o;
+  }
+
+  // The admission ticket expired (on its reaper thread): the append is rolled back and its end
+  // answers; without an append yet, the stream answers now.
+  void OnExpired(absl::Status why) {
+    std::shared_ptr<IngestAppend> append;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_ || failing_) return;
+      append = append_;
+      if (append != nullptr) {
+        failing_ = true;
+      } else {
+        finished_ = true;  // the pending read ends with the call
+      }
+    }
+    if (append != nullptr) {
+      append->Abort(std::move(why));
+      return;
+    }
+    Ended(why);
+    this->Finish(ToGrpcStatus(why));
   }
 
   // The engine's end of the append: the answer.
@@ -245,6 +291,7 @@ class IngestStreamReactor : public OrderedReactor<grpc::ServerReadReactor<Reques
   Request request_;  // written by gRPC while a read is pending
   absl::Mutex mu_;
   std::shared_ptr<IngestAppend> append_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Admission::Ticket> ticket_ ABSL_GUARDED_BY(mu_);  // the stream's, from its start
   bool read_blocked_ ABSL_GUARDED_BY(mu_) = false;  // the queue was full: no read pending
   // A read resume is scheduled on resume_alarm_ and has not run yet.
   bool resume_pending_ ABSL_GUARDED_BY(mu_) = false;

@@ -31,7 +31,7 @@ class AppendKvReactor final : public IngestStreamReactor<v1::AppendKvRequest> {
   AppendKvReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                   v1::AppendKvResponse* response)
       : IngestStreamReactor(call, response, "AppendKv"), ctx_(ctx), tenant_(TenantOf(call)) {
-    StartReading();
+    StartReading(ctx_->ingest, tenant_);
   }
 
  private:
@@ -40,7 +40,7 @@ class AppendKvReactor final : public IngestStreamReactor<v1::AppendKvRequest> {
     if (first.part_case() != v1::AppendKvRequest::kHeader) {
       return absl::InvalidArgumentError("AppendKv: the first message must be a header");
     }
-    return ctx_->ingest->Begin(tenant_, first.header(), std::move(options));
+    return ctx_->ingest->Begin(tenant_, call()->peer(), first.header(), std::move(options));
   }
 
   absl::StatusOr<bool> Stage(v1::AppendKvRequest& message, IngestAppend& append) override {
@@ -100,8 +100,8 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServer
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const TenantId tenant = TenantOf(context);
   ServiceContext* ctx = ctx_;
-  if (!ctx_->workers->TrySubmit([ctx, tenant, request, response, reactor] {
-        absl::StatusOr<AppendResult> r = ctx->ingest->AppendDecode(tenant, *request);
+  if (!ctx_->workers->TrySubmit([ctx, tenant, peer = context->peer(), request, response, reactor] {
+        absl::StatusOr<AppendResult> r = ctx->ingest->AppendDecode(tenant, peer, *request);
         if (r.ok()) FillAppendDecodeResponse(*r, response);
         reactor->Finish(ToGrpcStatus(r.status()));
       })) {

@@ -151,7 +151,8 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
 
 absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const TenantId& tenant,
                                                                       const std::string& id,
-                                                                      AppendSpec spec) {
+                                                                      AppendSpec spec,
+                                                                      const AdmitPages& admit) {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
   if (seq == nullptr) return Missing(tenant, id);
   seq->Touch();
@@ -265,6 +266,11 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   }
   // Reserve every page up front: a full pool fails now, before the client streams anything.
   const size_t layers = m.num_layers;
+  if (admit) {
+    KVPOOL_RETURN_IF_ERROR(
+        admit(layers * (new_history * pool_->ClassPageBytes(m.block_class) +
+                        (new_sink + new_recent) * pool_->ClassPageBytes(m.bf16_class))));
+  }
   const PageRequest requests[2] = {{m.block_class, layers * new_history},
                                    {m.bf16_class, layers * (new_sink + new_recent)}};
   std::vector<std::vector<PageId>> allocated;

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -79,10 +80,13 @@ class SequenceStore {
   // Starts an append. NotFound, FailedPrecondition (sealed, wrong phase, token_start not the
   // length), InvalidArgument (counts, token ids), Aborted (another append in progress),
   // ResourceExhausted (the pool, even after evicting every evictable cached unit; then nothing
-  // was evicted).
-  [[nodiscard]] absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(const TenantId& tenant,
-                                                                       const std::string& id,
-                                                                       AppendSpec spec);
+  // was evicted), `admit`'s error. `admit`, when set, runs once the append's new pages are
+  // counted and before any is allocated, with their pool bytes (admission's caps on reserved
+  // bytes).
+  using AdmitPages = std::function<absl::Status(size_t bytes)>;
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(
+      const TenantId& tenant, const std::string& id, AppendSpec spec,
+      const AdmitPages& admit = nullptr);
   // Publishes a fully staged append. InvalidArgument (incomplete layers), NotFound (the
   // sequence was released meanwhile). On error the append is rolled back.
   [[nodiscard]] absl::StatusOr<AppendResult> Commit(std::unique_ptr<AppendTxn> txn);

@@ -46,6 +46,19 @@ void TuneMalloc(size_t retain_bytes) {
 #endif
 }
 
+AdmissionLimits AdmissionLimitsOf(const ServerConfig& config) {
+  AdmissionLimits l;
+  l.max_streams_per_connection = config.max_streams_per_connection;
+  l.max_streams_per_tenant = config.max_streams_per_tenant;
+  l.max_reserved_bytes_per_connection = config.max_reserved_bytes_per_connection;
+  l.max_reserved_bytes_per_tenant = config.max_reserved_bytes_per_tenant;
+  l.idle_timeout = absl::Milliseconds(config.stream_idle_timeout_ms);
+  l.total_timeout = absl::Milliseconds(config.stream_total_timeout_ms);
+  // The reaper looks often enough that a timeout is acted on within a tenth of it.
+  l.reap_period = std::clamp(l.idle_timeout / 10, absl::Milliseconds(10), absl::Milliseconds(100));
+  return l;
+}
+
 void SetHealth(grpc::Server* server, bool serving) {
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   if (health == nullptr) return;
@@ -79,8 +92,10 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
-  s->ingest_ = std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(),
-                                              s->workers_.get(), config.max_append_tokens);
+  s->admission_ = std::make_unique<Admission>(AdmissionLimitsOf(config));
+  s->ingest_ =
+      std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(), s->workers_.get(),
+                                     config.max_append_tokens, s->admission_.get());
   ServiceContext& ctx = s->ctx_;
   ctx.config = &s->config_;
   ctx.backend = s->backend_.get();

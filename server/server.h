@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
+#include "server/admission/admission.h"
 #include "server/config.h"
 #include "server/scrubber.h"
 #include "server/sequence_reaper.h"
@@ -69,6 +70,8 @@ class KvpoolServer {
   KvpoolServer() = default;
 
   ServerConfig config_;
+  // Outlives every stream's ticket (destroyed after the services, transports and workers).
+  std::unique_ptr<Admission> admission_;
   std::unique_ptr<ComputeBackend> backend_;
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<PrefixIndex> index_;

@@ -91,6 +91,21 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   l->set_max_attention_batch(cfg.max_attention_batch);
   l->set_max_append_tokens(cfg.max_append_tokens);
   l->set_max_connections(static_cast<uint32_t>(ctx_->max_connections));
+  l->set_max_streams_per_connection(static_cast<uint32_t>(cfg.max_streams_per_connection));
+  l->set_max_streams_per_tenant(static_cast<uint32_t>(cfg.max_streams_per_tenant));
+  l->set_max_reserved_bytes_per_connection(cfg.max_reserved_bytes_per_connection);
+  l->set_max_reserved_bytes_per_tenant(cfg.max_reserved_bytes_per_tenant);
+  l->set_stream_idle_timeout_ms(static_cast<uint32_t>(cfg.stream_idle_timeout_ms));
+  l->set_stream_total_timeout_ms(static_cast<uint32_t>(cfg.stream_total_timeout_ms));
+  if (const Admission* admission = ctx_->ingest->admission(); admission != nullptr) {
+    const AdmissionCounters ac = admission->Counters();
+    v1::AdmissionStats* a = response->mutable_admission();
+    a->set_open_streams(ac.open_streams);
+    a->set_reserved_bytes(ac.reserved_bytes);
+    a->set_refused(ac.refused);
+    a->set_expired_idle(ac.expired_idle);
+    a->set_expired_total(ac.expired_total);
+  }
   if (ctx_->listener != nullptr) {
     const ConnectionStats cs = ctx_->listener->Stats();
     v1::ConnectionStats* c = response->mutable_connections();

@@ -22,6 +22,15 @@ absl::Status LimitError(const std::string& what, absl::string_view cap, uint64_t
        {"in_use", absl::StrCat(in_use)}});
 }
 
+absl::Status ExpiredError(const std::string& what, absl::string_view timeout,
+                          absl::Duration limit) {
+  const int64_t ms = absl::ToInt64Milliseconds(limit);
+  return WithReason(absl::DeadlineExceededError(
+                        absl::StrCat(what, ": the stream's ", timeout, " of ", ms, " ms passed")),
+                    ErrorReason::kLimit,
+                    {{"limit", std::string(timeout)}, {"value_ms", absl::StrCat(ms)}});
+}
+
 }  // namespace
 
 Admission::Ticket::~Ticket() {
@@ -56,9 +65,10 @@ Admission::~Admission() {
   reaper_.join();
 }
 
-absl::StatusOr<std::unique_ptr<Admission::Ticket>> Admission::Open(
-    const TenantId& tenant, const std::string& connection, const std::string& what,
-    std::function<void()> on_expire) {
+absl::StatusOr<std::unique_ptr<Admission::Ticket>> Admission::Open(const TenantId& tenant,
+                                                                   const std::string& connection,
+                                                                   const std::string& what,
+                                                                   OnExpire on_expire) {
   absl::MutexLock lock(&mu_);
   auto usage_of = [](const auto& map, const auto& key) {
     auto it = map.find(key);
@@ -155,7 +165,7 @@ void Admission::Close(uint64_t id) {
 
 void Admission::Reap() {
   while (true) {
-    std::vector<std::function<void()>> due;
+    std::vector<std::pair<OnExpire, absl::Status>> due;
     {
       absl::MutexLock lock(&mu_);
       auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
@@ -169,10 +179,13 @@ void Admission::Reap() {
         if (!idle && !total) continue;
         e.expired = true;
         ++(total ? expired_total_ : expired_idle_);
-        if (e.on_expire) due.push_back(std::move(e.on_expire));
+        if (!e.on_expire) continue;
+        due.emplace_back(std::move(e.on_expire),
+                         total ? ExpiredError(e.what, "total timeout", limits_.total_timeout)
+                               : ExpiredError(e.what, "idle timeout", limits_.idle_timeout));
       }
     }
-    for (auto& fn : due) fn();
+    for (auto& [fn, why] : due) fn(std::move(why));
   }
 }
 

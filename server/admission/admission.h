@@ -3,13 +3,14 @@
 // in flight) holds a Ticket from here. A ticket counts against caps per connection and per
 // tenant (open streams, reserved bytes), and it expires: after `idle_timeout` without Touch, or
 // `total_timeout` after it was opened, its owner's `on_expire` runs once, from the admission's
-// reaper thread, and the owner rolls its work back (dropping the ticket releases everything).
+// reaper thread, with the status to end the stream with (DEADLINE_EXCEEDED, reason LIMIT, naming
+// the timeout), and the owner rolls its work back (dropping the ticket releases everything).
 // A frozen client (SIGSTOP, a crashed engine) thus loses its lock and reservation after the idle
 // limit; a client that opens streams and sends nothing holds them only that long.
 //
 //   Admission admission(limits);
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Admission::Ticket> t,
-//       admission.Open(tenant, connection, "AppendKv", [weak] { /* abort the stream */ }));
+//       admission.Open(tenant, connection, "AppendKv", [weak](absl::Status why) { /* abort */ }));
 //   KVPOOL_RETURN_IF_ERROR(t->Reserve(bytes));   // RESOURCE_EXHAUSTED, reason LIMIT
 //   t->Touch();                                   // on every message
 //   t.reset();                                    // done: streams and bytes released
@@ -91,11 +92,13 @@ class Admission {
 
   // Opens a stream of `tenant` on `connection` (e.g. grpc's peer string) for `what` (named in
   // messages). RESOURCE_EXHAUSTED (reason LIMIT) over a stream cap. `on_expire` runs at most
-  // once, on the reaper thread, when the stream times out; it must not block for long.
+  // once, on the reaper thread, when the stream times out, with the stream's end status
+  // (DEADLINE_EXCEEDED, reason LIMIT); it must not block for long.
+  using OnExpire = std::function<void(absl::Status why)>;
   [[nodiscard]] absl::StatusOr<std::unique_ptr<Ticket>> Open(const TenantId& tenant,
                                                              const std::string& connection,
                                                              const std::string& what,
-                                                             std::function<void()> on_expire);
+                                                             OnExpire on_expire);
 
   const AdmissionLimits& limits() const { return limits_; }
   AdmissionCounters Counters() const;
@@ -111,7 +114,7 @@ class Admission {
     absl::Time opened;
     absl::Time last_progress;
     bool expired = false;
-    std::function<void()> on_expire;
+    OnExpire on_expire;
   };
   struct Usage {
     uint64_t streams = 0;

@@ -5,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "proto/status.h"
@@ -71,11 +72,13 @@ TEST(AdmissionTest, IdleStreamsExpireOnceAndTouchedOnesDoNot) {
   Admission a(l);
   std::atomic<int> idle_expired{0}, busy_expired{0};
   absl::Notification fired;
-  auto idle = *a.Open("t", "p1", "AppendKv", [&] {
+  absl::Status why;
+  auto idle = *a.Open("t", "p1", "AppendKv", [&](absl::Status s) {
     ++idle_expired;
+    why = std::move(s);
     fired.Notify();
   });
-  auto busy = *a.Open("t", "p2", "AppendKv", [&] { ++busy_expired; });
+  auto busy = *a.Open("t", "p2", "AppendKv", [&](absl::Status) { ++busy_expired; });
   const absl::Time end = absl::Now() + absl::Milliseconds(400);
   while (absl::Now() < end) {
     busy->Touch();
@@ -83,6 +86,9 @@ TEST(AdmissionTest, IdleStreamsExpireOnceAndTouchedOnesDoNot) {
   }
   ASSERT_TRUE(fired.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_EQ(idle_expired.load(), 1);
+  EXPECT_EQ(why.code(), absl::StatusCode::kDeadlineExceeded) << why;
+  EXPECT_EQ(ReasonOf(why), ErrorReason::kLimit) << why;
+  EXPECT_TRUE(absl::StrContains(why.message(), "idle timeout of 50 ms")) << why;
   EXPECT_TRUE(idle->expired());
   EXPECT_FALSE(busy->expired());
   EXPECT_EQ(busy_expired.load(), 0);
@@ -99,7 +105,7 @@ TEST(AdmissionTest, TotalTimeoutExpiresAStreamAndItsOwnerMayDropTheTicketFromThe
   Admission a(l);
   std::unique_ptr<Admission::Ticket> t;
   absl::Notification dropped;
-  t = *a.Open("t", "p", "ReadKv", [&] {
+  t = *a.Open("t", "p", "ReadKv", [&](absl::Status) {
     t.reset();  // the owner rolls back and drops its ticket from inside the callback
     dropped.Notify();
   });

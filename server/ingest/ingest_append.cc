@@ -25,7 +25,8 @@ IngestAppend::IngestAppend(std::unique_ptr<AppendTxn> txn, std::string sequence_
       store_(store),
       counters_(counters),
       txn_(std::move(txn)),
-      layers_(model_->num_layers) {}
+      layers_(model_->num_layers),
+      ticket_(std::move(options_.ticket)) {}
 
 IngestAppend::~IngestAppend() = default;
 
@@ -78,6 +79,7 @@ bool IngestAppend::Queue(int32_t layer, Chunk chunk) {
   bool accepting = false;
   {
     absl::MutexLock lock(&mu_);
+    if (ticket_ != nullptr) ticket_->Touch();
     absl::Status refused;
     if (!status_.ok() || commit_requested_) {
       d.failed.emplace_back(
@@ -256,6 +258,7 @@ void IngestAppend::RunChunk(int layer, Chunk chunk) {
   bool layer_complete = false;
   {
     absl::MutexLock lock(&mu_);
+    if (ticket_ != nullptr) ticket_->Touch();  // a producer paused by backpressure is not idle
     --running_;
     --pending_chunks_;
     pending_bytes_ -= chunk.bytes();
@@ -305,6 +308,14 @@ void IngestAppend::RunCommit() {
 }
 
 void IngestAppend::End(absl::StatusOr<AppendResult> result) {
+  // Committed or rolled back: the pages are the sequence's or the pool's again.
+  std::shared_ptr<Admission::Ticket> ticket;
+  {
+    absl::MutexLock lock(&mu_);
+    ticket = std::move(ticket_);
+  }
+  if (ticket != nullptr) ticket->Unreserve(ticket->reserved());
+  ticket.reset();  // released before anyone hears of the end (unless the producer holds it too)
   // Released once run: what it captures (the producer's state) may own this append.
   std::function<void(absl::StatusOr<AppendResult>)> on_end = std::move(on_end_);
   on_end_ = nullptr;

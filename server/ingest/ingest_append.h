@@ -46,6 +46,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/bf16.h"
 #include "kvpool/v1/common.pb.h"
+#include "server/admission/admission.h"
 #include "server/ingest/ingest_counters.h"
 #include "server/sequence_store.h"
 #include "server/worker_pool.h"
@@ -67,6 +68,10 @@ struct IngestOptions {
   size_t max_pending_chunks = 16;
   size_t min_pending_chunks = 2;
   size_t max_pending_bytes = size_t{4} << 20;
+  // The stream's admission ticket (IngestEngine::Admit), or null: the append's reserved pages
+  // count against it until the append ends, and every chunk handed over or staged is progress
+  // (Touch). Its expiry is the owner's to act on (IngestEngine::Begin aborts the append).
+  std::shared_ptr<Admission::Ticket> ticket;
 };
 
 class IngestAppend : public std::enable_shared_from_this<IngestAppend> {
@@ -191,6 +196,8 @@ class IngestAppend : public std::enable_shared_from_this<IngestAppend> {
   bool committing_ ABSL_GUARDED_BY(mu_) = false;        // the commit began
   bool ended_ ABSL_GUARDED_BY(mu_) = false;             // on_end is scheduled
   std::vector<std::function<void()>> on_rolled_back_ ABSL_GUARDED_BY(mu_);
+  // options_.ticket until the append ends (then its reservation is given back).
+  std::shared_ptr<Admission::Ticket> ticket_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvpool::server

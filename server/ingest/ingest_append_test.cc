@@ -9,6 +9,8 @@
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "proto/status.h"
+#include "server/admission/admission.h"
 #include "server/ingest/ingest_engine.h"
 #include "server/server_test_util.h"
 
@@ -56,7 +58,7 @@ class IngestAppendTest : public ::testing::Test {
   }
 
   absl::StatusOr<std::shared_ptr<IngestAppend>> Begin(uint32_t tokens, IngestOptions o = {}) {
-    return engine_.Begin(kDefaultTenant, Header(tokens), std::move(o));
+    return engine_.Begin(kDefaultTenant, "test", Header(tokens), std::move(o));
   }
 
   absl::string_view Bytes(const std::vector<Bf16>& rows, int offset, int count) const {
@@ -289,7 +291,7 @@ TEST_F(IngestAppendTest, ConvertsOtherDtypesAndChecksPayloadSizes) {
     EndWaiter end;
     IngestOptions o;
     end.Watch(&o);
-    auto a = engine_.Begin(kDefaultTenant, Header(10, false, v1::DTYPE_FP32), std::move(o));
+    auto a = engine_.Begin(kDefaultTenant, "test", Header(10, false, v1::DTYPE_FP32), std::move(o));
     ASSERT_TRUE(a.ok()) << a.status();
     for (int layer = 0; layer < 3; ++layer) (*a)->Stage(layer, 0, 10, kb, vb, nullptr);
     (*a)->Commit();
@@ -303,7 +305,7 @@ TEST_F(IngestAppendTest, ConvertsOtherDtypesAndChecksPayloadSizes) {
     end.Watch(&o);
     v1::AppendKvHeader h = Header(10, false, v1::DTYPE_FP32);
     h.set_token_start(10);
-    auto a = engine_.Begin(kDefaultTenant, h, std::move(o));
+    auto a = engine_.Begin(kDefaultTenant, "test", h, std::move(o));
     ASSERT_TRUE(a.ok()) << a.status();
     (*a)->Stage(0, 0, 10, kb.substr(4), vb, nullptr);
     EXPECT_TRUE(absl::IsInvalidArgument(end.Wait().status()));
@@ -328,7 +330,7 @@ TEST_F(IngestAppendTest, AFullWorkerPoolFailsTheAppend) {
   EndWaiter end;
   IngestOptions o;
   end.Watch(&o);
-  auto a = engine.Begin(kDefaultTenant, Header(10), std::move(o));
+  auto a = engine.Begin(kDefaultTenant, "test", Header(10), std::move(o));
   ASSERT_TRUE(a.ok()) << a.status();
   absl::Status chunk;
   (*a)->Stage(0, 0, 10, Bytes(rows, 0, 10), Bytes(rows, 0, 10),
@@ -339,6 +341,57 @@ TEST_F(IngestAppendTest, AFullWorkerPoolFailsTheAppend) {
   tiny.Shutdown();
   workers_.Shutdown();
   EXPECT_EQ(core_.pool->used_bytes(), before);
+}
+
+// Admission: the pages an append reserves count against its ticket as the store reserves them
+// (exactly the pool bytes it took), a cap on reserved bytes refuses the append before anything
+// is reserved, and an append that makes no progress for the idle timeout is rolled back by its
+// ticket's expiry: pages and the sequence's append lock are free again.
+TEST_F(IngestAppendTest, AdmissionCountsReservedPagesCapsThemAndExpiresIdleAppends) {
+  AdmissionLimits limits;
+  limits.idle_timeout = absl::Milliseconds(200);
+  limits.reap_period = absl::Milliseconds(10);
+  Admission admission(limits);
+  IngestEngine engine(core_.store.get(), core_.registry.get(), &workers_, 4096, &admission);
+  const size_t before = core_.pool->used_bytes();
+  {
+    EndWaiter end;
+    IngestOptions o;
+    end.Watch(&o);
+    auto a = engine.Begin(kDefaultTenant, "peer", Header(40), std::move(o));
+    ASSERT_TRUE(a.ok()) << a.status();
+    const AdmissionCounters held = admission.Counters();
+    EXPECT_EQ(held.open_streams, 1u);
+    EXPECT_GT(held.reserved_bytes, 0u);
+    EXPECT_EQ(held.reserved_bytes, core_.pool->used_bytes() - before);
+    // Nothing arrives: the ticket expires and the append ends rolled back.
+    const absl::Status ended = end.Wait().status();
+    EXPECT_EQ(ended.code(), absl::StatusCode::kDeadlineExceeded) << ended;
+    EXPECT_EQ(ReasonOf(ended), ErrorReason::kLimit) << ended;
+    EXPECT_EQ(core_.pool->used_bytes(), before);
+    EXPECT_EQ(admission.Counters().reserved_bytes, 0u);
+    EXPECT_EQ(admission.Counters().expired_idle, 1u);
+  }
+  EXPECT_EQ(admission.Counters().open_streams, 0u);
+  // The lock is free: a new append begins (and one over a byte cap would not).
+  auto again = engine.Begin(kDefaultTenant, "peer", Header(40), IngestOptions{});
+  ASSERT_TRUE(again.ok()) << again.status();
+  (*again)->Abort(absl::CancelledError("done"));
+  again->reset();
+
+  AdmissionLimits capped = limits;
+  capped.max_reserved_bytes_per_connection = 1;
+  Admission tight(capped);
+  IngestEngine tight_engine(core_.store.get(), core_.registry.get(), &workers_, 4096, &tight);
+  // (The abort above rolled back at once: nothing of it was running.)
+  absl::StatusOr<std::shared_ptr<IngestAppend>> refused =
+      tight_engine.Begin(kDefaultTenant, "peer", Header(40), IngestOptions{});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kLimit) << refused.status();
+  EXPECT_EQ(tight.Counters().refused, 1u);
+  EXPECT_EQ(tight.Counters().open_streams, 0u);
+  EXPECT_EQ(core_.pool->used_bytes(), before);
+  workers_.Shutdown();
 }
 
 }  // namespace

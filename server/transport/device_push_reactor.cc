@@ -23,7 +23,7 @@ class DevicePushReactor final : public IngestStreamReactor<v1::DevicePushRequest
   DevicePushReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                     v1::AppendKvResponse* response)
       : IngestStreamReactor(call, response, "PushKv"), ctx_(ctx), tenant_(TenantOf(call)) {
-    StartReading();
+    StartReading(ctx_->ingest, tenant_);
   }
 
  private:
@@ -47,7 +47,7 @@ class DevicePushReactor final : public IngestStreamReactor<v1::DevicePushRequest
     sequence_id_ = h.append().sequence_id();
     // Reads pause while every slot of the transport holds a chunk of this push.
     options.max_pending_chunks = push_->max_pending_chunks();
-    return ctx_->ingest->Begin(tenant_, h.append(), std::move(options));
+    return ctx_->ingest->Begin(tenant_, call()->peer(), h.append(), std::move(options));
   }
 
   absl::StatusOr<bool> Stage(v1::DevicePushRequest& message, IngestAppend& append) override {

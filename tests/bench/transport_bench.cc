@@ -205,7 +205,7 @@ Timing StoreAlone(TestDaemon& d, const ModelShapeSpec& m, const std::string& seq
     end_status = r.status();
     ended.Notify();
   };
-  auto append = ctx->ingest->Begin(server::kDefaultTenant, header, std::move(options));
+  auto append = ctx->ingest->Begin(server::kDefaultTenant, "bench", header, std::move(options));
   Die(append.status(), "IngestEngine::Begin");
   for (int l = 0; l < m.num_layers; ++l) {
     for (int off = 0; off < tokens; off += per_chunk) {

@@ -133,6 +133,9 @@ absl::StatusOr<v1::GetStatsResponse> FuzzDaemon::StateSnapshot() {
     return s;
   resp.clear_service();
   resp.clear_transport();
+  // Counters since start (refusals), and tickets a finished stream gives back when gRPC is done
+  // with it, which may be just after its client saw the answer.
+  resp.clear_admission();
   resp.mutable_pool()->clear_evicted_units();
   // Counters of calls stopped and leases, and the time since each sequence's last use, move
   // with any read or call, successful or not.

@@ -526,7 +526,8 @@ ucs_status_t UcxTransport::OnPushBegin(const void* header, size_t header_length,
     rt_->Post([this, session, push, r = std::move(r)] { OnPushEnded(session, push, r); });
   };
   absl::StatusOr<std::shared_ptr<IngestAppend>> append =
-      ctx_->ingest->Begin(session->tenant, append_header, std::move(options));
+      ctx_->ingest->Begin(session->tenant, absl::StrCat("ucx-session:", session->id), append_header,
+                          std::move(options));
   if (!append.ok()) return fail(append.status());
   push->id = h->push_id;
   push->append = *std::move(append);
