@@ -14,10 +14,10 @@
 #include "absl/strings/str_cat.h"
 #include "client/transport/gpu_client_common.h"
 #include "common/cuda_status.h"
-#include "proto/status.h"
 #include "common/nccl_status.h"
 #include "common/status_macros.h"
 #include "dataplane/attention_wire.h"
+#include "proto/status.h"
 
 namespace kvpool::client {
 namespace {
@@ -115,9 +115,9 @@ absl::Status GpuAttentionClient::Open(absl::Duration timeout) {
   KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
   // Connect both directions before the first call (attention_wire.h, kConnectBytes); the daemon
   // does its half before it answers Negotiate.
-  auto connect = [this](ncclComm_t comm, absl::Time deadline,
-                        const std::function<absl::Status()>& give_up)
-                     ABSL_NO_THREAD_SAFETY_ANALYSIS { return ConnectPeer(comm, deadline, give_up); };
+  auto connect =
+      [this](ncclComm_t comm, absl::Time deadline, const std::function<absl::Status()>& give_up)
+          ABSL_NO_THREAD_SAFETY_ANALYSIS { return ConnectPeer(comm, deadline, give_up); };
   KVPOOL_ASSIGN_OR_RETURN(gpu_internal::NcclSessionJoin joined,
                           gpu_internal::JoinNcclSession(*stub_, v1::NCCL_CHANNEL_USE_ATTENTION,
                                                         timeout, "gpu-attention", connect));

@@ -145,8 +145,7 @@ class GpuAttentionClient {
 
   // The WatchSession stream, kept open as the channel's lease, and its reader thread.
   std::unique_ptr<grpc::ClientContext> lease_context_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<grpc::ClientReader<kvpool::v1::WatchSessionResponse>> lease_
-      ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::ClientReader<kvpool::v1::WatchSessionResponse>> lease_ ABSL_GUARDED_BY(mu_);
   std::thread lease_thread_ ABSL_GUARDED_BY(mu_);
   mutable absl::Mutex lease_mu_;
   bool lease_ended_ ABSL_GUARDED_BY(lease_mu_) = false;

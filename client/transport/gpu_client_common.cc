@@ -8,9 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/cuda_status.h"
-#include "proto/status.h"
 #include "common/nccl_status.h"
 #include "common/status_macros.h"
+#include "proto/status.h"
 
 namespace kvpool::client::gpu_internal {
 

@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "client/transport/gpu_client_common.h"
 #include "common/cuda_status.h"
-#include "proto/status.h"
 #include "common/nccl_status.h"
 #include "common/status_macros.h"
+#include "proto/status.h"
 
 namespace kvpool::client {
 namespace {

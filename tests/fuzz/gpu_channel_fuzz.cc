@@ -6,11 +6,10 @@
 // the input's bytes.
 //
 // Input: one byte picks the message, then its bytes.
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <string>
-
-#include <climits>
 
 #include "dataplane/attention_wire.h"
 #include "kvpool/v1/transport_service.pb.h"

@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "client/npy.h"
+#include "dataplane/attention_wire.h"
+#include "dataplane/ucx_wire.h"
 #include "kernels/rotation_file.h"
 #include "kernels/safetensors.h"
 #include "kvpool/v1/attention_service.pb.h"
@@ -21,8 +23,6 @@
 #include "kvpool/v1/stats_service.pb.h"
 #include "kvpool/v1/transport_service.pb.h"
 #include "server/model_registry.h"
-#include "dataplane/attention_wire.h"
-#include "dataplane/ucx_wire.h"
 #include "tests/fuzz/fuzz_daemon.h"
 #include "tests/fuzz/fuzz_requests.h"
 #include "tests/fuzz/rpc_catalog.h"
@@ -403,7 +403,7 @@ void RpcSeeds(SeedWriter& w) {
     *header.mutable_header()->mutable_append() = AppendRequests(kSequenceId, kBaseTokens, 4,
                                                                 /*token_ids=*/false,
                                                                 /*end_of_prefill=*/false)[0]
-                                                      .header();
+                                                     .header();
     v1::DevicePushRequest chunk;
     chunk.mutable_chunk()->set_layer(0);
     chunk.mutable_chunk()->set_num_tokens(4);
