@@ -83,19 +83,27 @@ absl::StatusOr<std::vector<AttentionResult>> RunPerSequence(AttentionEngine& eng
   return ResultsOf(*m, request, answer);
 }
 
+// Empty sequences "s0" ... of `m`, `n` of them.
+std::vector<std::string> CreateSequences(TestCore& core, const std::shared_ptr<const Model>& m,
+                                         int n) {
+  std::vector<std::string> ids;
+  for (int i = 0; i < n; ++i) {
+    ids.push_back("s" + std::to_string(i));
+    EXPECT_TRUE(core.store->Create(kDefaultTenant, m, ids.back(), {}).ok());
+  }
+  return ids;
+}
+
 TEST(AttentionEngineTest, BatchMatchesDenseAttentionOverStoredKv) {
   TestCore core;
   auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
-  std::vector<std::string> ids;
-  for (int i = 0; i < 5; ++i) {
-    ids.push_back("s" + std::to_string(i));
-    ASSERT_TRUE(core.store->Create(kDefaultTenant, m, ids.back(), {}).ok());
-    if (i == 0) continue;  // an empty sequence: lse -inf, zero output
+  const std::vector<std::string> ids = CreateSequences(core, m, 5);
+  for (int i = 1; i < 5; ++i) {  // s0 stays empty: lse -inf, zero output
     ASSERT_TRUE(
-        AppendAll(*core.store, *m, ids.back(), 0, 20 + 17 * i, AppendKind::kFinalPrefill, i).ok());
+        AppendAll(*core.store, *m, ids[i], 0, 20 + 17 * i, AppendKind::kFinalPrefill, i).ok());
     for (int d = 0; d < i * 3; ++d) {
       ASSERT_TRUE(
-          AppendAll(*core.store, *m, ids.back(), 20 + 17 * i + d, 1, AppendKind::kDecode, 100 + d)
+          AppendAll(*core.store, *m, ids[i], 20 + 17 * i + d, 1, AppendKind::kDecode, 100 + d)
               .ok());
     }
   }
@@ -199,11 +207,9 @@ TEST(AttentionEngineTest, FullQueueIsResourceExhausted) {
 TEST(AttentionEngineTest, CancelledCallSkipsTheSequencesItHasNotStarted) {
   TestCore core;
   auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
-  std::vector<std::string> ids;
+  const std::vector<std::string> ids = CreateSequences(core, m, 5);
   for (int i = 0; i < 5; ++i) {
-    ids.push_back("s" + std::to_string(i));
-    ASSERT_TRUE(core.store->Create(kDefaultTenant, m, ids.back(), {}).ok());
-    ASSERT_TRUE(AppendAll(*core.store, *m, ids.back(), 0, 40, AppendKind::kFinalPrefill, i).ok());
+    ASSERT_TRUE(AppendAll(*core.store, *m, ids[i], 0, 40, AppendKind::kFinalPrefill, i).ok());
   }
   // One worker: the call's task checks before looking at the sequences, then before sequence
   // 0, then the other sequences' tasks check in turn. The caller goes away after sequence 0.
