@@ -126,7 +126,7 @@ fidelity: build venv
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= safetensors_fuzz rotation_file_fuzz npy_fuzz ucx_wire_fuzz gpu_channel_fuzz \
-  negotiate_fuzz rpc_fuzz
+  negotiate_fuzz rpc_fuzz admission_fuzz
 
 fuzz: deps
 	@./scripts/install-deps.sh clang-14 libfuzzer-14-dev libclang-rt-14-dev

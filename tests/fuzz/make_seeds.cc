@@ -287,6 +287,30 @@ void NegotiateSeeds(SeedWriter& w) {
   w.Write(t, "empty", "");
 }
 
+// admission_fuzz: limits byte, then three threads' (op, argument) scripts interleaved. Each seed
+// opens tickets on every thread, reserves, touches, pauses past the idle timeout and drops.
+void AdmissionSeeds(SeedWriter& w) {
+  const std::string t = "admission_fuzz";
+  auto script = [](uint8_t config, const std::vector<std::pair<uint8_t, uint8_t>>& ops) {
+    std::string bytes(1, static_cast<char>(config));
+    for (const auto& [op, arg] : ops) {
+      for (int thread = 0; thread < 3; ++thread) bytes.push_back(static_cast<char>(op));
+      for (int thread = 0; thread < 3; ++thread) {
+        bytes.push_back(static_cast<char>(arg + thread));
+      }
+    }
+    return bytes;
+  };
+  // Thread i reads bytes i, i + 3, ... of what follows the limits: each entry below becomes
+  // every thread's (op, argument + i).
+  const std::vector<std::pair<uint8_t, uint8_t>> busy = {
+      {0, 0x10}, {1, 40}, {0, 0x91}, {1, 200}, {3, 0},   {2, 10}, {5, 250},
+      {1, 30},   {4, 0},  {0, 0x22}, {5, 255}, {5, 255}, {4, 1},  {4, 2}};
+  w.Write(t, "capped-short-idle", script(0x35, busy));   // 1 stream/conn, 1/tenant, bytes caps
+  w.Write(t, "uncapped-long-idle", script(0x80, busy));  // no caps, 3 ms idle
+  w.Write(t, "tenant-bytes", script(0x4a, busy));        // 2 streams/conn, 2/tenant, 3 KiB/tenant
+}
+
 void RpcSeeds(SeedWriter& w) {
   const std::string t = "rpc_fuzz";
   auto unary = [&](Rpc rpc, const std::string& name, const google::protobuf::Message& m) {
@@ -430,6 +454,7 @@ int main(int argc, char** argv) {
   kvpool::fuzz::GpuChannelSeeds(w);
   kvpool::fuzz::NegotiateSeeds(w);
   kvpool::fuzz::RpcSeeds(w);
+  kvpool::fuzz::AdmissionSeeds(w);
   std::printf("make_seeds: wrote %d seeds under %s\n", w.count(), argv[1]);
   return w.ok() ? 0 : 1;
 }
