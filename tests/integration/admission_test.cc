@@ -56,19 +56,11 @@ v1::AppendKvHeader Header(const std::string& id, int tokens) {
 
 absl::StatusOr<v1::AppendKvResponse> AppendAll(const KvpoolClient& c, const std::string& id,
                                                const SequenceKv& kv) {
-  std::vector<client::LayerKv> layers;
-  for (size_t l = 0; l < kv.k.size(); ++l) {
-    layers.push_back({static_cast<int>(l), AsBytes(kv.k[l]), AsBytes(kv.v[l])});
-  }
-  return c.AppendKv(Header(id, kv.tokens), layers);
+  return AppendSequence(c, id, kv);
 }
 
 std::unique_ptr<KvpoolClient> Connect(const std::string& target) {
-  client::ClientOptions options;
-  options.deadline = absl::Seconds(600);
-  absl::StatusOr<std::unique_ptr<KvpoolClient>> c = KvpoolClient::Connect(target, options);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? *std::move(c) : nullptr;
+  return ConnectClient(target, absl::Seconds(600));
 }
 
 class AdmissionTest : public DaemonTest {
@@ -87,22 +79,6 @@ class AdmissionTest : public DaemonTest {
       ASSERT_TRUE(m.ok()) << m.status();
       registered_ = true;
     }
-  }
-
-  v1::GetStatsResponse Stats() {
-    absl::StatusOr<v1::GetStatsResponse> s = client().GetStats();
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? *s : v1::GetStatsResponse();
-  }
-
-  // Polls GetStats until `done` holds (a generous deadline; never a duration asserted).
-  bool WaitFor(const std::function<bool(const v1::GetStatsResponse&)>& done) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(180);
-    while (absl::Now() < deadline) {
-      if (done(Stats())) return true;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    return false;
   }
 
   static bool registered_;
@@ -131,13 +107,13 @@ TEST_F(AdmissionTest, HeaderOnlyStreamsAreCappedAndExpireSoAnHonestAppendSucceed
     absl::StatusOr<std::unique_ptr<client::AppendStream>> probe =
         client().OpenAppend(Header("pin-0", kProbe));
     ASSERT_TRUE(probe.ok()) << probe.status();
-    ASSERT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+    ASSERT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
       probe_bytes = s.admission().reserved_bytes();
       return s.admission().reserved_bytes() > 0;
     }));
     (*probe)->Cancel();
   }
-  ASSERT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  ASSERT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     return s.admission().open_streams() == 0 && s.admission().reserved_bytes() == 0;
   }));
 
@@ -160,7 +136,7 @@ TEST_F(AdmissionTest, HeaderOnlyStreamsAreCappedAndExpireSoAnHonestAppendSucceed
     pins.push_back(*std::move(s));
   }
   uint64_t pinned = 0;
-  ASSERT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  ASSERT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     pinned = s.admission().reserved_bytes();
     return s.admission().open_streams() == kStreamCap &&
            s.pool().used_bytes() - base.pool().used_bytes() == pinned && pinned > capacity / 2;
@@ -183,7 +159,7 @@ TEST_F(AdmissionTest, HeaderOnlyStreamsAreCappedAndExpireSoAnHonestAppendSucceed
 
   // After the idle timeout every header-only stream is rolled back and ends with
   // DEADLINE_EXCEEDED, reason LIMIT; its pages are back in the pool.
-  ASSERT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  ASSERT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     return s.admission().open_streams() == 0 && s.admission().reserved_bytes() == 0 &&
            s.pool().used_bytes() == base.pool().used_bytes();
   })) << "header-only streams still hold the pool";
@@ -211,7 +187,7 @@ TEST_F(AdmissionTest, HeaderOnlyStreamsAreCappedAndExpireSoAnHonestAppendSucceed
   for (const char* id : {"honest", "pin-0", "pin-1", "pin-2", "pin-3", "pin-extra"}) {
     EXPECT_TRUE(client().ReleaseSequence(id).ok()) << id;
   }
-  EXPECT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  EXPECT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     return s.pool().used_bytes() == base.pool().used_bytes() && s.admission().open_streams() == 0 &&
            s.admission().reserved_bytes() == 0;
   }));
@@ -301,7 +277,7 @@ TEST_F(AdmissionTest, AFrozenClientLosesItsLockAndReservationAfterTheIdleTimeout
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, WUNTRACED), child);
   ASSERT_TRUE(WIFSTOPPED(status)) << "the child did not stop";
-  ASSERT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  ASSERT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     return s.admission().open_streams() == 1 && s.admission().reserved_bytes() > 0;
   }));
 
@@ -311,7 +287,7 @@ TEST_F(AdmissionTest, AFrozenClientLosesItsLockAndReservationAfterTheIdleTimeout
   EXPECT_EQ(client().SealSequence("frozen").status().code(), absl::StatusCode::kAborted);
 
   // After the idle timeout the daemon rolls the frozen append back: lock and pages are free.
-  ASSERT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  ASSERT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     return s.admission().open_streams() == 0 && s.admission().reserved_bytes() == 0 &&
            s.pool().used_bytes() == base.pool().used_bytes();
   })) << "the frozen client still holds its reservation";
@@ -324,7 +300,7 @@ TEST_F(AdmissionTest, AFrozenClientLosesItsLockAndReservationAfterTheIdleTimeout
   absl::StatusOr<v1::SequenceInfo> sealed = client().SealSequence("frozen");
   ASSERT_TRUE(sealed.ok()) << sealed.status();
   EXPECT_TRUE(client().ReleaseSequence("frozen").ok());
-  EXPECT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  EXPECT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     return s.pool().used_bytes() == base.pool().used_bytes();
   }));
 }

@@ -71,6 +71,21 @@ void DaemonTest::TearDownTestSuite() {
   daemon_.reset();
 }
 
+v1::GetStatsResponse DaemonTest::Stats() {
+  absl::StatusOr<v1::GetStatsResponse> s = client_->GetStats();
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *s : v1::GetStatsResponse();
+}
+
+bool DaemonTest::WaitForStats(const std::function<bool(const v1::GetStatsResponse&)>& done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(240);
+  while (absl::Now() < deadline) {
+    if (done(Stats())) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return false;
+}
+
 void DaemonTest::SetUp() {
   ASSERT_NE(daemon_, nullptr) << "kvpoold did not start";
   client::ClientOptions options;
@@ -123,13 +138,9 @@ SequenceKv MakeSequenceKv(const Shape& shape, int tokens, uint64_t seed) {
   return kv;
 }
 
-absl::StatusOr<v1::AppendKvResponse> CreateAndAppend(const KvpoolClient& c,
-                                                     const std::string& model_id,
-                                                     const std::string& id, const SequenceKv& kv,
-                                                     bool end_of_prefill,
-                                                     const std::vector<uint32_t>& token_ids) {
-  absl::StatusOr<v1::CreateSequenceResponse> created = c.CreateSequence(model_id, id);
-  if (!created.ok()) return created.status();
+absl::StatusOr<v1::AppendKvResponse> AppendSequence(const KvpoolClient& c, const std::string& id,
+                                                    const SequenceKv& kv, bool end_of_prefill,
+                                                    const std::vector<uint32_t>& token_ids) {
   v1::AppendKvHeader header;
   header.set_sequence_id(id);
   header.set_token_start(0);
@@ -142,6 +153,24 @@ absl::StatusOr<v1::AppendKvResponse> CreateAndAppend(const KvpoolClient& c,
     layers.push_back({static_cast<int>(l), AsBytes(kv.k[l]), AsBytes(kv.v[l])});
   }
   return c.AppendKv(header, layers);
+}
+
+absl::StatusOr<v1::AppendKvResponse> CreateAndAppend(const KvpoolClient& c,
+                                                     const std::string& model_id,
+                                                     const std::string& id, const SequenceKv& kv,
+                                                     bool end_of_prefill,
+                                                     const std::vector<uint32_t>& token_ids) {
+  absl::StatusOr<v1::CreateSequenceResponse> created = c.CreateSequence(model_id, id);
+  if (!created.ok()) return created.status();
+  return AppendSequence(c, id, kv, end_of_prefill, token_ids);
+}
+
+std::unique_ptr<KvpoolClient> ConnectClient(const std::string& target, absl::Duration deadline) {
+  client::ClientOptions options;
+  options.deadline = deadline;
+  absl::StatusOr<std::unique_ptr<KvpoolClient>> c = KvpoolClient::Connect(target, options);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *std::move(c) : nullptr;
 }
 
 QuantConfig KernelQuant(const v1::QuantConfig& q) {

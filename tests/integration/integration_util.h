@@ -79,6 +79,11 @@ class DaemonTest : public ::testing::Test {
 
   void SetUp() override;
   KvpoolClient& client() { return *client_; }
+  // GetStats through client() (a failure is a test failure and answers an empty response).
+  v1::GetStatsResponse Stats();
+  // Polls Stats() until `done` holds; false after a generous deadline (never a duration that a
+  // test asserts). Safe from several threads.
+  bool WaitForStats(const std::function<bool(const v1::GetStatsResponse&)>& done);
   LocalDaemon& daemon() { return *daemon_; }
 
   static std::unique_ptr<LocalDaemon> daemon_;
@@ -117,6 +122,17 @@ struct SequenceKv {
   std::vector<std::vector<Bf16>> k, v;
 };
 SequenceKv MakeSequenceKv(const Shape& shape, int tokens, uint64_t seed);
+
+// Appends `kv` to the existing sequence `id` from token 0 in one AppendKv stream (layer by
+// layer), with `token_ids` when not empty.
+absl::StatusOr<v1::AppendKvResponse> AppendSequence(const KvpoolClient& c, const std::string& id,
+                                                    const SequenceKv& kv,
+                                                    bool end_of_prefill = false,
+                                                    const std::vector<uint32_t>& token_ids = {});
+
+// A client on its own connection whose calls have `deadline` (a failure is a test failure and
+// answers null).
+std::unique_ptr<KvpoolClient> ConnectClient(const std::string& target, absl::Duration deadline);
 
 // Creates `id` and appends `kv` in one AppendKv stream (layer by layer), with `token_ids` when
 // not empty, `end_of_prefill` as given.

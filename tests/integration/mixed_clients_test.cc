@@ -42,15 +42,6 @@ v1::AppendKvHeader Header(const std::string& id, int tokens) {
   return h;
 }
 
-absl::StatusOr<v1::AppendKvResponse> AppendAll(const KvpoolClient& c, const std::string& id,
-                                               const SequenceKv& kv) {
-  std::vector<client::LayerKv> layers;
-  for (size_t l = 0; l < kv.k.size(); ++l) {
-    layers.push_back({static_cast<int>(l), AsBytes(kv.k[l]), AsBytes(kv.v[l])});
-  }
-  return c.AppendKv(Header(id, kv.tokens), layers);
-}
-
 v1::AttendRequest OneQuery(const std::string& id, uint64_t seed) {
   v1::AttendRequest r;
   r.set_model_id("mixed");
@@ -63,14 +54,6 @@ v1::AttendRequest OneQuery(const std::string& id, uint64_t seed) {
   return r;
 }
 
-std::unique_ptr<KvpoolClient> Connect(const std::string& target, absl::Duration deadline) {
-  client::ClientOptions options;
-  options.deadline = deadline;
-  absl::StatusOr<std::unique_ptr<KvpoolClient>> c = KvpoolClient::Connect(target, options);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return c.ok() ? *std::move(c) : nullptr;
-}
-
 class MixedClientsTest : public DaemonTest {
  protected:
   static void SetUpTestSuite() {
@@ -78,21 +61,6 @@ class MixedClientsTest : public DaemonTest {
                       absl::StrCat("--max_streams_per_connection=", kStreamCap),
                       "--max_reserved_bytes_per_connection=3145728",
                       "--stream_idle_timeout_ms=2000"});
-  }
-
-  v1::GetStatsResponse Stats() {
-    absl::StatusOr<v1::GetStatsResponse> s = client().GetStats();
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? *s : v1::GetStatsResponse();
-  }
-
-  bool WaitFor(const std::function<bool(const v1::GetStatsResponse&)>& done) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(240);
-    while (absl::Now() < deadline) {
-      if (done(Stats())) return true;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    return false;
   }
 };
 
@@ -140,7 +108,7 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
 
   for (int c = 0; c < kHonest; ++c) {
     threads.emplace_back([&, c] {
-      std::unique_ptr<KvpoolClient> honest = Connect(target, absl::Seconds(300));
+      std::unique_ptr<KvpoolClient> honest = ConnectClient(target, absl::Seconds(300));
       if (honest == nullptr) return;
       const SequenceKv kv = MakeSequenceKv(kShape, kHonestTokens, 100 + c);
       // At least one round, and rounds for as long as a hostile client is at work.
@@ -148,7 +116,7 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
         const std::string id = absl::StrCat("honest-", c, "-", round);
         absl::Status s = honest->CreateSequence("mixed", id).status();
         EXPECT_TRUE(s.ok()) << id << ": " << s;
-        absl::StatusOr<v1::AppendKvResponse> appended = AppendAll(*honest, id, kv);
+        absl::StatusOr<v1::AppendKvResponse> appended = AppendSequence(*honest, id, kv);
         EXPECT_TRUE(appended.ok()) << id << ": " << appended.status();
         absl::StatusOr<v1::AttendResponse> a = honest->Attend(OneQuery(id, round));
         EXPECT_TRUE(a.ok()) << id << ": " << a.status();
@@ -165,7 +133,7 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
 
   for (int c = 0; c < kHeaderOnly; ++c) {
     threads.emplace_back([&, c] {
-      std::unique_ptr<KvpoolClient> hostile = Connect(target, absl::Seconds(600));
+      std::unique_ptr<KvpoolClient> hostile = ConnectClient(target, absl::Seconds(600));
       std::vector<std::unique_ptr<client::AppendStream>> streams;
       for (int i = 0; hostile != nullptr && i < kHeaderOnlyStreams; ++i) {
         const std::string id = absl::StrCat("pin-", c, "-", i);
@@ -179,7 +147,7 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
         }
       }
       // Silent until the daemon has ended every hostile stream.
-      EXPECT_TRUE(WaitFor(all_hostile_streams_ended));
+      EXPECT_TRUE(WaitForStats(all_hostile_streams_ended));
       for (auto& s : streams) tally.Count(s->Finish().status());
       for (int i = 0; hostile != nullptr && i < kHeaderOnlyStreams; ++i) {
         const std::string id = absl::StrCat("pin-", c, "-", i);
@@ -191,7 +159,7 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
 
   for (int c = 0; c < kFrozen; ++c) {
     threads.emplace_back([&, c] {
-      std::unique_ptr<KvpoolClient> frozen = Connect(target, absl::Seconds(600));
+      std::unique_ptr<KvpoolClient> frozen = ConnectClient(target, absl::Seconds(600));
       const std::string id = absl::StrCat("frozen-", c);
       const SequenceKv kv = MakeSequenceKv(kShape, 512, 200 + c);
       if (frozen != nullptr && frozen->CreateSequence("mixed", id).ok()) {
@@ -201,13 +169,13 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
           // Half the layers, then nothing: the append holds the sequence until the idle limit.
           absl::Status half = (*s)->WriteLayer(0, 0, kv.tokens, AsBytes(kv.k[0]), AsBytes(kv.v[0]));
           EXPECT_TRUE(half.ok()) << half;
-          EXPECT_TRUE(WaitFor(all_hostile_streams_ended));
+          EXPECT_TRUE(WaitForStats(all_hostile_streams_ended));
           tally.Count((*s)->Finish().status());
         } else {
           tally.Count(s.status());
         }
         // The lock came back with the rollback: the whole append now succeeds.
-        absl::StatusOr<v1::AppendKvResponse> retry = AppendAll(*frozen, id, kv);
+        absl::StatusOr<v1::AppendKvResponse> retry = AppendSequence(*frozen, id, kv);
         EXPECT_TRUE(retry.ok()) << id << ": " << retry.status();
         EXPECT_TRUE(frozen->ReleaseSequence(id).ok()) << id;
       }
@@ -217,9 +185,9 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
 
   for (int c = 0; c < kCancelling; ++c) {
     threads.emplace_back([&, c] {
-      std::unique_ptr<KvpoolClient> canceller = Connect(target, absl::Seconds(300));
+      std::unique_ptr<KvpoolClient> canceller = ConnectClient(target, absl::Seconds(300));
       // Its Attend calls give up after a millisecond.
-      std::unique_ptr<KvpoolClient> impatient = Connect(target, absl::Milliseconds(1));
+      std::unique_ptr<KvpoolClient> impatient = ConnectClient(target, absl::Milliseconds(1));
       const SequenceKv kv = MakeSequenceKv(kShape, 1024, 300 + c);
       const std::string id = absl::StrCat("cancel-", c);
       if (canceller != nullptr && impatient != nullptr &&
@@ -229,7 +197,7 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
           // A connection per cancelled append: the daemon tears a cancelled stream down after
           // the client has moved on, and the next one must not meet the connection's stream cap
           // (the refusals counted here are the pinning clients').
-          std::unique_ptr<KvpoolClient> appender = Connect(target, absl::Seconds(300));
+          std::unique_ptr<KvpoolClient> appender = ConnectClient(target, absl::Seconds(300));
           if (appender == nullptr) break;
           absl::StatusOr<std::unique_ptr<client::AppendStream>> s =
               appender->OpenAppend(Header(id, kv.tokens));
@@ -258,7 +226,7 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
   for (std::thread& t : threads) t.join();
 
   // Nothing stays open or reserved, and the pool is exactly as it was.
-  ASSERT_TRUE(WaitFor([&](const v1::GetStatsResponse& s) {
+  ASSERT_TRUE(WaitForStats([&](const v1::GetStatsResponse& s) {
     return s.admission().open_streams() == 0 && s.admission().reserved_bytes() == 0 &&
            s.pool().used_bytes() == base.pool().used_bytes();
   })) << "streams still open or bytes still reserved after every client finished";

@@ -19,13 +19,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
-#include "proto/status.h"
 #include "dataplane/ucx_runtime.h"
 #include "dataplane/ucx_wire.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
+#include "proto/status.h"
 #include "tests/integration/integration_util.h"
 
 namespace kvpool::integration {
