@@ -1,6 +1,7 @@
 #include "server/transport/ucx/ucx_transport.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <random>
@@ -71,7 +72,9 @@ struct UcxTransport::Session {
   bool peer_error_handling = true;         // else the client process is watched
   bool watch = false;                      // the client runs on this host: watch its process
   ucx::ProcessIdentity peer;
-  bool dead = false;
+  // Set on the progress thread when the session ends; read by attention work on the workers,
+  // which stops between units once the session that asked is gone.
+  std::atomic<bool> dead{false};
   absl::Time ended;
   std::map<uint64_t, std::shared_ptr<Push>> pushes;
   uint32_t queued = 0;  // LAYER_DATA pending or receiving
@@ -923,7 +926,12 @@ void UcxTransport::RunAttention(const std::shared_ptr<Session>& session,
           ucx::SendAm(rt_.get(), session->ep, wire::kAttendDone,
                       Message(wire::Encode(d), std::move(payload)), nullptr);
         });
-      });
+      },
+      // The client has no per-call cancel on this plane: its session ending (closed, its
+      // process gone, its endpoint failed) is what cancels the work it asked for.
+      std::make_shared<CallCancellation>(
+          absl::InfiniteFuture(), [session] { return session->dead.load(); },
+          &ctx_->counters.cancellation));
   if (!started.ok()) SendAttendError(session, call_id, started);
 }
 
