@@ -22,7 +22,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <random>
 #include <utility>
 #include <vector>
 
@@ -36,6 +35,10 @@
 #include "server/tenant.h"
 
 namespace kvpool::server {
+
+// 64 bits from a cryptographically secure generator (OpenSSL's RAND_bytes): a session id says
+// nothing about the next one. Aborts if the generator cannot be seeded (never on Linux).
+uint64_t SecureRandomSessionId();
 
 template <typename T>
 class SessionRegistry {
@@ -52,7 +55,7 @@ class SessionRegistry {
           absl::StrCat("too many sessions (", max_sessions_, "); close one"));
     }
     uint64_t id = 0;
-    while (id == 0 || entries_.count(id) > 0) id = rng_();
+    while (id == 0 || entries_.count(id) > 0) id = SecureRandomSessionId();
     Entry& e = entries_[id];
     e.tenant = tenant;
     e.session = std::move(session);
@@ -185,7 +188,6 @@ class SessionRegistry {
   const size_t max_sessions_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
 };
 
 }  // namespace kvpool::server
