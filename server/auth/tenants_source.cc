@@ -50,12 +50,13 @@ absl::Status TenantsSource::Reload() {
                 : absl::StatusOr<std::shared_ptr<const TenantDirectory>>(text.status());
   if (text.ok() && *text == content_) return absl::OkStatus();
   if (!dir.ok()) {
-    // Counted once per bad content, not once per poll.
-    if (!text.ok() || *text != failed_content_) {
+    // Counted and logged once per bad content (or read error), not once per poll.
+    const std::string failure = text.ok() ? *text : dir.status().ToString();
+    if (failure != failed_content_) {
       ++reload_failures_;
       spdlog::error("tenants file not reloaded, the previous one stays in force: {}",
                     dir.status().ToString());
-      if (text.ok()) failed_content_ = *text;
+      failed_content_ = failure;
     }
     return dir.status();
   }

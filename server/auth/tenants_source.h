@@ -63,6 +63,7 @@ class TenantsSource {
   std::shared_ptr<const TenantDirectory> current_ ABSL_GUARDED_BY(mu_);
   absl::Mutex reload_mu_;  // one reload at a time
   std::string content_ ABSL_GUARDED_BY(reload_mu_);
+  // The content (or read error) of the last refused reload.
   std::string failed_content_ ABSL_GUARDED_BY(reload_mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread poller_;
