@@ -116,6 +116,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       for (const TenantIdentity& t : before.tenants()) {
         if (after.Find(t.name) == nullptr) server->ReleaseTenant(t.name);
       }
+      // Calls that raced a removal ran in nobody's namespace: nothing there is kept either.
+      server->ReleaseTenant(kUnresolvedTenant);
     });
     ctx.tenants = s->tenants_.get();
     spdlog::info("tenants file {}: {} tenants", config.tenants_file,
@@ -240,6 +242,7 @@ void KvpoolServer::ReleaseTenant(const TenantId& tenant) {
     sequences += released;
     ++models;
   }
+  if (models == 0) return;
   spdlog::info(
       "tenant '{}' removed from the tenants file: {} models and {} sequences released, "
       "{} bytes freed",
