@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/transport/ucx_channel.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
 #include "server/auth/token_hash.h"
 #include "tests/integration/integration_util.h"
@@ -567,6 +568,67 @@ TEST_F(TenancyTest, RotatedServerCertificateServesNewConnections) {
   CopyFile(Cert("server.key"), *dir_ + "/live/server.key");
   CopyFile(Cert("server.pem"), *dir_ + "/live/server.pem");
   ASSERT_TRUE(Eventually([&] { return ServerCommonName(*As(Token(kTokA))) == "kvpoold"; }));
+}
+
+// The UCX data plane under TLS and tokens: a session belongs to the tenant that negotiated it;
+// it pushes only into that tenant's sequences, and another tenant cannot close or watch it.
+TEST_F(TenancyTest, UcxSessionsAreBoundToTheNegotiatingTenant) {
+  ClientOptions health;
+  health.security.tls_root_ca_file = Cert("ca.pem");
+  auto d =
+      StartDaemon({"--pool_bytes=67108864", "--worker_threads=2", "--tenants_file=" + TenantsPath(),
+                   "--tls_cert=" + Cert("server.pem"), "--tls_key=" + Cert("server.key"),
+                   "--transports=ucx", "--ucx_tls=tcp", "--ucx_net_devices=lo"},
+                  health);
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto connect = [&](const char* token) {
+    ClientOptions o;
+    o.deadline = absl::Seconds(120);
+    o.security = Token(token);
+    auto c = KvpoolClient::Connect((*d)->target(), o);
+    EXPECT_TRUE(c.ok());
+    return *std::move(c);
+  };
+  auto a = connect(kTokA);
+  auto b = connect(kTokB);
+  ASSERT_TRUE(RegisterDataFree(*a, "m-u", kShape, v1::ROTATION_KIND_HADAMARD, 1).ok());
+  ASSERT_TRUE(RegisterDataFree(*b, "m-u", kShape, v1::ROTATION_KIND_HADAMARD, 1).ok());
+  ASSERT_TRUE(a->CreateSequence("m-u", "u-a").ok());
+  ASSERT_TRUE(b->CreateSequence("m-u", "u-b").ok());
+  client::UcxChannelOptions uo;
+  uo.runtime.tls = "tcp";
+  uo.runtime.net_devices = "lo";
+  uo.deadline = absl::Seconds(120);
+  auto ch = client::UcxChannel::Connect(a->channel(), uo);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const uint64_t session = (*ch)->session().session_id();
+  const SequenceKv kv = MakeSequenceKv(kShape, 40, 8);
+  auto push = [&](const std::string& id) -> absl::Status {
+    auto p = (*ch)->BeginPush({id, 0, static_cast<uint32_t>(kv.tokens), true, {}});
+    if (!p.ok()) return p.status();
+    for (int l = 0; l < kShape.num_layers; ++l) {
+      absl::Status s = (*p)->PushLayer(l, 0, kv.tokens, AsBytes(kv.k[l]), AsBytes(kv.v[l]));
+      if (!s.ok()) return s;
+    }
+    return (*p)->Finish().status();
+  };
+  KV_ASSERT_OK(push("u-a"));
+  // A's session naming B's sequence finds nothing, exactly as a sequence that does not exist.
+  const absl::Status foreign = push("u-b");
+  EXPECT_EQ(foreign.code(), push("u-missing").code()) << foreign;
+  EXPECT_FALSE(foreign.ok());
+  auto described = b->DescribeSequence("u-b");
+  ASSERT_TRUE(described.ok());
+  EXPECT_EQ(described->total_tokens(), 0u);
+  // B cannot close or watch A's session: NOT_FOUND, as for a session that does not exist.
+  EXPECT_EQ(Transport(*b, "CloseSession", session).code(), C::kNotFound);
+  EXPECT_EQ(Transport(*b, "WatchSession", session).code(), C::kNotFound);
+  EXPECT_EQ(Transport(*a, "CloseSession", session ^ 1).code(), C::kNotFound);
+  // A's session is intact.
+  ASSERT_TRUE(a->CreateSequence("m-u", "u-a2").ok());
+  KV_ASSERT_OK(push("u-a2"));
+  ch->reset();
+  EXPECT_TRUE((*d)->Stop().ok());
 }
 
 // Runs kvpoold with `flags` to its exit; its status and output.
