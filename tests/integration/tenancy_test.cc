@@ -631,6 +631,30 @@ TEST_F(TenancyTest, UcxSessionsAreBoundToTheNegotiatingTenant) {
   EXPECT_TRUE((*d)->Stop().ok());
 }
 
+// The kvpool CLI over TLS: the token from $KVPOOL_TOKEN or --token_file, never the command line.
+TEST_F(TenancyTest, CliSpeaksTlsWithATokenFromTheEnvironmentOrAFile) {
+  const std::string out = *dir_ + "/cli.out";
+  auto cli = [&](const std::string& env, const std::string& flags) {
+    const std::string cmd = env + " " + KVPOOL_CLI_PATH + " --target=" + daemon_->target() +
+                            " --tls_ca=" + Cert("ca.pem") + " " + flags + " models >" + out +
+                            " 2>&1";
+    const int status = std::system(cmd.c_str());
+    std::ifstream in(out);
+    return std::make_pair(
+        WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+        std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
+  };
+  auto [code, text] = cli(std::string("KVPOOL_TOKEN=") + kTokA, "");
+  EXPECT_EQ(code, 0) << text;
+  const std::string token_file = *dir_ + "/token-b";
+  WriteFile(token_file, std::string(kTokB) + "\n");
+  std::tie(code, text) = cli("KVPOOL_TOKEN=", "--token_file=" + token_file);
+  EXPECT_EQ(code, 0) << text;
+  std::tie(code, text) = cli("KVPOOL_TOKEN=", "");
+  EXPECT_NE(code, 0);
+  EXPECT_TRUE(absl::StrContains(text, "UNAUTHENTICATED")) << text;
+}
+
 // Runs kvpoold with `flags` to its exit; its status and output.
 std::pair<int, std::string> RunDaemonToExit(const std::string& dir, const std::string& flags) {
   const std::string log = dir + "/refused.log";
