@@ -11,7 +11,7 @@ CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
 .PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
-	bench-service bench-transport format clean venv fidelity fuzz
+	bench-service bench-tenancy bench-transport format clean venv fidelity fuzz
 
 all: build
 
@@ -86,6 +86,12 @@ bench-cpu: build
 bench-service: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-service --out bench-results/service.json
+
+# What TLS and tokens cost: ingest and remote attention beside a plaintext daemon in the same
+# run, and a foreign-prefix lookup beside a miss (docs/security.md).
+bench-tenancy: build
+	@mkdir -p bench-results
+	$(BUILD)/bin/kvpool-bench-tenancy --out bench-results/tenancy_tls.json
 
 # The UCX data plane (loopback, shared memory and tcp) beside ucx_perftest in the same run:
 # ingest MB/s, remote-attention round trip (gRPC vs UCX vs compute), layer-wise overlap.

@@ -30,6 +30,14 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvpoold address (host:port)");
 ABSL_FLAG(int32_t, timeout_s, 300, "Deadline of each call in seconds");
+ABSL_FLAG(std::string, token_file, "",
+          "File whose first line is the bearer token (the environment variable KVPOOL_TOKEN, "
+          "when set, wins; a token on the command line would be visible to other users)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle to verify kvpoold with: turns TLS on");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mutual TLS; with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name to verify kvpoold's certificate against instead of --target's host");
 ABSL_FLAG(int64_t, chunk_bytes, 256 << 10, "Largest K+V payload of one AppendKv message");
 
 ABSL_FLAG(std::string, service, "", "health: service name ('' = the whole server)");
@@ -689,6 +697,17 @@ int Main(int argc, char** argv) {
   ClientOptions options;
   options.deadline = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
   options.chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes));
+  absl::StatusOr<std::string> token =
+      client::TokenFromEnvironmentOrFile("KVPOOL_TOKEN", absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) {
+    std::fprintf(stderr, "kvpool: %s\n", std::string(token.status().message()).c_str());
+    return 2;
+  }
+  options.security.token = *std::move(token);
+  options.security.tls_root_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.security.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   absl::StatusOr<std::unique_ptr<KvpoolClient>> client =
       KvpoolClient::Connect(absl::GetFlag(FLAGS_target), options);
   absl::Status status;

@@ -179,7 +179,10 @@ absl::StatusOr<std::unique_ptr<KvpoolClient>> KvpoolClient::Connect(const std::s
   args.SetMaxSendMessageSize(-1);  // the server enforces its own limit, with a clear status
   // Each client gets its own connection (no sharing of subchannels between clients).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client->channel_ = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      OpenChannel(target, options.security, args);
+  if (!channel.ok()) return channel.status();
+  client->channel_ = *std::move(channel);
   client->health_ = grpc::health::v1::Health::NewStub(client->channel_);
   client->stubs_ = std::make_unique<ServiceStubs>(client->channel_);
   client->append_kv_ = std::make_unique<grpc::internal::RpcMethod>(

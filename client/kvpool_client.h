@@ -44,6 +44,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "client/client_channel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
@@ -71,6 +72,8 @@ struct ClientOptions {
   int max_receive_message_bytes = 64 << 20;
   // Wait for the channel to connect instead of failing fast with UNAVAILABLE.
   bool wait_for_ready = false;
+  // TLS and the bearer token (client_channel.h); default: plaintext, no token.
+  ChannelSecurity security;
 };
 
 // The server's gRPC status as an absl::Status (proto/status.h): the same code, the message

@@ -139,7 +139,8 @@ absl::StatusOr<std::unique_ptr<LocalDaemon>> LocalDaemon::Start(const LocalDaemo
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 
-  absl::StatusOr<std::unique_ptr<KvpoolClient>> client = KvpoolClient::Connect(daemon->target());
+  absl::StatusOr<std::unique_ptr<KvpoolClient>> client =
+      KvpoolClient::Connect(daemon->target(), options.client);
   if (!client.ok()) return client.status();
   const absl::Status serving =
       (*client)->WaitForServing(std::max(absl::Seconds(5), give_up - absl::Now()));

@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/kvpool_client.h"
 
 namespace kvpool::client {
 
@@ -44,6 +45,8 @@ struct LocalDaemonOptions {
   // When positive, the daemon's soft and hard descriptor limits (RLIMIT_NOFILE), as
   // `prlimit --nofile=N:N` would set them.
   uint64_t max_open_files = 0;
+  // How Start's health check connects (TLS options when the flags turn TLS on).
+  ClientOptions client;
 };
 
 class LocalDaemon {

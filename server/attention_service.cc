@@ -29,7 +29,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        const v1::AttendRequest* request,
                                                        v1::AttendResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   ServiceContext* ctx = ctx_;
   auto start = [&]() -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,

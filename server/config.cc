@@ -1,5 +1,8 @@
 #include "server/config.h"
 
+#include <arpa/inet.h>
+
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -14,10 +17,30 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/file_read.h"
+#include "common/status_macros.h"
 
 ABSL_FLAG(std::string, config, "", "Optional config file of `name = value` lines (flag names)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "Address to serve gRPC on (host:port; port 0 picks a free one)");
+ABSL_FLAG(std::string, tenants_file, "",
+          "Tenants file (text format of proto/kvpool/v1/tenants.proto): who may call, by token "
+          "hash or client-certificate name, in which role. Re-read when it changes and on "
+          "SIGHUP. Empty: every caller is the one default tenant, and --listen must be a "
+          "loopback address unless --insecure (docs/security.md)");
+ABSL_FLAG(int32_t, tenants_poll_ms, 1000, "How often the tenants file is checked for changes");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of the server: serve gRPC over TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificates that client certificates must chain to: clients may then "
+          "authenticate with a certificate (URI SAN kvpool://tenant/NAME, else subject CN, "
+          "mapped through --tenants_file's certificate_name)");
+ABSL_FLAG(int32_t, tls_refresh_seconds, 60,
+          "How often the TLS files are re-read: rotated certificates apply to new connections "
+          "without a restart");
+ABSL_FLAG(bool, insecure, false,
+          "Serve a non-loopback --listen address without a tenants file: anyone who can reach "
+          "the port can read, write and delete all K/V");
 ABSL_FLAG(std::string, device, "cpu",
           "Where the pool lives and the codec runs: cpu (host memory, the default) or cuda:N "
           "(GPU N's memory and the CUDA kernels; the pool is then sized from the GPU's free "
@@ -138,6 +161,54 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view address) {
   return HostPort{std::string(host), static_cast<uint16_t>(number)};
 }
 
+bool IsLoopbackHost(const std::string& host) {
+  if (host == "localhost") return true;
+  in_addr v4;
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6;
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+    static const in6_addr kLoopback = IN6ADDR_LOOPBACK_INIT;
+    return std::memcmp(&v6, &kLoopback, sizeof(v6)) == 0;
+  }
+  return false;
+}
+
+namespace {
+
+// The safe defaults of docs/security.md: nobody unauthenticated beyond this machine, and no
+// bearer token across the network in clear.
+absl::Status ValidateSecurity(const ServerConfig& c) {
+  if (c.tls_cert.empty() != c.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (!c.tls_client_ca.empty() && c.tls_cert.empty()) {
+    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+  }
+  if (c.tenants_poll_ms < 10) return absl::InvalidArgumentError("--tenants_poll_ms must be >= 10");
+  if (c.tls_refresh_seconds < 1) {
+    return absl::InvalidArgumentError("--tls_refresh_seconds must be >= 1");
+  }
+  const std::string host = ParseHostPort(c.listen)->host;
+  if (IsLoopbackHost(host)) return absl::OkStatus();
+  if (c.tenants_file.empty() && !c.insecure) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refusing to serve --listen=", c.listen,
+        " without --tenants_file: it is not a loopback address, and without tenants every "
+        "caller that reaches it is the one default tenant and can read, overwrite and delete "
+        "all K/V. Give --tenants_file (with --tls_cert/--tls_key), or --insecure to serve it "
+        "unauthenticated anyway"));
+  }
+  if (!c.tenants_file.empty() && c.tls_cert.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refusing to serve --listen=", c.listen,
+        " with --tenants_file but without TLS: bearer tokens would cross the network in clear. "
+        "Give --tls_cert and --tls_key (or listen on a loopback address)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ServerConfig::Validate() const {
   if (absl::StatusOr<HostPort> a = ParseHostPort(listen); !a.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--listen: ", a.status().message()));
@@ -195,6 +266,7 @@ absl::Status ServerConfig::Validate() const {
       return absl::InvalidArgumentError(absl::StrCat("--ucx_listen: ", a.status().message()));
     }
   }
+  KVPOOL_RETURN_IF_ERROR(ValidateSecurity(*this));
   if (cuda_tuning.attention.max_history_chunk_tokens < 0) {
     return absl::InvalidArgumentError("--cuda_history_chunk_tokens must be >= 0 (0 = no cap)");
   }
@@ -351,6 +423,13 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.scrub_period = absl::GetFlag(FLAGS_scrub_period);
   c.scrub_max_bytes_per_second = absl::GetFlag(FLAGS_scrub_max_bytes_per_second);
   c.transport_keepalive_ms = absl::GetFlag(FLAGS_transport_keepalive_ms);
+  c.tenants_file = absl::GetFlag(FLAGS_tenants_file);
+  c.tenants_poll_ms = absl::GetFlag(FLAGS_tenants_poll_ms);
+  c.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  c.tls_key = absl::GetFlag(FLAGS_tls_key);
+  c.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  c.tls_refresh_seconds = absl::GetFlag(FLAGS_tls_refresh_seconds);
+  c.insecure = absl::GetFlag(FLAGS_insecure);
   c.cuda_tuning.attention.programmatic_launch = absl::GetFlag(FLAGS_cuda_programmatic_launch);
   c.cuda_tuning.attention.max_history_chunk_tokens = absl::GetFlag(FLAGS_cuda_history_chunk_tokens);
   if (absl::Status s = c.Validate(); !s.ok()) return s;

@@ -78,6 +78,17 @@ struct ServerConfig {
   // (zero: no scrubber), reading pool memory at most this fast.
   absl::Duration scrub_period = absl::Minutes(5);
   size_t scrub_max_bytes_per_second = 128u << 20;
+  // Security (docs/security.md): the tenants file (empty = one default tenant, loopback only
+  // unless `insecure`), its poll period, and TLS: the server's certificate chain and key, the
+  // CA that client certificates must chain to (empty = no client certificates), re-read every
+  // tls_refresh_seconds so that rotated files apply to new connections without a restart.
+  std::string tenants_file;
+  int tenants_poll_ms = 1000;
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  int tls_refresh_seconds = 60;
+  bool insecure = false;
   // Kernels of the CUDA backend (--device=cuda:N): the measured defaults with
   // --cuda_programmatic_launch and --cuda_history_chunk_tokens applied.
   cuda::KernelTuning cuda_tuning;
@@ -90,6 +101,9 @@ struct HostPort {
   std::string host;  // without brackets; "" = every address
   uint16_t port = 0;
 };
+// Whether `host` (as in HostPort) only reaches this machine: localhost, 127.0.0.0/8 or ::1.
+bool IsLoopbackHost(const std::string& host);
+
 // "host:port" or "[IPv6 host]:port" (port 0..65535); InvalidArgument when malformed.
 [[nodiscard]] absl::StatusOr<HostPort> ParseHostPort(absl::string_view address);
 

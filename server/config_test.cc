@@ -88,6 +88,41 @@ TEST(ConfigTest, HostPortSplitsAndRejectsMalformedAddresses) {
   absl::SetFlag(&FLAGS_ucx_listen, "");
 }
 
+TEST(ConfigTest, LoopbackHosts) {
+  for (const char* h : {"localhost", "127.0.0.1", "127.1.2.3", "::1"}) {
+    EXPECT_TRUE(IsLoopbackHost(h)) << h;
+  }
+  for (const char* h : {"", "0.0.0.0", "::", "10.0.0.1", "128.0.0.1", "127.example.com", "::2"}) {
+    EXPECT_FALSE(IsLoopbackHost(h)) << h;
+  }
+}
+
+TEST(ConfigTest, NonLoopbackNeedsTenantsAndTlsOrInsecure) {
+  ServerConfig c;
+  c.pool_bytes = 64u << 20;
+  c.worker_threads = 1;
+  c.listen = "0.0.0.0:50051";
+  absl::Status s = c.Validate();
+  EXPECT_TRUE(absl::IsInvalidArgument(s));
+  EXPECT_NE(s.message().find("--insecure"), std::string::npos) << s;
+  c.insecure = true;
+  EXPECT_TRUE(c.Validate().ok());
+  c.insecure = false;
+  c.tenants_file = "/etc/kvpool/tenants.txtpb";
+  s = c.Validate();
+  EXPECT_NE(s.message().find("in clear"), std::string::npos) << s;
+  c.tls_cert = "cert.pem";
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));  // a certificate without its key
+  c.tls_key = "key.pem";
+  EXPECT_TRUE(c.Validate().ok());
+  c.tls_cert = c.tls_key = "";
+  c.tls_client_ca = "ca.pem";
+  c.listen = "127.0.0.1:0";
+  EXPECT_TRUE(absl::IsInvalidArgument(c.Validate()));  // client CA without TLS
+  c.tls_client_ca = "";
+  EXPECT_TRUE(c.Validate().ok());  // tokens over loopback
+}
+
 TEST(ConfigTest, CudaFlagsSetTheKernelTuningAndDefaultToTheMeasuredOnes) {
   auto c = ServerConfigFromFlags();
   ASSERT_TRUE(c.ok()) << c.status();

@@ -3,7 +3,7 @@
 //   kvpoold --pool_bytes=1073741824 --listen=127.0.0.1:0 --port_file=/tmp/kvpoold.port
 //
 // Stops gracefully on SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused,
-// in-flight calls get --shutdown_grace_ms to finish.
+// in-flight calls get --shutdown_grace_ms to finish. SIGHUP re-reads --tenants_file.
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -50,6 +50,7 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   absl::SetProgramUsageMessage(
@@ -98,7 +99,10 @@ int main(int argc, char** argv) {
   const auto grace = std::chrono::milliseconds(config->shutdown_grace_ms);
   std::thread stopper([&stop_signals, srv, grace] {
     int sig = 0;
-    sigwait(&stop_signals, &sig);
+    while (sigwait(&stop_signals, &sig) == 0 && sig == SIGHUP) {
+      const absl::Status reloaded = srv->ReloadTenants();
+      spdlog::info("SIGHUP: tenants file {}", reloaded.ok() ? "re-read" : reloaded.ToString());
+    }
     spdlog::info("received {}, shutting down (grace {} ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
                  grace.count());
     srv->Shutdown(grace);

@@ -29,7 +29,7 @@ class RegisterReactor final
  public:
   RegisterReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                   v1::RegisterModelResponse* response)
-      : ctx_(ctx), tenant_(TenantOf(call)), response_(response) {
+      : ctx_(ctx), tenant_(TenantOf(*ctx, call)), response_(response) {
     StartRead(&request_);
   }
 
@@ -223,7 +223,7 @@ grpc::ServerReadReactor<v1::RegisterModelRequest>* ModelServiceImpl::RegisterMod
 grpc::ServerUnaryReactor* ModelServiceImpl::ListModels(grpc::CallbackServerContext* context,
                                                        const v1::ListModelsRequest* /*request*/,
                                                        v1::ListModelsResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   const auto totals = ctx_->store->TotalsByModel(tenant);
   for (const auto& m : ctx_->registry->List(tenant)) {
     auto it = totals.find(m->id);
@@ -237,7 +237,7 @@ grpc::ServerUnaryReactor* ModelServiceImpl::ListModels(grpc::CallbackServerConte
 
 grpc::ServerWriteReactor<v1::DescribeModelResponse>* ModelServiceImpl::DescribeModel(
     grpc::CallbackServerContext* context, const v1::DescribeModelRequest* request) {
-  auto model = ctx_->registry->Get(TenantOf(context), request->model_id());
+  auto model = ctx_->registry->Get(TenantOf(*ctx_, context), request->model_id());
   if (!model.ok()) return new ErrorWriteReactor(model.status());
   return new DescribeReactor(ctx_, *std::move(model), request->include_rotation());
 }
@@ -246,7 +246,7 @@ grpc::ServerUnaryReactor* ModelServiceImpl::DeleteModel(grpc::CallbackServerCont
                                                         const v1::DeleteModelRequest* request,
                                                         v1::DeleteModelResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   auto run = [&]() -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                             ctx_->registry->Get(tenant, request->model_id()));

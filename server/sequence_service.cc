@@ -30,7 +30,7 @@ class AppendKvReactor final : public IngestStreamReactor<v1::AppendKvRequest> {
  public:
   AppendKvReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                   v1::AppendKvResponse* response)
-      : IngestStreamReactor(call, response, "AppendKv"), ctx_(ctx), tenant_(TenantOf(call)) {
+      : IngestStreamReactor(call, response, "AppendKv"), ctx_(ctx), tenant_(TenantOf(*ctx, call)) {
     StartReading(ctx_->ingest, tenant_);
   }
 
@@ -69,7 +69,7 @@ class AppendKvReactor final : public IngestStreamReactor<v1::AppendKvRequest> {
 grpc::ServerUnaryReactor* SequenceServiceImpl::CreateSequence(
     grpc::CallbackServerContext* context, const v1::CreateSequenceRequest* request,
     v1::CreateSequenceResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   auto run = [&]() -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                             ctx_->registry->Get(tenant, request->model_id()));
@@ -98,7 +98,7 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServer
                                                             const v1::AppendDecodeRequest* request,
                                                             v1::AppendDecodeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   ServiceContext* ctx = ctx_;
   if (!ctx_->workers->TrySubmit([ctx, tenant, peer = context->peer(), request, response, reactor] {
         absl::StatusOr<AppendResult> r = ctx->ingest->AppendDecode(tenant, peer, *request);
@@ -113,7 +113,8 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServer
 grpc::ServerUnaryReactor* SequenceServiceImpl::SealSequence(grpc::CallbackServerContext* context,
                                                             const v1::SealSequenceRequest* request,
                                                             v1::SealSequenceResponse* response) {
-  absl::StatusOr<SequenceInfo> info = ctx_->store->Seal(TenantOf(context), request->sequence_id());
+  absl::StatusOr<SequenceInfo> info =
+      ctx_->store->Seal(TenantOf(*ctx_, context), request->sequence_id());
   if (info.ok()) FillSequenceInfo(*info, response->mutable_sequence());
   return FinishNow(context, info.status());
 }
@@ -121,7 +122,8 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::SealSequence(grpc::CallbackServer
 grpc::ServerUnaryReactor* SequenceServiceImpl::ReleaseSequence(
     grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* response) {
-  absl::StatusOr<size_t> freed = ctx_->store->Release(TenantOf(context), request->sequence_id());
+  absl::StatusOr<size_t> freed =
+      ctx_->store->Release(TenantOf(*ctx_, context), request->sequence_id());
   if (freed.ok()) response->set_freed_bytes(*freed);
   return FinishNow(context, freed.status());
 }
@@ -130,7 +132,7 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::DescribeSequence(
     grpc::CallbackServerContext* context, const v1::DescribeSequenceRequest* request,
     v1::SequenceInfo* response) {
   absl::StatusOr<SequenceInfo> info =
-      ctx_->store->Describe(TenantOf(context), request->sequence_id());
+      ctx_->store->Describe(TenantOf(*ctx_, context), request->sequence_id());
   if (info.ok()) FillSequenceInfo(*info, response);
   return FinishNow(context, info.status());
 }
@@ -138,7 +140,7 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::DescribeSequence(
 grpc::ServerUnaryReactor* SequenceServiceImpl::LookupPrefix(grpc::CallbackServerContext* context,
                                                             const v1::LookupPrefixRequest* request,
                                                             v1::LookupPrefixResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   auto run = [&]() -> absl::Status {
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                             ctx_->registry->Get(tenant, request->model_id()));

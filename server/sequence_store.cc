@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
+#include "openssl/rand.h"
 #include "proto/status.h"
 #include "server/internal/sequence.h"
 
@@ -18,6 +19,21 @@ absl::Status ExpiredError(const std::string& id) {
   return WithReason(absl::NotFoundError(absl::StrCat("sequence ", Quote(id),
                                                      " expired: its lease ran out without use")),
                     ErrorReason::kExpired);
+}
+
+// 32 hex characters of a cryptographically secure generator (OpenSSL's RAND_bytes).
+absl::StatusOr<std::string> RandomSequenceId() {
+  unsigned char bytes[16];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) {
+    return absl::InternalError("the secure random generator failed");
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id;
+  for (unsigned char b : bytes) {
+    id.push_back(kHex[b >> 4]);
+    id.push_back(kHex[b & 15]);
+  }
+  return id;
 }
 
 }  // namespace
@@ -82,8 +98,9 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
   if (!id.empty()) KVPOOL_RETURN_IF_ERROR(ValidateId("sequence_id", id));
   auto reserve_id = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     if (id.empty()) {
+      // Unguessable (128 random bits), so that knowing one id says nothing about another.
       do {
-        id = absl::StrCat("seq-", next_auto_id_++);
+        KVPOOL_ASSIGN_OR_RETURN(id, RandomSequenceId());
       } while (sequences_.count(std::make_pair(tenant, id)) > 0);
     } else if (sequences_.count(std::make_pair(tenant, id)) > 0) {
       return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));

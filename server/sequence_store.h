@@ -153,7 +153,6 @@ class SequenceStore {
   mutable absl::Mutex mu_;
   std::map<std::pair<TenantId, std::string>, std::shared_ptr<internal::Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
-  uint64_t next_auto_id_ ABSL_GUARDED_BY(mu_) = 1;
   const absl::Duration default_ttl_;
   // Ids whose lease ran out, oldest first (at most kExpiredIdsRemembered).
   std::set<std::pair<TenantId, std::string>> expired_ids_ ABSL_GUARDED_BY(mu_);

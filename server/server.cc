@@ -12,6 +12,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/attention_service.h"
+#include "server/auth/server_credentials.h"
 #include "server/connection_listener.h"
 #include "server/ingest/ingest_engine.h"
 #include "server/model_service.h"
@@ -106,6 +107,22 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   ctx.workers = s->workers_.get();
   ctx.attention = s->attention_.get();
   ctx.ingest = s->ingest_.get();
+  if (!config.tenants_file.empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(
+        s->tenants_,
+        TenantsSource::Open(config.tenants_file, absl::Milliseconds(config.tenants_poll_ms)));
+    KvpoolServer* server = s.get();
+    s->tenants_->OnChange([server](const TenantDirectory& before, const TenantDirectory& after) {
+      for (const TenantIdentity& t : before.tenants()) {
+        if (after.Find(t.name) == nullptr) server->ReleaseTenant(t.name);
+      }
+      // Calls that raced a removal ran in nobody's namespace: nothing there is kept either.
+      server->ReleaseTenant(kUnresolvedTenant);
+    });
+    ctx.tenants = s->tenants_.get();
+    spdlog::info("tenants file {}: {} tenants", config.tenants_file,
+                 s->tenants_->current()->tenants().size());
+  }
   s->transports_.push_back(std::make_unique<GrpcInlineTransport>());
   if (config.transports == "ucx") {
     absl::StatusOr<std::unique_ptr<UcxTransport>> ucx =
@@ -152,12 +169,15 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->port_ = s->listener_->port();
   ctx.listener = s->listener_.get();
   ctx.max_connections = max_connections;
+  std::shared_ptr<grpc::AuthMetadataProcessor> processor;
+  if (ctx.tenants != nullptr) processor = std::make_shared<AuthProcessor>(ctx.tenants, &ctx.auth);
+  KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                          ServerCredentialsFor(config, processor));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   s->acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
-      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
-      grpc::InsecureServerCredentials());
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   // A per-stream window large enough that the next AppendKv chunk (256 KiB of K plus V) can
@@ -182,6 +202,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       s->store_.get(), s->backend_.get(), s->pool_.get(),
       ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second});
   s->scrubber_->Start();
+  if (s->tenants_ != nullptr) s->tenants_->Start();
   spdlog::info("serving on port {}, at most {} connections", s->port_, max_connections);
   SetHealth(s->server_.get(), true);
   return s;
@@ -199,11 +220,33 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
     shut_down_ = true;
   }
   SetHealth(server_.get(), false);
+  if (tenants_ != nullptr) tenants_->Stop();
   listener_->Stop();
   scrubber_->Stop();
   for (const auto& t : transports_) t->Shutdown();  // rolls back open pushes
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   workers_->Shutdown();
+}
+
+absl::Status KvpoolServer::ReloadTenants() {
+  if (tenants_ == nullptr) return absl::FailedPreconditionError("no --tenants_file");
+  return tenants_->Reload();
+}
+
+void KvpoolServer::ReleaseTenant(const TenantId& tenant) {
+  size_t models = 0, sequences = 0, bytes = 0;
+  for (const auto& m : registry_->List(tenant)) {
+    if (!registry_->Remove(tenant, m->id).ok()) continue;  // deleted meanwhile
+    const auto [released, freed] = store_->ReleaseModel(tenant, m->id);
+    bytes += freed + index_->DropModel(tenant, m->id);
+    sequences += released;
+    ++models;
+  }
+  if (models == 0) return;
+  spdlog::info(
+      "tenant '{}' removed from the tenants file: {} models and {} sequences released, "
+      "{} bytes freed",
+      tenant, models, sequences, bytes);
 }
 
 std::shared_ptr<grpc::Channel> KvpoolServer::InProcessChannel() {

@@ -66,6 +66,12 @@ class KvpoolServer {
   // Blocks until the server has shut down.
   void Wait();
 
+  // Re-reads --tenants_file now (SIGHUP); FailedPrecondition without one, else as
+  // TenantsSource::Reload. Tenants it removes lose their models and sequences.
+  absl::Status ReloadTenants();
+  // Releases every model and sequence of `tenant` (it left the tenants file).
+  void ReleaseTenant(const TenantId& tenant);
+
  private:
   KvpoolServer() = default;
 
@@ -84,6 +90,8 @@ class KvpoolServer {
   std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;
+  // Read by the auth processor (owned by server_, destroyed first) and the services.
+  std::unique_ptr<TenantsSource> tenants_;
   std::unique_ptr<ModelServiceImpl> model_service_;
   std::unique_ptr<SequenceServiceImpl> sequence_service_;
   std::unique_ptr<ReadServiceImpl> read_service_;

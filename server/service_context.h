@@ -1,6 +1,6 @@
 // ServiceContext: what the gRPC service implementations share (the core objects, the config and
 // service counters), plus the conversion of absl::Status to grpc::Status at the RPC edge and the
-// caller's tenant.
+// caller's tenant (authenticated by server/auth/).
 //
 //   ServiceContext ctx{...};
 //   ModelServiceImpl models(&ctx);
@@ -19,6 +19,9 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/status.h"
 #include "server/attention_engine.h"
+#include "server/auth/auth_processor.h"
+#include "server/auth/call_identity.h"
+#include "server/auth/tenants_source.h"
 #include "server/backend.h"
 #include "server/block_pool.h"
 #include "server/call_cancellation.h"
@@ -60,6 +63,10 @@ struct ServiceContext {
   const ConnectionListener* listener = nullptr;
   int max_connections = 0;
   ServiceCounters counters;
+  // The tenants file in force (null: none, every caller is the default tenant) and the calls
+  // the auth processor refused.
+  const TenantsSource* tenants = nullptr;
+  AuthCounters auth;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
 
@@ -72,8 +79,14 @@ inline std::shared_ptr<CallCancellation> CancellationOf(grpc::CallbackServerCont
       counters);
 }
 
-// The caller's tenant. Authentication comes later (a token in the call metadata mapped to a
-// tenant); until then every caller is the default tenant.
-inline TenantId TenantOf(const grpc::CallbackServerContext* /*context*/) { return kDefaultTenant; }
+// The caller of `context`: the tenant and role its credentials prove (server/auth/), which the
+// auth processor already checked against the method before the handler ran; the default
+// tenant (as admin) when the daemon has no tenants file. Never from a request field.
+inline Caller CallerOf(const ServiceContext& ctx, const grpc::ServerContextBase* context) {
+  return CallerOfCall(ctx.tenants, *context);
+}
+inline TenantId TenantOf(const ServiceContext& ctx, const grpc::ServerContextBase* context) {
+  return CallerOf(ctx, context).tenant;
+}
 
 }  // namespace kvpool::server

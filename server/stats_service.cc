@@ -10,10 +10,37 @@ namespace kvpool::server {
 
 const char* KvpoolVersion() { return "kvpoold 0.1.0"; }
 
+namespace {
+
+// An admin or a router sees every tenant; a tenant sees only its own role and the counters.
+void FillSecurityStats(const ServiceContext& ctx, const Caller& caller, v1::SecurityStats* out) {
+  out->set_role(caller.role);
+  out->set_unauthenticated_calls(ctx.auth.unauthenticated.load());
+  out->set_permission_denied_calls(ctx.auth.permission_denied.load());
+  uint64_t foreign = 0;
+  for (const Transport* t : ctx.transports) foreign += t->Stats().connections_refused;
+  out->set_foreign_session_attempts(foreign);
+  if (ctx.tenants == nullptr) return;
+  out->set_tenants_file(true);
+  out->set_tenants_reloads(ctx.tenants->reloads());
+  out->set_tenants_reload_failures(ctx.tenants->reload_failures());
+  if (caller.role != v1::ROLE_ADMIN && caller.role != v1::ROLE_ROUTER) return;
+  for (const TenantIdentity& t : ctx.tenants->current()->tenants()) {
+    v1::TenantStats* ts = out->add_tenants();
+    ts->set_name(t.name);
+    ts->set_role(t.role);
+  }
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext* context,
                                                      const v1::GetStatsRequest* request,
                                                      v1::GetStatsResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  const Caller caller = CallerOf(*ctx_, context);
+  const TenantId& tenant = caller.tenant;
+  response->set_tenant(tenant);
+  FillSecurityStats(*ctx_, caller, response->mutable_security());
   const BlockPoolStats pool = ctx_->pool->Stats();
   const PrefixIndexStats index = ctx_->index->Stats();
   v1::PoolStats* p = response->mutable_pool();

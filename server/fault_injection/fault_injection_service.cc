@@ -22,7 +22,7 @@ class FaultInjectionService final : public t::FaultInjection::CallbackService {
                                         const t::CorruptPageRequest* request,
                                         t::CorruptPageResponse* /*response*/) override {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(Corrupt(TenantOf(context), *request)));
+    reactor->Finish(ToGrpcStatus(Corrupt(TenantOf(*ctx_, context), *request)));
     return reactor;
   }
 

@@ -22,7 +22,7 @@ class DevicePushReactor final : public IngestStreamReactor<v1::DevicePushRequest
  public:
   DevicePushReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
                     v1::AppendKvResponse* response)
-      : IngestStreamReactor(call, response, "PushKv"), ctx_(ctx), tenant_(TenantOf(call)) {
+      : IngestStreamReactor(call, response, "PushKv"), ctx_(ctx), tenant_(TenantOf(*ctx, call)) {
     StartReading(ctx_->ingest, tenant_);
   }
 

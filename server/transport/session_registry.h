@@ -17,12 +17,12 @@
 // Thread-safe. Watchers run on the thread that ends the session, outside the registry's lock.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <random>
 #include <utility>
 #include <vector>
 
@@ -36,6 +36,10 @@
 #include "server/tenant.h"
 
 namespace kvpool::server {
+
+// 64 bits from a cryptographically secure generator (OpenSSL's RAND_bytes): a session id says
+// nothing about the next one. Aborts if the generator cannot be seeded (never on Linux).
+uint64_t SecureRandomSessionId();
 
 template <typename T>
 class SessionRegistry {
@@ -52,7 +56,7 @@ class SessionRegistry {
           absl::StrCat("too many sessions (", max_sessions_, "); close one"));
     }
     uint64_t id = 0;
-    while (id == 0 || entries_.count(id) > 0) id = rng_();
+    while (id == 0 || entries_.count(id) > 0) id = SecureRandomSessionId();
     Entry& e = entries_[id];
     e.tenant = tenant;
     e.session = std::move(session);
@@ -92,6 +96,9 @@ class SessionRegistry {
     }
     return Ended(std::move(e), why);
   }
+
+  // Lookups of a live session by a tenant other than its own (refused as NotFound), since start.
+  uint64_t foreign_attempts() const { return foreign_attempts_.load(std::memory_order_relaxed); }
 
   // Ends the session `id` whatever its tenant (the transport's own reasons: its peer failed);
   // null when it is gone already.
@@ -141,14 +148,19 @@ class SessionRegistry {
     return absl::NotFoundError(absl::StrCat("no transport session ", id));
   }
 
+  // Another tenant's session answers as none, and is counted.
   const Entry* FindLocked(const TenantId& tenant, uint64_t id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = entries_.find(id);
-    return it == entries_.end() || it->second.tenant != tenant ? nullptr : &it->second;
+    if (it == entries_.end()) return nullptr;
+    if (it->second.tenant != tenant) {
+      foreign_attempts_.fetch_add(1, std::memory_order_relaxed);
+      return nullptr;
+    }
+    return &it->second;
   }
   Entry* FindLocked(const TenantId& tenant, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = entries_.find(id);
-    return it == entries_.end() || it->second.tenant != tenant ? nullptr : &it->second;
+    return const_cast<Entry*>(std::as_const(*this).FindLocked(tenant, id));
   }
 
   Entry TakeLocked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -183,9 +195,9 @@ class SessionRegistry {
   }
 
   const size_t max_sessions_;
+  mutable std::atomic<uint64_t> foreign_attempts_{0};
   mutable absl::Mutex mu_;
   std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
 };
 
 }  // namespace kvpool::server

@@ -29,6 +29,24 @@ TEST(SessionRegistryTest, SessionsBelongToTheirTenant) {
   EXPECT_TRUE(absl::IsNotFound(r.Watch(other, *id, [](absl::Status) {})));
   EXPECT_TRUE(absl::IsNotFound(r.Find(kDefaultTenant, *id + 1).status()));
   EXPECT_EQ(r.size(), 1u);
+  // The three attempts on another tenant's live session are counted; a missing id is not.
+  EXPECT_EQ(r.foreign_attempts(), 3u);
+}
+
+TEST(SessionRegistryTest, IdsDoNotFollowEachOther) {
+  SessionRegistry<Channel> r(64);
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 32; ++i) {
+    auto id = r.Add(kDefaultTenant, std::make_shared<Channel>(), false);
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+  }
+  int small_steps = 0;  // consecutive ids within 2^32 of each other: 1 in 2^31 by chance
+  for (size_t i = 1; i < ids.size(); ++i) {
+    const uint64_t d = ids[i] > ids[i - 1] ? ids[i] - ids[i - 1] : ids[i - 1] - ids[i];
+    if (d < (uint64_t{1} << 32)) ++small_steps;
+  }
+  EXPECT_EQ(small_steps, 0);
 }
 
 TEST(SessionRegistryTest, EndsOnceAndEveryWatcherHearsWhy) {

@@ -23,7 +23,7 @@ class SessionWatchReactor final
  public:
   static SessionWatchReactor* Start(ServiceContext* ctx, grpc::CallbackServerContext* call,
                                     uint64_t session_id) {
-    std::shared_ptr<SessionWatchReactor> r(new SessionWatchReactor(call, session_id));
+    std::shared_ptr<SessionWatchReactor> r(new SessionWatchReactor(*ctx, call, session_id));
     r->self_ = r;
     std::weak_ptr<SessionWatchReactor> weak = r;
     Transport* holder = nullptr;
@@ -66,8 +66,9 @@ class SessionWatchReactor final
   }
 
  private:
-  SessionWatchReactor(grpc::CallbackServerContext* call, uint64_t session_id)
-      : tenant_(TenantOf(call)), session_id_(session_id) {}
+  SessionWatchReactor(const ServiceContext& ctx, grpc::CallbackServerContext* call,
+                      uint64_t session_id)
+      : tenant_(TenantOf(ctx, call)), session_id_(session_id) {}
 
   void CloseSession() {
     Transport* t;

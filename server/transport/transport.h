@@ -149,8 +149,10 @@ struct TransportStats {
   uint64_t timeouts = 0;
   uint64_t bytes_received = 0;
   uint64_t attention_calls = 0;
-  uint64_t connections_refused = 0;  // UCX: connections refused before joining a session
-  std::string transports;            // UCX: the transports in use
+  // UCX: connections refused before joining a session (another session's id, a wrong secret);
+  // NCCL, CUDA IPC: calls that named another tenant's session.
+  uint64_t connections_refused = 0;
+  std::string transports;  // UCX: the transports in use
 };
 
 // Memory registered with a transport; deregistered when destroyed.

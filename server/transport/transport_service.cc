@@ -55,7 +55,7 @@ grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
 grpc::ServerUnaryReactor* TransportServiceImpl::Negotiate(grpc::CallbackServerContext* context,
                                                           const v1::NegotiateRequest* request,
                                                           v1::NegotiateResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   for (const v1::TransportOffer& o : request->offers()) {
     const std::optional<TransportOffer> offer = OfferFromProto(o, request->client_name());
@@ -85,7 +85,7 @@ grpc::ServerUnaryReactor* TransportServiceImpl::Negotiate(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* TransportServiceImpl::CloseSession(grpc::CallbackServerContext* context,
                                                              const v1::CloseSessionRequest* request,
                                                              v1::CloseSessionResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   const uint64_t id = request->session_id();
   absl::StatusOr<int> aborted = ForSession<absl::StatusOr<int>>(
       ctx_->transports, nullptr, "", id, [&](Transport* t) { return t->Close(tenant, id); });
@@ -106,7 +106,7 @@ grpc::ServerWriteReactor<v1::WatchSessionResponse>* TransportServiceImpl::WatchS
 grpc::ServerUnaryReactor* TransportServiceImpl::SetAttentionPlan(
     grpc::CallbackServerContext* context, const v1::SetAttentionPlanRequest* request,
     v1::SetAttentionPlanResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   const uint64_t id = request->session_id();
   const int num_queries =
       request->num_queries() == 0
@@ -133,7 +133,7 @@ grpc::ServerUnaryReactor* TransportServiceImpl::SetAttentionPlan(
 grpc::ServerUnaryReactor* TransportServiceImpl::DropAttentionPlan(
     grpc::CallbackServerContext* context, const v1::DropAttentionPlanRequest* request,
     v1::DropAttentionPlanResponse* /*response*/) {
-  const TenantId tenant = TenantOf(context);
+  const TenantId tenant = TenantOf(*ctx_, context);
   const uint64_t id = request->session_id();
   return FinishNow(context, ForSession<absl::Status>(
                                 ctx_->transports, &TransportCapabilities::attention_plans,

@@ -30,13 +30,16 @@ AttentionTolerance RemoteAttentionTolerance() {
 
 std::string KvpooldPath() { return BinaryPath("KVPOOL_KVPOOLD", KVPOOL_KVPOOLD_PATH); }
 
-absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags) {
-  return StartDaemonBinary(KvpooldPath(), std::move(flags));
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(
+    std::vector<std::string> flags, const client::ClientOptions& health_client) {
+  return StartDaemonBinary(KvpooldPath(), std::move(flags), health_client);
 }
 
-absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemonBinary(const std::string& binary,
-                                                               std::vector<std::string> flags) {
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemonBinary(
+    const std::string& binary, std::vector<std::string> flags,
+    const client::ClientOptions& health_client) {
   client::LocalDaemonOptions options;
+  options.client = health_client;
   options.binary = binary;
   const bool has_level = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
     return absl::StartsWith(f, "--log_level");

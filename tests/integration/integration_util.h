@@ -49,10 +49,13 @@ std::string KvpooldPath();
 // Starts kvpoold with `flags` (plus --log_level=warn unless given, and --device=$KVPOOL_TEST_DEVICE
 // when that is set and `flags` name no device, so one suite runs against every backend), waits
 // for SERVING.
-absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(std::vector<std::string> flags);
+// `health_client` says how the health check connects (TLS when the flags turn it on).
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemon(
+    std::vector<std::string> flags, const client::ClientOptions& health_client = {});
 // StartDaemon with another daemon binary (kvpoold-fault-injection, say).
-absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemonBinary(const std::string& binary,
-                                                               std::vector<std::string> flags);
+absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemonBinary(
+    const std::string& binary, std::vector<std::string> flags,
+    const client::ClientOptions& health_client = {});
 
 // Whether the suite runs against a GPU daemon (KVPOOL_TEST_DEVICE=cuda:N).
 bool TestingOnGpu();

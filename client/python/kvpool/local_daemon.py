@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence
 
 from kvpool.client import Client
 from kvpool.errors import KvpoolError
+from kvpool.options import ClientOptions
 
 
 def find_kvpoold() -> str:
@@ -53,8 +54,11 @@ def _die_with_parent() -> None:  # runs in the child before exec
 
 class LocalDaemon:
     def __init__(self, binary: Optional[str] = None, flags: Sequence[str] = (),
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0,
+                 client_options: Optional[ClientOptions] = None) -> None:
         self.binary = binary or find_kvpoold()
+        # How the startup health check connects (TLS when the flags turn it on).
+        self.client_options = client_options
         self.flags: List[str] = list(flags)
         self.startup_timeout_s = startup_timeout_s
         self.dir = ""
@@ -106,7 +110,7 @@ class LocalDaemon:
                 raise RuntimeError(f"kvpoold wrote no port file within "
                                    f"{self.startup_timeout_s} s; log:\n{self.log_tail()}")
             time.sleep(0.02)
-        with Client(self.target) as client:
+        with Client(self.target, self.client_options) as client:
             try:
                 client.wait_for_serving(max(5.0, give_up - time.monotonic()))
             except KvpoolError as e:

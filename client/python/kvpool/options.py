@@ -4,9 +4,9 @@ They mirror client/kvpool_client.h's ClientOptions (deadline, chunk_bytes,
 max_receive_message_bytes, wait_for_ready) and add what a deployment needs in front of the
 daemon: retries of retryable codes, TLS, and a bearer token sent as call metadata.
 
-kvpoold itself does not check TLS or tokens yet (a later issue adds tenants); the options build
-a secure channel and send the `authorization` metadata so that a TLS-terminating proxy or a
-later daemon sees them.
+kvpoold checks both when it runs with --tenants_file (docs/security.md): the token's SHA-256
+must be in the tenants file, or the client certificate's URI SAN kvpool://tenant/NAME (else its
+CN) must name a tenant there.
 """
 
 from __future__ import annotations

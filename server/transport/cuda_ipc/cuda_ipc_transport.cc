@@ -221,6 +221,7 @@ class CudaIpcTransport final : public Transport {
     TransportStats s;
     s.sessions = static_cast<uint32_t>(sessions_.size());
     counters_->Fill(&s);
+    s.connections_refused += sessions_.foreign_attempts();  // another tenant's session named
     return s;
   }
 

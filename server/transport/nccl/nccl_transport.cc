@@ -174,6 +174,7 @@ class NcclTransport final : public Transport {
     TransportStats s;
     s.sessions = static_cast<uint32_t>(sessions_.size());
     counters_->Fill(&s);
+    s.connections_refused += sessions_.foreign_attempts();  // another tenant's session named
     sessions_.ForEach([&](const NcclSession& session) {
       if (session.attention != nullptr) s.attention_calls += session.attention->calls();
     });

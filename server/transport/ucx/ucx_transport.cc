@@ -4,7 +4,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstring>
-#include <random>
 #include <set>
 #include <utility>
 
@@ -13,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "dataplane/ucx_wire_parse.h"
 #include "server/ingest/ingest_engine.h"
+#include "server/transport/session_registry.h"
 #include "server/transport/ucx/push_begin_header.h"
 #include "server/transport/ucx/session_secret.h"
 #include "spdlog/spdlog.h"
@@ -125,15 +125,6 @@ ucp_ep_h SenderOf(const ucp_am_recv_param_t* param) {
 }
 
 static_assert(sizeof(wire::HelloHeader::secret) == kSessionSecretBytes);
-
-}  // namespace
-
-namespace {
-
-// Whether `host` (as --listen or --ucx_listen name it) can only be reached from this machine.
-bool IsLoopbackHost(const std::string& host) {
-  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
-}
 
 }  // namespace
 
@@ -271,8 +262,7 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
       return;
     }
     auto session = std::make_shared<Session>();
-    static std::mt19937_64 rng{std::random_device{}()};
-    session->id = (rng() & ~uint64_t{0xffff}) | (next_session_++ & 0xffff);
+    session->id = (SecureRandomSessionId() & ~uint64_t{0xffff}) | (next_session_++ & 0xffff);
     session->tenant = tenant;
     session->secret = *secret;
     session->created = absl::Now();
