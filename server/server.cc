@@ -85,9 +85,9 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                           s->backend_->AllocateArena(s->config_.pool_bytes));
   KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));
   s->index_ = std::make_unique<PrefixIndex>(s->pool_.get());
-  s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get());
+  s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get(), &s->quotas_);
   s->store_ = std::make_unique<SequenceStore>(s->pool_.get(), s->index_.get(), s->backend_.get(),
-                                              config.sequence_ttl);
+                                              config.sequence_ttl, &s->quotas_);
   s->reaper_ = std::make_unique<SequenceReaper>(s->store_.get(), SequenceReaper::kCheckPeriod);
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
   s->attention_ =
@@ -96,7 +96,10 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->ingest_ =
       std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(), s->workers_.get(),
                                      config.max_append_tokens, s->admission_.get());
+  s->tenant_policy_ =
+      std::make_unique<TenantPolicy>(s->pool_.get(), &s->quotas_, s->workers_.get());
   ServiceContext& ctx = s->ctx_;
+  ctx.quotas = &s->quotas_;
   ctx.config = &s->config_;
   ctx.backend = s->backend_.get();
   ctx.pool = s->pool_.get();

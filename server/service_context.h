@@ -27,6 +27,7 @@
 #include "server/prefix_index.h"
 #include "server/sequence_store.h"
 #include "server/tenant.h"
+#include "server/tenant_quotas.h"
 #include "server/worker_pool.h"
 
 namespace kvpool::server {
@@ -54,6 +55,8 @@ struct ServiceContext {
   AttentionEngine* attention = nullptr;
   // Every append of K/V, whatever carries it, goes through it.
   IngestEngine* ingest = nullptr;
+  // Tenants' quotas and refusals (installed by the server's TenantPolicy).
+  const TenantQuotaTable* quotas = nullptr;
   // Data-plane transports offered in TransportService.Negotiate (grpc_inline first).
   std::vector<Transport*> transports;
   // The gRPC port's accept loop and its connection cap (null in servers without a port).
