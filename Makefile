@@ -10,7 +10,7 @@ VENV ?= .venv
 CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
-.PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
+.PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu bench-tenant-fairness \
 	bench-service bench-transport format clean venv fidelity fuzz
 
 all: build
@@ -86,6 +86,12 @@ bench-cpu: build
 bench-service: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-service --out bench-results/service.json
+
+# A small tenant's remote-attention p50/p99 alone, under a large tenant's flood with weighted
+# fair queueing and with it off (FIFO), against the bound (alone p99 + two large work units).
+bench-tenant-fairness: build
+	@mkdir -p bench-results
+	$(BUILD)/bin/kvpool-bench-tenant-fairness --out bench-results/tenant_fairness.json
 
 # The UCX data plane (loopback, shared memory and tcp) beside ucx_perftest in the same run:
 # ingest MB/s, remote-attention round trip (gRPC vs UCX vs compute), layer-wise overlap.
