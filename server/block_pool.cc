@@ -208,7 +208,11 @@ absl::StatusOr<std::vector<size_t>> BlockPool::AllocateReleasing(
     for (int s : classes_[cls].slabs_with_free) free_slots[cls] += slabs_[s].free_slots.size();
   }
   size_t released_bytes = 0;  // by every release chosen so far
-  absl::flat_hash_map<AccountId, size_t> released_of;
+  absl::flat_hash_map<AccountId, size_t> released_by_owner;
+  auto released_of = [&](AccountId a) {
+    auto it = released_by_owner.find(a);
+    return it == released_by_owner.end() ? size_t{0} : it->second;
+  };
   auto pool_fits = [&]() {
     if (used_bytes_ - released_bytes + request_bytes + held_for_others > capacity_bytes()) {
       return false;
@@ -223,7 +227,7 @@ absl::StatusOr<std::vector<size_t>> BlockPool::AllocateReleasing(
   };
   auto quota_fits = [&]() {
     return me.limits.max_bytes == 0 ||
-           me.bytes() - released_of[account] + request_bytes <= me.limits.max_bytes;
+           me.bytes() - released_of(account) + request_bytes <= me.limits.max_bytes;
   };
   std::vector<size_t> released;
   if (!pool_fits() || !quota_fits()) {
@@ -253,13 +257,13 @@ absl::StatusOr<std::vector<size_t>> BlockPool::AllocateReleasing(
         // Another account's pages help only the pool, and never below its guarantee.
         if (pool_ok) continue;
         const AccountState& o = accounts_[owner];
-        if (o.bytes() - released_of[owner] - freed_bytes < o.limits.guaranteed_bytes) continue;
+        if (o.bytes() - released_of(owner) - freed_bytes < o.limits.guaranteed_bytes) continue;
       }
       for (const auto& [p, n] : local) drops[p] += n;
       for (PageId p : freed) {
         const int s = static_cast<int>(p >> 16);
         const Slab& slab = slabs_[s];
-        released_of[slab.owners[p & 0xffffu]] += slab.page_bytes;
+        released_by_owner[slab.owners[p & 0xffffu]] += slab.page_bytes;
         auto [it, inserted] = slab_in_use.try_emplace(s, slab.in_use);
         if (--it->second > 0) {
           ++free_slots[slab.cls];
