@@ -100,6 +100,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       std::make_unique<TenantPolicy>(s->pool_.get(), &s->quotas_, s->workers_.get());
   ServiceContext& ctx = s->ctx_;
   ctx.quotas = &s->quotas_;
+  ctx.tenant_policy = s->tenant_policy_.get();
   ctx.config = &s->config_;
   ctx.backend = s->backend_.get();
   ctx.pool = s->pool_.get();

@@ -35,6 +35,7 @@ namespace kvpool::server {
 class IngestEngine;        // server/ingest/ingest_engine.h
 class Transport;           // server/transport/transport.h
 class ConnectionListener;  // server/connection_listener.h
+class TenantPolicy;        // server/admission/tenant_policy.h
 
 // Ingest counters are the ingest engine's (IngestEngine::counters).
 struct ServiceCounters {
@@ -55,8 +56,9 @@ struct ServiceContext {
   AttentionEngine* attention = nullptr;
   // Every append of K/V, whatever carries it, goes through it.
   IngestEngine* ingest = nullptr;
-  // Tenants' quotas and refusals (installed by the server's TenantPolicy).
+  // Tenants' quotas and refusals, and where a (re)loaded tenants file installs them.
   const TenantQuotaTable* quotas = nullptr;
+  TenantPolicy* tenant_policy = nullptr;
   // Data-plane transports offered in TransportService.Negotiate (grpc_inline first).
   std::vector<Transport*> transports;
   // The gRPC port's accept loop and its connection cap (null in servers without a port).

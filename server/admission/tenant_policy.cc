@@ -59,4 +59,15 @@ absl::Status TenantPolicy::SetTenantQuotas(const std::map<TenantId, v1::TenantQu
   return absl::OkStatus();
 }
 
+absl::Status TenantPolicy::SetTenantQuotasFrom(const v1::TenantsFile& file) {
+  std::map<TenantId, v1::TenantQuota> quotas;
+  for (const v1::TenantEntry& t : file.tenant()) {
+    if (!quotas.emplace(t.name(), t.quota()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tenant ", Quote(t.name()), " appears twice in the tenants file"));
+    }
+  }
+  return SetTenantQuotas(quotas);
+}
+
 }  // namespace kvpool::server

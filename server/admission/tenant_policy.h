@@ -48,6 +48,10 @@ class TenantPolicy {
   [[nodiscard]] absl::Status SetTenantQuotas(
       const std::map<TenantId, ::kvpool::v1::TenantQuota>& quotas);
 
+  // The same for every tenant of a tenants file, by name (a tenant without a quota message gets
+  // zeros: no quota of its own). InvalidArgument when a name appears twice.
+  [[nodiscard]] absl::Status SetTenantQuotasFrom(const ::kvpool::v1::TenantsFile& file);
+
   // The checks alone, against a pool of `capacity_bytes` (BF16 pages and INT2 blocks share
   // the one arena): each guarantee within its tenant's pool_bytes quota (when it has one), the
   // guarantees together within the capacity, compute_weight at most kMaxComputeWeight.

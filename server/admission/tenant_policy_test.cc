@@ -62,6 +62,26 @@ TEST(TenantPolicyTest, RefusesQuotasThatDoNotFitThePoolAndInstallsNothing) {
   EXPECT_EQ(core.quotas.Get("b").guaranteed_pool_bytes, uint64_t{1} << 20);
 }
 
+TEST(TenantPolicyTest, InstallsATenantsFileByName) {
+  TestCore core;
+  TenantPolicy policy(core.pool.get(), &core.quotas, nullptr);
+  v1::TenantsFile file;
+  v1::TenantEntry* a = file.add_tenant();
+  a->set_name("a");
+  *a->mutable_quota() = Quota(1 << 20, 7, 2, 1 << 19, 4);
+  file.add_tenant()->set_name("b");  // no quota message: none of its own
+  ASSERT_TRUE(policy.SetTenantQuotasFrom(file).ok());
+  EXPECT_EQ(core.quotas.Get("a").sequences, 7u);
+  EXPECT_EQ(core.quotas.Get("a").compute_weight, 4u);
+  EXPECT_EQ(core.pool->UsageOf("a").limits.max_bytes, size_t{1} << 20);
+  EXPECT_EQ(core.pool->UsageOf("a").limits.guaranteed_bytes, size_t{1} << 19);
+  EXPECT_TRUE(core.quotas.Has("b"));
+  EXPECT_EQ(core.quotas.Get("b").pool_bytes, 0u);
+  file.add_tenant()->set_name("a");
+  EXPECT_TRUE(absl::IsInvalidArgument(policy.SetTenantQuotasFrom(file)));
+  EXPECT_EQ(core.quotas.Get("a").sequences, 7u);
+}
+
 TEST(TenantPolicyTest, SequencesQuotaRefusesTheOneTooManyAndReloads) {
   TestCore core;
   TenantPolicy policy(core.pool.get(), &core.quotas, nullptr);
