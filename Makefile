@@ -11,7 +11,7 @@ CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
 .PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
-	bench-service bench-tenancy bench-transport format clean venv fidelity fuzz
+	bench-service bench-tenancy bench-tenant-fairness bench-transport format clean venv fidelity fuzz
 
 all: build
 
@@ -92,6 +92,12 @@ bench-service: build
 bench-tenancy: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-tenancy --out bench-results/tenancy_tls.json
+
+# A small tenant's remote-attention p50/p99 alone, under a large tenant's flood with weighted
+# fair queueing and with it off (FIFO), against the bound (alone p99 + two large work units).
+bench-tenant-fairness: build
+	@mkdir -p bench-results
+	$(BUILD)/bin/kvpool-bench-tenant-fairness --out bench-results/tenant_fairness.json
 
 # The UCX data plane (loopback, shared memory and tcp) beside ucx_perftest in the same run:
 # ingest MB/s, remote-attention round trip (gRPC vs UCX vs compute), layer-wise overlap.

@@ -89,6 +89,14 @@ struct AttentionEngine::Batch {
   std::shared_ptr<CallCancellation> cancel;  // null: runs to the end
 };
 
+uint64_t AttentionEngine::AttentionUnits(const Batch& b, size_t i) {
+  // Work grows with the tokens attended times the query rows; a unit is kAttentionUnitTokens
+  // of that, plus one for the call itself.
+  const uint64_t token_rows = static_cast<uint64_t>(b.snapshots[i]->total()) *
+                              static_cast<uint64_t>(b.request.num_queries[i]);
+  return 1 + token_rows / kAttentionUnitTokens;
+}
+
 bool AttentionEngine::StopIfCancelled(Batch* b, size_t units) {
   if (b->cancel == nullptr || !b->cancel->Cancelled()) return false;
   b->cancel->Skip(units);
@@ -344,7 +352,10 @@ absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<cons
     // The last sequence to finish answers.
     if (b->pending.fetch_sub(1) == 1) b->done(Finish(b.get()));
   };
-  const bool queued = workers_->TrySubmit([this, b, finish_one]() {
+  // The request's first task only snapshots its sequences; each sequence's attention is then a
+  // task of its own, costed by the work it does, so tenants share the workers by weighted fair
+  // queueing (worker_pool.h) sequence by sequence.
+  const bool queued = workers_->TrySubmit(b->tenant, 1, [this, b, finish_one]() {
     // Abandoned while it waited in the queue: none of its sequences are looked at.
     if (StopIfCancelled(b.get(), b->request.sequence_ids.size())) {
       b->done(b->cancel->status());
@@ -362,16 +373,13 @@ absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<cons
     }
     const size_t n = b->snapshots.size();
     b->pending.store(n);
-    // Sequences 1..n-1 go to other workers (never refused: the request was admitted);
-    // this worker takes sequence 0.
-    for (size_t i = 1; i < n; ++i) {
-      workers_->Submit([this, b, i, finish_one]() {
+    // Never refused: the request was admitted.
+    for (size_t i = 0; i < n; ++i) {
+      workers_->Submit(b->tenant, AttentionUnits(*b, i), [this, b, i, finish_one]() {
         AttendOne(b.get(), i);
         finish_one();
       });
     }
-    AttendOne(b.get(), 0);
-    finish_one();
   });
   if (!queued) {
     return absl::ResourceExhaustedError("server busy: worker queue full, retry later");

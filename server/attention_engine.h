@@ -105,6 +105,9 @@ class AttentionEngine {
                                                                const std::string& id) const;
   absl::Status Prepare(Batch* batch);
   void AttendOne(Batch* batch, size_t i);  // one sequence's rows (host backend)
+  // Sequence i's attention in work units for fair queueing: 1 + tokens * query rows / 256.
+  static constexpr uint64_t kAttentionUnitTokens = 256;
+  static uint64_t AttentionUnits(const Batch& batch, size_t i);
   // Whether the batch's caller is gone; if so, counts `units` sequences as skipped.
   static bool StopIfCancelled(Batch* batch, size_t units);
   // Device backends: one backend call for a group of requests of one model and layer.

@@ -5,7 +5,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/quote.h"
 #include "common/status_macros.h"
+#include "server/tenant_quotas.h"
 
 namespace kvpool::server {
 namespace {
@@ -60,6 +62,8 @@ BlockPool::BlockPool(std::unique_ptr<Arena> arena, size_t slab_bytes, size_t num
       checksum_slots_(num_slabs, 0),
       slabs_(num_slabs) {
   for (size_t i = 0; i < num_slabs; ++i) free_slabs_.insert(static_cast<int>(i));
+  accounts_.push_back(AccountState{kDefaultTenant, {}, {0, 0}});
+  account_ids_.emplace(kDefaultTenant, kDefaultAccount);
 }
 
 absl::Status BlockPool::CheckPageBytes(size_t page_bytes) const {
@@ -116,11 +120,12 @@ absl::Status BlockPool::Allocate(PageClassId cls, size_t count, std::vector<Page
         "block pool exhausted: need ", count, " pages of ", c.page_bytes, " bytes, ", available,
         " available (", used_bytes_, " of ", capacity_bytes(), " bytes in use)"));
   }
-  AllocateLocked(cls, count, out);
+  AllocateLocked(cls, count, kDefaultAccount, PageTier::kBf16, out);
   return absl::OkStatus();
 }
 
-void BlockPool::AllocateLocked(PageClassId cls, size_t count, std::vector<PageId>* out) {
+void BlockPool::AllocateLocked(PageClassId cls, size_t count, AccountId account, PageTier tier,
+                               std::vector<PageId>* out) {
   PageClass& c = classes_[cls];
   out->reserve(out->size() + count);
   for (size_t i = 0; i < count; ++i) {
@@ -131,6 +136,8 @@ void BlockPool::AllocateLocked(PageClassId cls, size_t count, std::vector<PageId
       slab.cls = cls;
       slab.page_bytes = c.page_bytes;
       slab.refcounts.assign(c.pages_per_slab, 0);
+      slab.owners.assign(c.pages_per_slab, kDefaultAccount);
+      slab.tiers.assign(c.pages_per_slab, PageTier::kBf16);
       slab.free_slots.resize(c.pages_per_slab);
       // Pop from the back: hand out low slots first.
       for (size_t k = 0; k < c.pages_per_slab; ++k) {
@@ -150,6 +157,8 @@ void BlockPool::AllocateLocked(PageClassId cls, size_t count, std::vector<PageId
     const uint16_t slot = slab.free_slots.back();
     slab.free_slots.pop_back();
     slab.refcounts[slot] = 1;
+    slab.owners[slot] = account;
+    slab.tiers[slot] = tier;
     checksums_[s][slot].store(0, std::memory_order_relaxed);  // published with the page id
     ++slab.in_use;
     if (slab.free_slots.empty()) c.slabs_with_free.erase(s);
@@ -157,19 +166,40 @@ void BlockPool::AllocateLocked(PageClassId cls, size_t count, std::vector<PageId
   }
   c.pages_in_use += count;
   used_bytes_ += count * c.page_bytes;
+  accounts_[account].tier_bytes[static_cast<int>(tier)] += count * c.page_bytes;
 }
 
-absl::StatusOr<size_t> BlockPool::AllocateReleasing(
-    absl::Span<const PageRequest> requests, absl::Span<const absl::Span<const PageId>> releasable,
-    std::vector<std::vector<PageId>>* out) {
+size_t BlockPool::UnusedGuaranteesLocked(AccountId account) const {
+  size_t unused = 0;
+  for (size_t a = 0; a < accounts_.size(); ++a) {
+    const AccountState& s = accounts_[a];
+    if (a != account && s.limits.guaranteed_bytes > s.bytes()) {
+      unused += s.limits.guaranteed_bytes - s.bytes();
+    }
+  }
+  return unused;
+}
+
+absl::StatusOr<std::vector<size_t>> BlockPool::AllocateReleasing(
+    AccountId account, absl::Span<const PageRequest> requests,
+    absl::Span<const absl::Span<const PageId>> releasable, std::vector<std::vector<PageId>>* out) {
   absl::MutexLock lock(&mu_);
+  if (account >= accounts_.size()) {
+    return absl::InternalError(absl::StrCat("unknown account ", account));
+  }
   std::vector<size_t> need(classes_.size(), 0);
+  size_t request_bytes = 0;
   for (const PageRequest& r : requests) {
     if (r.cls < 0 || static_cast<size_t>(r.cls) >= classes_.size()) {
       return absl::InternalError(absl::StrCat("unknown page class ", r.cls));
     }
     need[r.cls] += r.count;
+    request_bytes += r.count * classes_[r.cls].page_bytes;
   }
+  const AccountState& me = accounts_[account];
+  // Free bytes other accounts' unused guarantees hold: releasing their pages never changes it
+  // (a release stops at its owner's guarantee).
+  const size_t held_for_others = UnusedGuaranteesLocked(account);
   // The pool as it would be after releasing groups: whole free slabs, and per class the free
   // slots of its partly used slabs (Allocate fills those before taking a free slab).
   size_t free_slabs = free_slabs_.size();
@@ -177,7 +207,16 @@ absl::StatusOr<size_t> BlockPool::AllocateReleasing(
   for (size_t cls = 0; cls < classes_.size(); ++cls) {
     for (int s : classes_[cls].slabs_with_free) free_slots[cls] += slabs_[s].free_slots.size();
   }
-  auto fits = [&]() {
+  size_t released_bytes = 0;  // by every release chosen so far
+  absl::flat_hash_map<AccountId, size_t> released_by_owner;
+  auto released_of = [&](AccountId a) {
+    auto it = released_by_owner.find(a);
+    return it == released_by_owner.end() ? size_t{0} : it->second;
+  };
+  auto pool_fits = [&]() {
+    if (used_bytes_ - released_bytes + request_bytes + held_for_others > capacity_bytes()) {
+      return false;
+    }
     size_t slabs_needed = 0;
     for (size_t cls = 0; cls < classes_.size(); ++cls) {
       if (need[cls] <= free_slots[cls]) continue;
@@ -186,20 +225,45 @@ absl::StatusOr<size_t> BlockPool::AllocateReleasing(
     }
     return slabs_needed <= free_slabs;
   };
-  size_t released = 0;
-  if (!fits()) {
-    // Simulate the releases group by group, stopping at the first prefix that makes room.
+  auto quota_fits = [&]() {
+    return me.limits.max_bytes == 0 ||
+           me.bytes() - released_of(account) + request_bytes <= me.limits.max_bytes;
+  };
+  std::vector<size_t> released;
+  if (!pool_fits() || !quota_fits()) {
+    // Simulate the releases group by group, in order, until everything fits.
     absl::flat_hash_map<PageId, uint32_t> drops;   // references dropped per page
     absl::flat_hash_map<int, size_t> slab_in_use;  // occupancy of touched slabs
-    bool room = false;
-    while (!room && released < releasable.size()) {
-      for (PageId p : releasable[released]) {
-        const int s = static_cast<int>(p >> 16);
-        const Slab& slab = slabs_[s];
+    for (size_t g = 0; g < releasable.size(); ++g) {
+      const bool pool_ok = pool_fits();
+      if (pool_ok && quota_fits()) break;
+      // The pages this group would free, and whose they are.
+      std::vector<PageId> freed;
+      size_t freed_bytes = 0;
+      absl::flat_hash_map<PageId, uint32_t> local;
+      for (PageId p : releasable[g]) {
+        const Slab& slab = slabs_[p >> 16];
         const size_t slot = p & 0xffffu;
         if (slab.cls < 0 || slot >= slab.refcounts.size()) continue;
-        const uint32_t dropped = ++drops[p];
-        if (dropped != slab.refcounts[slot]) continue;  // still referenced by someone else
+        const uint32_t dropped = drops[p] + ++local[p];
+        if (dropped == slab.refcounts[slot]) {
+          freed.push_back(p);
+          freed_bytes += slab.page_bytes;
+        }
+      }
+      if (freed.empty()) continue;
+      const AccountId owner = slabs_[freed.front() >> 16].owners[freed.front() & 0xffffu];
+      if (owner != account) {
+        // Another account's pages help only the pool, and never below its guarantee.
+        if (pool_ok) continue;
+        const AccountState& o = accounts_[owner];
+        if (o.bytes() - released_of(owner) - freed_bytes < o.limits.guaranteed_bytes) continue;
+      }
+      for (const auto& [p, n] : local) drops[p] += n;
+      for (PageId p : freed) {
+        const int s = static_cast<int>(p >> 16);
+        const Slab& slab = slabs_[s];
+        released_by_owner[slab.owners[p & 0xffffu]] += slab.page_bytes;
         auto [it, inserted] = slab_in_use.try_emplace(s, slab.in_use);
         if (--it->second > 0) {
           ++free_slots[slab.cls];
@@ -209,27 +273,81 @@ absl::StatusOr<size_t> BlockPool::AllocateReleasing(
           ++free_slabs;
         }
       }
-      ++released;
-      room = fits();
+      released_bytes += freed_bytes;
+      released.push_back(g);
     }
-    if (!room) {
+    if (!quota_fits()) {
+      return QuotaError(me.name, QuotaKind::kPoolBytes, me.limits.max_bytes, me.bytes(),
+                        request_bytes);
+    }
+    if (!pool_fits()) {
       size_t pages = 0;
       for (const PageRequest& r : requests) pages += r.count;
       return absl::ResourceExhaustedError(
-          absl::StrCat("block pool exhausted: need ", pages,
-                       " pages, and evicting every evictable cached "
-                       "unit would not make room (",
-                       used_bytes_, " of ", capacity_bytes(), " bytes in use)"));
+          absl::StrCat("block pool exhausted: need ", pages, " pages (", request_bytes,
+                       " bytes), and evicting every evictable cached unit would not make room (",
+                       used_bytes_, " of ", capacity_bytes(), " bytes in use, ", held_for_others,
+                       " held for other tenants' guaranteed shares)"));
     }
-    for (size_t g = 0; g < released; ++g) {
+    for (size_t g : released) {
       for (PageId p : releasable[g]) UnrefLocked(p);
     }
   }
   out->assign(requests.size(), {});
   for (size_t i = 0; i < requests.size(); ++i) {
-    if (requests[i].count > 0) AllocateLocked(requests[i].cls, requests[i].count, &(*out)[i]);
+    if (requests[i].count > 0) {
+      AllocateLocked(requests[i].cls, requests[i].count, account, requests[i].tier, &(*out)[i]);
+    }
   }
   return released;
+}
+
+absl::StatusOr<AccountId> BlockPool::Account(const TenantId& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = account_ids_.find(name);
+  if (it != account_ids_.end()) return it->second;
+  if (accounts_.size() > 0xffff) {
+    return absl::ResourceExhaustedError("the pool keeps at most 65536 tenant accounts");
+  }
+  const AccountId id = static_cast<AccountId>(accounts_.size());
+  accounts_.push_back(AccountState{name, {}, {0, 0}});
+  account_ids_.emplace(name, id);
+  return id;
+}
+
+absl::Status BlockPool::SetAccountLimits(const std::map<TenantId, AccountLimits>& limits) {
+  absl::MutexLock lock(&mu_);
+  size_t new_accounts = 0;
+  for (const auto& [name, l] : limits) new_accounts += account_ids_.count(name) == 0 ? 1 : 0;
+  if (accounts_.size() + new_accounts > 0x10000) {
+    return absl::ResourceExhaustedError("the pool keeps at most 65536 tenant accounts");
+  }
+  for (AccountState& a : accounts_) a.limits = AccountLimits{};
+  for (const auto& [name, l] : limits) {
+    auto [it, inserted] = account_ids_.try_emplace(name, static_cast<AccountId>(accounts_.size()));
+    if (inserted) accounts_.push_back(AccountState{name, {}, {0, 0}});
+    accounts_[it->second].limits = l;
+  }
+  return absl::OkStatus();
+}
+
+AccountUsage BlockPool::UsageOf(const TenantId& name) const {
+  absl::MutexLock lock(&mu_);
+  AccountUsage u;
+  auto it = account_ids_.find(name);
+  if (it == account_ids_.end()) return u;
+  const AccountState& a = accounts_[it->second];
+  u.tier_bytes[0] = a.tier_bytes[0];
+  u.tier_bytes[1] = a.tier_bytes[1];
+  u.limits = a.limits;
+  return u;
+}
+
+AccountId BlockPool::OwnerOf(PageId page) const {
+  absl::MutexLock lock(&mu_);
+  const Slab& slab = slabs_[page >> 16];
+  const size_t slot = page & 0xffffu;
+  return slot < slab.owners.size() ? slab.owners[slot] : kDefaultAccount;
 }
 
 BlockPool::Slab& BlockPool::SlabOf(PageId page) { return slabs_[page >> 16]; }
@@ -257,6 +375,7 @@ size_t BlockPool::UnrefLocked(PageId page) {
   --slab.in_use;
   --c.pages_in_use;
   used_bytes_ -= c.page_bytes;
+  accounts_[slab.owners[slot]].tier_bytes[static_cast<int>(slab.tiers[slot])] -= c.page_bytes;
   if (slab.in_use == 0) {
     // Whole slab free: give it back so that any class can use it.
     c.slabs_with_free.erase(s);
@@ -266,6 +385,10 @@ size_t BlockPool::UnrefLocked(PageId page) {
     slab.free_slots.shrink_to_fit();
     slab.refcounts.clear();
     slab.refcounts.shrink_to_fit();
+    slab.owners.clear();
+    slab.owners.shrink_to_fit();
+    slab.tiers.clear();
+    slab.tiers.shrink_to_fit();
     free_slabs_.insert(s);
   } else if (was_full) {
     c.slabs_with_free.insert(s);

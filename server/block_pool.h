@@ -23,6 +23,14 @@
 // rows become visible (AppendTxn's commit); readers and the scrubber verify against it. A fresh
 // page's record is empty.
 //
+// Accounts: every page is charged, from its allocation to its free, to the account its
+// allocation named (a tenant: AllocateReleasing's `account`), in one tier (BF16 page or INT2
+// block), however many references it gains later. An account may have a limit (its pool_bytes
+// quota: an allocation that would pass it fails with RESOURCE_EXHAUSTED, reason QUOTA) and a
+// guaranteed share: bytes of other accounts' allocations never take the part of its guarantee it
+// does not use yet, and releases on another account's behalf never take it below its guarantee.
+// Accounts without limits (the default) change nothing.
+//
 // Thread-safe: every method may be called concurrently. Data() is lock-free (pure arithmetic),
 // and so are Checksum(), SetChecksum() and PageOf() for a page the caller holds a reference on.
 #pragma once
@@ -30,8 +38,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -43,6 +53,7 @@
 #include "kernels/codec_config.h"
 #include "kernels/paged_kv.h"
 #include "server/backend.h"
+#include "server/tenant.h"
 
 namespace kvpool::server {
 
@@ -51,6 +62,26 @@ using PageId = uint32_t;
 using PageClassId = int;
 
 inline constexpr PageId kInvalidPage = 0xffffffffu;
+
+// Who pays for a page: an index into the pool's accounts, one per tenant name.
+using AccountId = uint16_t;
+inline constexpr AccountId kDefaultAccount = 0;  // the default tenant ""
+
+// The tier a page is charged in.
+enum class PageTier : uint8_t { kBf16 = 0, kInt2 = 1 };
+inline constexpr int kPageTiers = 2;
+
+// An account's limits; 0 = none.
+struct AccountLimits {
+  size_t max_bytes = 0;         // the tenant's pool_bytes quota
+  size_t guaranteed_bytes = 0;  // never taken from it on another account's behalf
+};
+
+struct AccountUsage {
+  size_t tier_bytes[kPageTiers] = {0, 0};  // by PageTier
+  AccountLimits limits;
+  size_t bytes() const { return tier_bytes[0] + tier_bytes[1]; }
+};
 
 // A page's checksum record: slots [first, end) hold written rows whose checksum is `sum`.
 struct PageChecksum {
@@ -74,6 +105,7 @@ struct PageClassStats {
 struct PageRequest {
   PageClassId cls = 0;
   size_t count = 0;
+  PageTier tier = PageTier::kBf16;
 };
 
 struct BlockPoolStats {
@@ -105,20 +137,37 @@ class BlockPool {
   [[nodiscard]] absl::Status CheckPageBytes(size_t page_bytes) const;
   size_t ClassPageBytes(PageClassId cls) const;
 
-  // Appends `count` fresh pages of `cls` (reference count 1, contents unspecified) to `out`.
-  // All or nothing: ResourceExhausted leaves the pool and `out` unchanged.
+  // Appends `count` fresh pages of `cls` (reference count 1, contents unspecified) to `out`,
+  // charged to the default account as BF16 pages, regardless of limits (AllocateReleasing
+  // applies them). All or nothing: ResourceExhausted leaves the pool and `out` unchanged.
   [[nodiscard]] absl::Status Allocate(PageClassId cls, size_t count, std::vector<PageId>* out);
 
-  // Allocates every request (out->at(i) gets request i's pages; all or nothing). When the free
-  // pages do not cover them, first drops one reference on each page of the fewest leading
-  // `releasable` groups (pages whose only reference the caller holds) that make them fit, and
-  // returns how many groups it released. ResourceExhausted, nothing released or allocated, when
-  // even releasing every group would not make room. The fit is worked out under one lock from
-  // the slabs' exact occupancy (a freed page only makes room for its own class until its whole
-  // slab is free).
-  [[nodiscard]] absl::StatusOr<size_t> AllocateReleasing(
-      absl::Span<const PageRequest> requests, absl::Span<const absl::Span<const PageId>> releasable,
-      std::vector<std::vector<PageId>>* out);
+  // Allocates every request for `account` (out->at(i) gets request i's pages; all or nothing).
+  // When they do not fit (the free pages, the account's limit, the part of the pool other
+  // accounts' unused guarantees hold), first drops one reference on each page of groups of
+  // `releasable` (pages whose only reference the caller holds), taken in the given order: a
+  // group of the account itself whenever something does not fit yet; a group of another account
+  // only when the pool (not the limit) is short, and only if its owner stays at or above its
+  // guarantee. Returns the indices of the released groups, ascending. Fails with nothing
+  // released or allocated: RESOURCE_EXHAUSTED with reason QUOTA (limit, usage and request in the
+  // message) when the account's limit cannot be met, plain RESOURCE_EXHAUSTED when the pool
+  // cannot make room. The fit is worked out under one lock from the slabs' exact occupancy (a
+  // freed page only makes room for its own class until its whole slab is free).
+  [[nodiscard]] absl::StatusOr<std::vector<size_t>> AllocateReleasing(
+      AccountId account, absl::Span<const PageRequest> requests,
+      absl::Span<const absl::Span<const PageId>> releasable, std::vector<std::vector<PageId>>* out);
+
+  // The account of tenant `name`, created (no limits) on first use. ResourceExhausted past
+  // 65535 accounts.
+  [[nodiscard]] absl::StatusOr<AccountId> Account(const TenantId& name);
+  // Replaces every account's limits at once: those in `limits` get theirs (created as needed),
+  // every other account none. Pages already charged stay charged: a lowered limit only refuses
+  // new allocations.
+  [[nodiscard]] absl::Status SetAccountLimits(const std::map<TenantId, AccountLimits>& limits);
+  // Bytes charged to tenant `name` by tier, and its limits (zeros for an unknown name).
+  AccountUsage UsageOf(const TenantId& name) const;
+  // The account charged for `page` (a live page).
+  AccountId OwnerOf(PageId page) const;
 
   void Ref(PageId page);
   void RefAll(absl::Span<const PageId> pages);
@@ -190,7 +239,15 @@ class BlockPool {
     size_t page_bytes = 0;  // cached for Data()
     std::vector<uint16_t> free_slots;
     std::vector<uint32_t> refcounts;  // per slot; 0 = free
+    std::vector<AccountId> owners;    // per slot: who pays for it
+    std::vector<PageTier> tiers;      // per slot: in which tier
     size_t in_use = 0;
+  };
+  struct AccountState {
+    TenantId name;
+    AccountLimits limits;
+    size_t tier_bytes[kPageTiers] = {0, 0};
+    size_t bytes() const { return tier_bytes[0] + tier_bytes[1]; }
   };
   struct PageClass {
     size_t page_bytes = 0;
@@ -210,8 +267,10 @@ class BlockPool {
     return checksums_[page >> 16][page & 0xffffu];
   }
   // Allocate's work once capacity is known to suffice.
-  void AllocateLocked(PageClassId cls, size_t count, std::vector<PageId>* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AllocateLocked(PageClassId cls, size_t count, AccountId account, PageTier tier,
+                      std::vector<PageId>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes of the guarantees of accounts other than `account` that they do not use yet.
+  size_t UnusedGuaranteesLocked(AccountId account) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t UnrefLocked(PageId page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::unique_ptr<Arena> arena_;
@@ -233,6 +292,8 @@ class BlockPool {
   std::vector<PageClass> classes_ ABSL_GUARDED_BY(mu_);
   std::set<int> free_slabs_ ABSL_GUARDED_BY(mu_);
   size_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<AccountState> accounts_ ABSL_GUARDED_BY(mu_);
+  std::map<TenantId, AccountId> account_ids_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvpool::server

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "proto/status.h"
 #include "server/cpu_backend.h"
 
 namespace kvpool::server {
@@ -229,9 +230,10 @@ TEST(BlockPoolTest, AllocateReleasingReleasesOnlyWhatMakesRoomAcrossClasses) {
   const absl::Span<const PageId> groups[2] = {a, c};
   const PageRequest one_large[1] = {{large, 1}};
   std::vector<std::vector<PageId>> out;
-  absl::StatusOr<size_t> released = pool->AllocateReleasing(one_large, groups, &out);
+  absl::StatusOr<std::vector<size_t>> released =
+      pool->AllocateReleasing(kDefaultAccount, one_large, groups, &out);
   ASSERT_TRUE(released.ok()) << released.status();
-  EXPECT_EQ(*released, 2u);
+  EXPECT_EQ(*released, (std::vector<size_t>{0, 1}));
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out[0].size(), 1u);
   EXPECT_EQ(pool->RefCount(a[0]), 0);
@@ -239,9 +241,9 @@ TEST(BlockPoolTest, AllocateReleasingReleasesOnlyWhatMakesRoomAcrossClasses) {
 
   // Two small pages now fit in the slots `a` left: nothing is released.
   const PageRequest two_small[1] = {{small, 2}};
-  released = pool->AllocateReleasing(two_small, {}, &out);
+  released = pool->AllocateReleasing(kDefaultAccount, two_small, {}, &out);
   ASSERT_TRUE(released.ok()) << released.status();
-  EXPECT_EQ(*released, 0u);
+  EXPECT_TRUE(released->empty());
 }
 
 TEST(BlockPoolTest, AllocateReleasingRefusesWithoutReleasingWhenGroupsCannotMakeRoom) {
@@ -255,20 +257,183 @@ TEST(BlockPoolTest, AllocateReleasingRefusesWithoutReleasingWhenGroupsCannotMake
   const absl::Span<const PageId> groups[1] = {group};
   const PageRequest requests[2] = {{cls, 2}, {cls, 2}};
   std::vector<std::vector<PageId>> out;
-  absl::StatusOr<size_t> released = pool->AllocateReleasing(requests, groups, &out);
+  absl::StatusOr<std::vector<size_t>> released =
+      pool->AllocateReleasing(kDefaultAccount, requests, groups, &out);
   EXPECT_TRUE(absl::IsResourceExhausted(released.status())) << released.status();
   EXPECT_EQ(pool->used_bytes(), used);
   EXPECT_EQ(pool->RefCount(group[1]), 1);
   EXPECT_EQ(pool->RefCount(group[0]), 2);
   // Three pages fit once the group's three sole-owned pages go.
   const PageRequest three[2] = {{cls, 1}, {cls, 2}};
-  released = pool->AllocateReleasing(three, groups, &out);
+  released = pool->AllocateReleasing(kDefaultAccount, three, groups, &out);
   ASSERT_TRUE(released.ok()) << released.status();
-  EXPECT_EQ(*released, 1u);
+  EXPECT_EQ(*released, std::vector<size_t>{0});
   ASSERT_EQ(out.size(), 2u);
   EXPECT_EQ(out[0].size(), 1u);
   EXPECT_EQ(out[1].size(), 2u);
   EXPECT_EQ(pool->RefCount(group[0]), 1);
+}
+
+// Accounts, quotas and guaranteed shares (16 KiB pages, 4 per 64 KiB slab).
+constexpr size_t kPage = 16 * 1024;
+
+// Allocates `count` pages of `cls` for `account` with no groups to release.
+absl::StatusOr<std::vector<PageId>> Charge(BlockPool* pool, AccountId account, PageClassId cls,
+                                           size_t count, PageTier tier = PageTier::kBf16) {
+  const PageRequest r[1] = {{cls, count, tier}};
+  std::vector<std::vector<PageId>> out;
+  absl::StatusOr<std::vector<size_t>> released = pool->AllocateReleasing(account, r, {}, &out);
+  if (!released.ok()) return released.status();
+  return out[0];
+}
+
+TEST(BlockPoolAccountsTest, ChargesEachPageToItsAllocatorByTierUntilFreed) {
+  auto pool = MakePool(4);
+  const PageClassId cls = *pool->RegisterClass(kPage);
+  const AccountId a = *pool->Account("a");
+  EXPECT_EQ(*pool->Account("a"), a);
+  EXPECT_NE(a, kDefaultAccount);
+  std::vector<PageId> bf16 = *Charge(pool.get(), a, cls, 3, PageTier::kBf16);
+  std::vector<PageId> int2 = *Charge(pool.get(), a, cls, 2, PageTier::kInt2);
+  EXPECT_EQ(pool->UsageOf("a").tier_bytes[0], 3 * kPage);
+  EXPECT_EQ(pool->UsageOf("a").tier_bytes[1], 2 * kPage);
+  EXPECT_EQ(pool->OwnerOf(bf16[0]), a);
+  // A second reference (a shared prefix page) charges nothing more; the last one frees it.
+  pool->Ref(int2[0]);
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 5 * kPage);
+  pool->Unref(int2[0]);
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 5 * kPage);
+  pool->UnrefAll(int2);
+  pool->Unref(bf16[0]);
+  EXPECT_EQ(pool->UsageOf("a").tier_bytes[0], 2 * kPage);
+  EXPECT_EQ(pool->UsageOf("a").tier_bytes[1], 0u);
+  EXPECT_EQ(pool->UsageOf("nobody").bytes(), 0u);
+  EXPECT_EQ(pool->UsageOf(kDefaultTenant).bytes(), 0u);
+}
+
+TEST(BlockPoolAccountsTest, LimitRefusesWithQuotaReasonAndChangesNothing) {
+  auto pool = MakePool(4);
+  const PageClassId cls = *pool->RegisterClass(kPage);
+  const AccountId a = *pool->Account("a");
+  ASSERT_TRUE(pool->SetAccountLimits({{"a", {3 * kPage, 0}}}).ok());
+  ASSERT_TRUE(Charge(pool.get(), a, cls, 2).ok());
+  const size_t used = pool->used_bytes();
+  absl::StatusOr<std::vector<PageId>> over = Charge(pool.get(), a, cls, 2);
+  ASSERT_TRUE(absl::IsResourceExhausted(over.status())) << over.status();
+  EXPECT_EQ(ReasonOf(over.status()), ErrorReason::kQuota);
+  EXPECT_NE(over.status().message().find("quota 49152, usage 32768, request 32768"),
+            absl::string_view::npos)
+      << over.status();
+  EXPECT_EQ(ReasonMetadata(over.status())["quota"], "pool_bytes");
+  EXPECT_EQ(pool->used_bytes(), used);
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 2 * kPage);
+  // Exactly up to the limit is fine; other accounts are not limited by it.
+  ASSERT_TRUE(Charge(pool.get(), a, cls, 1).ok());
+  ASSERT_TRUE(Charge(pool.get(), kDefaultAccount, cls, 5).ok());
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 3 * kPage);
+}
+
+TEST(BlockPoolAccountsTest, LoweredLimitRefusesNewPagesAndKeepsAccountingExact) {
+  auto pool = MakePool(4);
+  const PageClassId cls = *pool->RegisterClass(kPage);
+  const AccountId a = *pool->Account("a");
+  std::vector<PageId> held = *Charge(pool.get(), a, cls, 4);
+  ASSERT_TRUE(pool->SetAccountLimits({{"a", {2 * kPage, 0}}}).ok());
+  EXPECT_EQ(ReasonOf(Charge(pool.get(), a, cls, 1).status()), ErrorReason::kQuota);
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 4 * kPage);
+  EXPECT_EQ(pool->UsageOf("a").limits.max_bytes, 2 * kPage);
+  pool->UnrefAll(absl::MakeConstSpan(held).subspan(0, 3));
+  EXPECT_EQ(pool->UsageOf("a").bytes(), kPage);
+  ASSERT_TRUE(Charge(pool.get(), a, cls, 1).ok());
+  // A reload without "a": no limit of its own again.
+  ASSERT_TRUE(pool->SetAccountLimits({}).ok());
+  EXPECT_EQ(pool->UsageOf("a").limits.max_bytes, 0u);
+  ASSERT_TRUE(Charge(pool.get(), a, cls, 3).ok());
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 5 * kPage);
+}
+
+TEST(BlockPoolAccountsTest, OverItsLimitAnAccountReleasesOnlyItsOwnGroups) {
+  auto pool = MakePool(4);
+  const PageClassId cls = *pool->RegisterClass(kPage);
+  const AccountId a = *pool->Account("a");
+  const AccountId b = *pool->Account("b");
+  const std::vector<PageId> a_cached = *Charge(pool.get(), a, cls, 1);
+  const std::vector<PageId> a_live = *Charge(pool.get(), a, cls, 1);
+  const std::vector<PageId> b_cached = *Charge(pool.get(), b, cls, 1);
+  ASSERT_TRUE(pool->SetAccountLimits({{"a", {2 * kPage, 0}}}).ok());
+  // The pool has room; only a's limit is short: b's group is passed over, a's own released.
+  const absl::Span<const PageId> groups[2] = {b_cached, a_cached};
+  const PageRequest one[1] = {{cls, 1}};
+  std::vector<std::vector<PageId>> out;
+  absl::StatusOr<std::vector<size_t>> released = pool->AllocateReleasing(a, one, groups, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, std::vector<size_t>{1});
+  EXPECT_EQ(pool->RefCount(b_cached[0]), 1);
+  EXPECT_EQ(pool->RefCount(a_live[0]), 1);
+  EXPECT_EQ(pool->used_bytes(), 3 * kPage);
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 2 * kPage);
+  EXPECT_EQ(pool->UsageOf("b").bytes(), kPage);
+  // With nothing of its own left to release: QUOTA, b's group untouched.
+  const absl::Span<const PageId> only_b[1] = {b_cached};
+  released = pool->AllocateReleasing(a, one, only_b, &out);
+  EXPECT_EQ(ReasonOf(released.status()), ErrorReason::kQuota) << released.status();
+  EXPECT_EQ(pool->RefCount(b_cached[0]), 1);
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 2 * kPage);
+}
+
+TEST(BlockPoolAccountsTest, ReleasesOnAnothersBehalfStopAtItsGuarantee) {
+  auto pool = MakePool(2);  // 8 pages
+  const PageClassId cls = *pool->RegisterClass(kPage);
+  const AccountId a = *pool->Account("a");
+  const AccountId b = *pool->Account("b");
+  ASSERT_TRUE(pool->SetAccountLimits({{"b", {0, 3 * kPage}}}).ok());
+  // b fills slab 0 with four cached pages (one group each), a fills slab 1 with live pages.
+  std::vector<std::vector<PageId>> b_units;
+  for (int i = 0; i < 4; ++i) b_units.push_back(*Charge(pool.get(), b, cls, 1));
+  ASSERT_TRUE(Charge(pool.get(), a, cls, 4).ok());
+  std::vector<absl::Span<const PageId>> groups(b_units.begin(), b_units.end());
+  const PageRequest one[1] = {{cls, 1}};
+  std::vector<std::vector<PageId>> out;
+  // b holds 4 pages over a guarantee of 3: exactly one page may go on a's behalf.
+  absl::StatusOr<std::vector<size_t>> released = pool->AllocateReleasing(a, one, groups, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, std::vector<size_t>{0});
+  EXPECT_EQ(pool->UsageOf("b").bytes(), 3 * kPage);
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 5 * kPage);
+  // Now b is at its guarantee: a is refused and nothing changes.
+  groups.erase(groups.begin());
+  const size_t used = pool->used_bytes();
+  released = pool->AllocateReleasing(a, one, groups, &out);
+  EXPECT_TRUE(absl::IsResourceExhausted(released.status())) << released.status();
+  EXPECT_FALSE(ReasonOf(released.status()).has_value());
+  EXPECT_EQ(pool->used_bytes(), used);
+  EXPECT_EQ(pool->UsageOf("b").bytes(), 3 * kPage);
+  // b itself may release its own units below its guarantee.
+  released = pool->AllocateReleasing(b, one, groups, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, std::vector<size_t>{0});
+  EXPECT_EQ(pool->UsageOf("b").bytes(), 3 * kPage);
+}
+
+TEST(BlockPoolAccountsTest, UnusedGuaranteesAreHeldForTheirOwners) {
+  auto pool = MakePool(4);  // 16 pages
+  const PageClassId cls = *pool->RegisterClass(kPage);
+  const AccountId a = *pool->Account("a");
+  const AccountId b = *pool->Account("b");
+  ASSERT_TRUE(pool->SetAccountLimits({{"b", {0, 6 * kPage}}}).ok());
+  ASSERT_TRUE(Charge(pool.get(), b, cls, 2).ok());
+  // 14 pages free, 4 of them held for b's guarantee: a gets 10, not 11.
+  ASSERT_TRUE(Charge(pool.get(), a, cls, 10).ok());
+  absl::StatusOr<std::vector<PageId>> more = Charge(pool.get(), a, cls, 1);
+  EXPECT_TRUE(absl::IsResourceExhausted(more.status())) << more.status();
+  EXPECT_NE(more.status().message().find("65536 held for other tenants' guaranteed shares"),
+            absl::string_view::npos)
+      << more.status();
+  EXPECT_EQ(pool->UsageOf("a").bytes(), 10 * kPage);
+  // b reaches its guarantee in the room held for it.
+  ASSERT_TRUE(Charge(pool.get(), b, cls, 4).ok());
+  EXPECT_EQ(pool->UsageOf("b").bytes(), 6 * kPage);
+  EXPECT_EQ(pool->used_bytes(), 16 * kPage);
 }
 
 }  // namespace

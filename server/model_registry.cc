@@ -189,6 +189,14 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
         absl::StrCat("model ", Quote(model->id), " is already registered with codec version ",
                      old.version_hex, " (or other head counts / tier sizes); delete it first"));
   }
+  const uint64_t quota = quotas_ != nullptr ? quotas_->Get(tenant).models : 0;
+  if (quota > 0) {
+    const size_t held = CountOfLocked(tenant);
+    if (held + 1 > quota) {
+      quotas_->CountRejection(tenant, QuotaKind::kModels);
+      return QuotaError(tenant, QuotaKind::kModels, quota, held, 1);
+    }
+  }
   // Page classes are added only for a model that is being registered (both sizes were checked
   // above, so neither fails): a refused registration leaves the pool as it was.
   KVPOOL_ASSIGN_OR_RETURN(model->block_class, pool_->RegisterClass(model->block_bytes));
@@ -225,6 +233,20 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Remove(const TenantI
   std::shared_ptr<const Model> m = std::move(it->second);
   models_.erase(it);
   return m;
+}
+
+size_t ModelRegistry::CountOfLocked(const TenantId& tenant) const {
+  size_t n = 0;
+  for (auto it = models_.lower_bound(std::make_pair(tenant, std::string()));
+       it != models_.end() && it->first.first == tenant; ++it) {
+    ++n;
+  }
+  return n;
+}
+
+size_t ModelRegistry::CountOf(const TenantId& tenant) const {
+  absl::MutexLock lock(&mu_);
+  return CountOfLocked(tenant);
 }
 
 size_t ModelRegistry::size() const {

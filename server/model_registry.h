@@ -31,6 +31,7 @@
 #include "kernels/row_codec.h"
 #include "server/block_pool.h"
 #include "server/tenant.h"
+#include "server/tenant_quotas.h"
 
 namespace kvpool::server {
 
@@ -87,12 +88,16 @@ struct RegisterResult {
 
 class ModelRegistry {
  public:
-  // `pool` outlives the registry; page classes of every model are registered with it.
-  explicit ModelRegistry(BlockPool* pool) : pool_(pool) {}
+  // `pool` outlives the registry; page classes of every model are registered with it. `quotas`
+  // (may be null: no quotas) holds each tenant's models quota and counts its refusals.
+  explicit ModelRegistry(BlockPool* pool, TenantQuotaTable* quotas = nullptr)
+      : pool_(pool), quotas_(quotas) {}
 
   // Validates and registers. InvalidArgument (id, shape vs rotation, quant config, page size
-  // vs slab, codec version mismatch), AlreadyExists (same id, different codec version). An
-  // identical re-registration returns the existing model with already_registered set.
+  // vs slab, codec version mismatch), AlreadyExists (same id, different codec version),
+  // RESOURCE_EXHAUSTED with reason QUOTA when the tenant holds its models quota already. An
+  // identical re-registration returns the existing model with already_registered set (and
+  // counts nothing). A model holds no pool pages: its rotations live in host memory.
   [[nodiscard]] absl::StatusOr<RegisterResult> Register(const TenantId& tenant,
                                                         ModelRegistration request);
   // NotFound when absent.
@@ -104,9 +109,14 @@ class ModelRegistry {
   [[nodiscard]] absl::StatusOr<std::shared_ptr<const Model>> Remove(const TenantId& tenant,
                                                                     absl::string_view id);
   size_t size() const;
+  // Models `tenant` holds.
+  size_t CountOf(const TenantId& tenant) const;
 
  private:
+  size_t CountOfLocked(const TenantId& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   BlockPool* const pool_;
+  TenantQuotaTable* const quotas_;
   mutable absl::Mutex mu_;
   std::map<std::pair<TenantId, std::string>, std::shared_ptr<const Model>> models_
       ABSL_GUARDED_BY(mu_);

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "absl/container/flat_hash_set.h"
+#include "common/status_macros.h"
 
 namespace kvpool::server {
 namespace {
@@ -198,20 +199,22 @@ std::vector<PrefixHash> PrefixIndex::EvictionOrderLocked(const TenantId& tenant)
 absl::Status PrefixIndex::AllocateEvicting(const TenantId& tenant,
                                            absl::Span<const PageRequest> requests,
                                            std::vector<std::vector<PageId>>* out) {
-  // Most appends fit the free pages: no need to rank the cache for them.
-  absl::StatusOr<size_t> fitted = pool_->AllocateReleasing(requests, {}, out);
+  KVPOOL_ASSIGN_OR_RETURN(const AccountId account, pool_->Account(tenant));
+  // Most appends fit the free pages and the tenant's quota: no need to rank the cache for them.
+  absl::StatusOr<std::vector<size_t>> fitted = pool_->AllocateReleasing(account, requests, {}, out);
   if (fitted.ok() || !absl::IsResourceExhausted(fitted.status())) return fitted.status();
   absl::MutexLock lock(&mu_);
   // Under the index lock nobody can take a reference on a unit held only by the index (Match
   // is the only way to one), so the order stays valid through the pool's decision.
   const std::vector<PrefixHash> order = EvictionOrderLocked(tenant);
+  if (order.empty()) return fitted.status();
   std::vector<absl::Span<const PageId>> groups;
   groups.reserve(order.size());
   for (const PrefixHash& hash : order) groups.push_back(entries_.at(hash).pages);
-  absl::StatusOr<size_t> released = pool_->AllocateReleasing(requests, groups, out);
-  if (!released.ok()) return released.status();
-  for (size_t i = 0; i < *released; ++i) RemoveLocked(order[i], /*unref=*/false);
-  evicted_ += *released;
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<size_t> released,
+                          pool_->AllocateReleasing(account, requests, groups, out));
+  for (size_t i : released) RemoveLocked(order[i], /*unref=*/false);
+  evicted_ += released.size();
   return absl::OkStatus();
 }
 

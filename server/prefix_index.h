@@ -107,11 +107,13 @@ class PrefixIndex {
   // Evicts the least recently used leaf unit whose pages only the index references. Returns
   // the pool bytes freed (0 when nothing is evictable).
   size_t EvictOne();
-  // Allocates `requests` from the pool (BlockPool::AllocateReleasing), evicting cached units
-  // only when that makes the whole allocation fit: the fewest units, taken in eviction order
-  // (leaves whose pages only the index references; `tenant`'s least recently used first, then
-  // other tenants' least recently used). ResourceExhausted when evicting every evictable unit
-  // would not make room: then nothing is evicted and nothing allocated.
+  // Allocates `requests` from the pool for `tenant`'s account (BlockPool::AllocateReleasing),
+  // evicting cached units only when that makes the whole allocation fit, taken in eviction
+  // order (leaves whose pages only the index references; `tenant`'s least recently used first,
+  // then other tenants' least recently used): its own units when the pool or its pool_bytes
+  // quota is short, another tenant's only when the pool is short and never below that tenant's
+  // guaranteed share. ResourceExhausted (reason QUOTA over the quota) when that cannot make
+  // room: then nothing is evicted and nothing allocated.
   [[nodiscard]] absl::Status AllocateEvicting(const TenantId& tenant,
                                               absl::Span<const PageRequest> requests,
                                               std::vector<std::vector<PageId>>* out);

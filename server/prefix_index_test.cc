@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "proto/status.h"
 #include "server/cpu_backend.h"
 
 namespace kvpool::server {
@@ -38,8 +39,11 @@ struct Cache {
       tokens[i] = static_cast<uint8_t>(name[i % name.size()]) + 256u * index_in_chain;
     }
     key.hash = HashPrefixUnit(ctx, parent, key.kind, tokens);
-    std::vector<PageId> pages;
-    EXPECT_TRUE(pool->Allocate(cls, 4, &pages).ok());
+    // Charged to `tenant`, as a sequence's append would be.
+    const PageRequest one_slab[1] = {{cls, 4}};
+    std::vector<std::vector<PageId>> out;
+    EXPECT_TRUE(index->AllocateEvicting(tenant, one_slab, &out).ok());
+    const std::vector<PageId> pages = out.at(0);
     EXPECT_TRUE(index->Publish(ctx, key, parent, pages));
     pool->UnrefAll(pages);  // the index's reference is the only one
     hashes[name].push_back(key.hash);
@@ -142,6 +146,59 @@ TEST(PrefixIndexTest, EvictsAChainFromItsLeafAndSkipsUnitsInUse) {
   EXPECT_FALSE(c.index->Contains(root));
   EXPECT_TRUE(c.index->Contains(lone));
   c.pool->UnrefAll(held[0].pages);
+}
+
+TEST(PrefixIndexTest, NeverEvictsAnotherTenantBelowItsGuaranteedShare) {
+  Cache c(4);
+  const PrefixHash o1 = c.Publish("other", "o1", 0);
+  const PrefixHash o2 = c.Publish("other", "o2", 0);
+  const PrefixHash m1 = c.Publish("me", "m1", 0);
+  ASSERT_TRUE(c.pool->SetAccountLimits({{"other", {0, kSlab}}}).ok());
+  EXPECT_EQ(c.pool->UsageOf("other").bytes(), 2 * kSlab);
+
+  // Three slabs: the free one, my unit, and one of the other tenant's two (down to its share).
+  const PageRequest three_slabs[1] = {{c.cls, 12}};
+  std::vector<std::vector<PageId>> out;
+  ASSERT_TRUE(c.index->AllocateEvicting("me", three_slabs, &out).ok());
+  EXPECT_FALSE(c.index->Contains(m1));
+  EXPECT_FALSE(c.index->Contains(o1));
+  EXPECT_TRUE(c.index->Contains(o2));
+  EXPECT_EQ(c.pool->UsageOf("other").bytes(), kSlab);
+  EXPECT_EQ(c.pool->UsageOf("me").bytes(), 3 * kSlab);
+
+  // The other tenant is at its guarantee: one more page is refused and nothing is evicted.
+  const PageRequest one_page[1] = {{c.cls, 1}};
+  const absl::Status s = c.index->AllocateEvicting("me", one_page, &out);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_TRUE(c.index->Contains(o2));
+  EXPECT_EQ(c.index->Stats().evicted_units, 2u);
+  EXPECT_EQ(c.pool->used_bytes(), 4 * kSlab);
+  // Its owner may still evict it for itself.
+  ASSERT_TRUE(c.index->AllocateEvicting("other", one_page, &out).ok());
+  EXPECT_FALSE(c.index->Contains(o2));
+  EXPECT_EQ(c.pool->UsageOf("other").bytes(), kPage);
+}
+
+TEST(PrefixIndexTest, OverItsQuotaATenantEvictsItsOwnUnitsOnly) {
+  Cache c(4);
+  const PrefixHash m1 = c.Publish("me", "m1", 0);
+  const PrefixHash o1 = c.Publish("other", "o1", 0);
+  ASSERT_TRUE(c.pool->SetAccountLimits({{"me", {2 * kSlab, 0}}}).ok());
+  // Two slabs would fit the pool but not my quota with m1 cached: m1 goes, o1 stays.
+  const PageRequest two_slabs[1] = {{c.cls, 8}};
+  std::vector<std::vector<PageId>> out;
+  ASSERT_TRUE(c.index->AllocateEvicting("me", two_slabs, &out).ok());
+  EXPECT_FALSE(c.index->Contains(m1));
+  EXPECT_TRUE(c.index->Contains(o1));
+  EXPECT_EQ(c.pool->UsageOf("me").bytes(), 2 * kSlab);
+  // At the quota with nothing of mine cached: QUOTA, the pool and the cache as they were.
+  const PageRequest one_page[1] = {{c.cls, 1}};
+  const absl::Status s = c.index->AllocateEvicting("me", one_page, &out);
+  EXPECT_EQ(ReasonOf(s), ErrorReason::kQuota) << s;
+  EXPECT_NE(s.message().find("quota 131072, usage 131072, request 16384"), absl::string_view::npos)
+      << s;
+  EXPECT_TRUE(c.index->Contains(o1));
+  EXPECT_EQ(c.pool->used_bytes(), 3 * kSlab);
 }
 
 }  // namespace

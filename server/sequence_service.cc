@@ -100,11 +100,13 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServer
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const TenantId tenant = TenantOf(*ctx_, context);
   ServiceContext* ctx = ctx_;
-  if (!ctx_->workers->TrySubmit([ctx, tenant, peer = context->peer(), request, response, reactor] {
-        absl::StatusOr<AppendResult> r = ctx->ingest->AppendDecode(tenant, peer, *request);
-        if (r.ok()) FillAppendDecodeResponse(*r, response);
-        reactor->Finish(ToGrpcStatus(r.status()));
-      })) {
+  const uint64_t units = IngestUnits(request->k().size() + request->v().size());
+  if (!ctx_->workers->TrySubmit(
+          tenant, units, [ctx, tenant, peer = context->peer(), request, response, reactor] {
+            absl::StatusOr<AppendResult> r = ctx->ingest->AppendDecode(tenant, peer, *request);
+            if (r.ok()) FillAppendDecodeResponse(*r, response);
+            reactor->Finish(ToGrpcStatus(r.status()));
+          })) {
     reactor->Finish(ToGrpcStatus(BusyError()));
   }
   return reactor;

@@ -42,11 +42,12 @@ using internal::LayerPages;
 using internal::Sequence;
 
 SequenceStore::SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend,
-                             absl::Duration default_ttl)
+                             absl::Duration default_ttl, TenantQuotaTable* quotas)
     : pool_(pool),
       index_(index),
       backend_(backend),
       demotions_(backend),
+      quotas_(quotas),
       default_ttl_(default_ttl) {}
 
 SequenceStore::~SequenceStore() {
@@ -87,7 +88,23 @@ absl::Status SequenceStore::Missing(const TenantId& tenant, const std::string& i
 absl::Status SequenceStore::AllocatePages(const TenantId& tenant,
                                           absl::Span<const PageRequest> requests,
                                           std::vector<std::vector<PageId>>* out) {
-  return index_->AllocateEvicting(tenant, requests, out);
+  absl::Status s = index_->AllocateEvicting(tenant, requests, out);
+  if (quotas_ != nullptr && ReasonOf(s) == ErrorReason::kQuota) {
+    quotas_->CountRejection(tenant, QuotaKind::kPoolBytes);
+  }
+  return s;
+}
+
+void SequenceStore::UncountSequenceLocked(const TenantId& tenant) {
+  auto it = tenant_sequences_.find(tenant);
+  if (it == tenant_sequences_.end()) return;
+  if (--it->second == 0) tenant_sequences_.erase(it);
+}
+
+size_t SequenceStore::SequencesOf(const TenantId& tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tenant_sequences_.find(tenant);
+  return it == tenant_sequences_.end() ? 0 : it->second;
 }
 
 absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStore::Create(
@@ -105,6 +122,16 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
     } else if (sequences_.count(std::make_pair(tenant, id)) > 0) {
       return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
     }
+    // The quota counts this sequence from here on, so concurrent creations cannot pass it.
+    const uint64_t quota = quotas_ != nullptr ? quotas_->Get(tenant).sequences : 0;
+    size_t& held = tenant_sequences_[tenant];
+    if (quota > 0 && held + 1 > quota) {
+      const size_t usage = held;
+      if (held == 0) tenant_sequences_.erase(tenant);
+      quotas_->CountRejection(tenant, QuotaKind::kSequences);
+      return QuotaError(tenant, QuotaKind::kSequences, quota, usage, 1);
+    }
+    ++held;
     return absl::OkStatus();
   };
   {
@@ -116,6 +143,7 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
   seq->Touch();
   std::vector<PrefixUnitKey> attached;
   std::vector<PageId> attached_pages;  // references taken by Match, now the sequence's
+  bool attach_fits = true;
   if (!prefix_token_ids.empty()) {
     const PrefixContext ctx = ContextOf(*model);
     const std::vector<PrefixUnitKey> chain = ComputePrefixChain(ctx, prefix_token_ids);
@@ -141,18 +169,25 @@ absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> SequenceStor
     if (tokens > 0) {
       absl::StatusOr<AppendPlan> plan = seq->layout.PlanAppend(tokens, AppendKind::kPrefill);
       if (!plan.ok() || plan->to_recent != 0 || plan->demote != 0) {
-        pool_->UnrefAll(attached_pages);
-        return absl::InternalError("prefix attach does not fit the sequence layout");
+        attach_fits = false;
+      } else {
+        seq->layout.Commit(*plan, AppendKind::kPrefill);
+        seq->token_ids.assign(prefix_token_ids.begin(), prefix_token_ids.begin() + tokens);
+        seq->reused_tokens = tokens;
       }
-      seq->layout.Commit(*plan, AppendKind::kPrefill);
-      seq->token_ids.assign(prefix_token_ids.begin(), prefix_token_ids.begin() + tokens);
-      seq->reused_tokens = tokens;
     }
+  }
+  if (!attach_fits) {
+    pool_->UnrefAll(attached_pages);
+    absl::MutexLock lock(&mu_);
+    UncountSequenceLocked(tenant);
+    return absl::InternalError("prefix attach does not fit the sequence layout");
   }
   absl::MutexLock lock(&mu_);
   // The id was free a moment ago; re-check in case a concurrent Create took it.
   if (sequences_.count(std::make_pair(tenant, id)) > 0) {
     pool_->UnrefAll(attached_pages);
+    UncountSequenceLocked(tenant);
     return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
   }
   sequences_.emplace(std::make_pair(tenant, id), seq);
@@ -288,8 +323,10 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
         admit(layers * (new_history * pool_->ClassPageBytes(m.block_class) +
                         (new_sink + new_recent) * pool_->ClassPageBytes(m.bf16_class))));
   }
-  const PageRequest requests[2] = {{m.block_class, layers * new_history},
-                                   {m.bf16_class, layers * (new_sink + new_recent)}};
+  // Demoted rows land in the new INT2 blocks counted here: demotion allocates nothing else.
+  const PageRequest requests[2] = {
+      {m.block_class, layers * new_history, PageTier::kInt2},
+      {m.bf16_class, layers * (new_sink + new_recent), PageTier::kBf16}};
   std::vector<std::vector<PageId>> allocated;
   KVPOOL_RETURN_IF_ERROR(AllocatePages(tenant, requests, &allocated));
   const std::vector<PageId>& blocks = allocated[0];
@@ -417,6 +454,7 @@ absl::StatusOr<size_t> SequenceStore::Release(const TenantId& tenant, const std:
 size_t SequenceStore::ReleaseLocked(
     std::map<std::pair<TenantId, std::string>, std::shared_ptr<Sequence>>::iterator it) {
   std::shared_ptr<Sequence> seq = std::move(it->second);
+  UncountSequenceLocked(it->first.first);
   sequences_.erase(it);
   if (seq->ttl > absl::ZeroDuration()) --leased_count_;
   std::vector<PageId> pages;

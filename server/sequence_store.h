@@ -46,6 +46,7 @@
 #include "server/sequence_info.h"
 #include "server/sequence_snapshot.h"
 #include "server/tenant.h"
+#include "server/tenant_quotas.h"
 
 namespace kvpool::server {
 
@@ -65,14 +66,17 @@ struct StoreTotals {
 class SequenceStore {
  public:
   // All pointers outlive the store. `default_ttl`: the lease of a sequence created without one
-  // (zero: none).
+  // (zero: none). `quotas` (may be null: no quotas): each tenant's sequences quota, and where
+  // refusals by quota are counted.
   SequenceStore(BlockPool* pool, PrefixIndex* index, ComputeBackend* backend,
-                absl::Duration default_ttl = absl::ZeroDuration());
+                absl::Duration default_ttl = absl::ZeroDuration(),
+                TenantQuotaTable* quotas = nullptr);
   ~SequenceStore();  // releases every sequence
 
   // Creates an empty sequence (a fresh id when `id` is empty), or one starting from the
   // longest cached prefix of `prefix_token_ids`, with a lease of `ttl` (zero: the store's
-  // default). InvalidArgument, AlreadyExists.
+  // default). InvalidArgument, AlreadyExists, RESOURCE_EXHAUSTED with reason QUOTA when the
+  // tenant holds its sequences quota already (sequences being created count).
   [[nodiscard]] absl::StatusOr<std::pair<SequenceInfo, std::vector<PrefixUnitKey>>> Create(
       const TenantId& tenant, std::shared_ptr<const Model> model, std::string id,
       absl::Span<const uint32_t> prefix_token_ids, absl::Duration ttl = absl::ZeroDuration());
@@ -124,10 +128,13 @@ class SequenceStore {
   // Totals per model id (of every tenant when `tenant` is null).
   std::map<std::string, StoreTotals> TotalsByModel(const TenantId& tenant) const;
   size_t size() const;
+  // Sequences `tenant` holds (with those being created), as its quota counts them.
+  size_t SequencesOf(const TenantId& tenant) const;
 
   // Allocates pages of several classes for `tenant` (all or nothing), evicting cached prefix
   // units only when that makes the allocation fit, `tenant`'s least recently used first
-  // (PrefixIndex::AllocateEvicting). ResourceExhausted leaves the pool and the cache unchanged.
+  // (PrefixIndex::AllocateEvicting), charged to `tenant` (its pool_bytes quota; refusals by
+  // quota are counted). ResourceExhausted leaves the pool and the cache unchanged.
   [[nodiscard]] absl::Status AllocatePages(const TenantId& tenant,
                                            absl::Span<const PageRequest> requests,
                                            std::vector<std::vector<PageId>>* out);
@@ -144,6 +151,8 @@ class SequenceStore {
       std::map<std::pair<TenantId, std::string>, std::shared_ptr<internal::Sequence>>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Abort(AppendTxn* txn);
+  // Gives back a sequence slot Create counted for `tenant`.
+  void UncountSequenceLocked(const TenantId& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   BlockPool* const pool_;
   PrefixIndex* const index_;
@@ -153,6 +162,9 @@ class SequenceStore {
   mutable absl::Mutex mu_;
   std::map<std::pair<TenantId, std::string>, std::shared_ptr<internal::Sequence>> sequences_
       ABSL_GUARDED_BY(mu_);
+  TenantQuotaTable* const quotas_;
+  // Per tenant: live sequences plus those being created (only tenants that hold some).
+  std::map<TenantId, size_t> tenant_sequences_ ABSL_GUARDED_BY(mu_);
   const absl::Duration default_ttl_;
   // Ids whose lease ran out, oldest first (at most kExpiredIdsRemembered).
   std::set<std::pair<TenantId, std::string>> expired_ids_ ABSL_GUARDED_BY(mu_);

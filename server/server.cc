@@ -5,6 +5,7 @@
 #endif
 
 #include <algorithm>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -28,6 +29,13 @@
 
 namespace kvpool::server {
 namespace {
+
+// Each tenant's quota message by name (the tenant policy's input).
+std::map<TenantId, v1::TenantQuota> QuotasOf(const TenantDirectory& tenants) {
+  std::map<TenantId, v1::TenantQuota> quotas;
+  for (const TenantIdentity& t : tenants.tenants()) quotas[t.name] = t.quota;
+  return quotas;
+}
 
 constexpr const char* kServiceNames[] = {"kvpool.v1.ModelService", "kvpool.v1.SequenceService",
                                          "kvpool.v1.ReadService",  "kvpool.v1.AttentionService",
@@ -86,9 +94,9 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                           s->backend_->AllocateArena(s->config_.pool_bytes));
   KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));
   s->index_ = std::make_unique<PrefixIndex>(s->pool_.get());
-  s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get());
+  s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get(), &s->quotas_);
   s->store_ = std::make_unique<SequenceStore>(s->pool_.get(), s->index_.get(), s->backend_.get(),
-                                              config.sequence_ttl);
+                                              config.sequence_ttl, &s->quotas_);
   s->reaper_ = std::make_unique<SequenceReaper>(s->store_.get(), SequenceReaper::kCheckPeriod);
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
   s->attention_ =
@@ -97,7 +105,11 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->ingest_ =
       std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(), s->workers_.get(),
                                      config.max_append_tokens, s->admission_.get());
+  s->tenant_policy_ =
+      std::make_unique<TenantPolicy>(s->pool_.get(), &s->quotas_, s->workers_.get());
   ServiceContext& ctx = s->ctx_;
+  ctx.quotas = &s->quotas_;
+  ctx.tenant_policy = s->tenant_policy_.get();
   ctx.config = &s->config_;
   ctx.backend = s->backend_.get();
   ctx.pool = s->pool_.get();
@@ -111,6 +123,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
     KVPOOL_ASSIGN_OR_RETURN(
         s->tenants_,
         TenantsSource::Open(config.tenants_file, absl::Milliseconds(config.tenants_poll_ms)));
+    // The quotas of the file's tenants: a table that does not fit the pool refuses the start.
+    KVPOOL_RETURN_IF_ERROR(s->tenant_policy_->SetTenantQuotas(QuotasOf(*s->tenants_->current())));
     KvpoolServer* server = s.get();
     s->tenants_->OnChange([server](const TenantDirectory& before, const TenantDirectory& after) {
       for (const TenantIdentity& t : before.tenants()) {
@@ -118,6 +132,9 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       }
       // Calls that raced a removal ran in nobody's namespace: nothing there is kept either.
       server->ReleaseTenant(kUnresolvedTenant);
+      // A reloaded table that does not fit the pool leaves the quotas in force as they were.
+      const absl::Status quotas = server->tenant_policy_->SetTenantQuotas(QuotasOf(after));
+      if (!quotas.ok()) spdlog::error("tenants file reload: quotas kept: {}", quotas.message());
     });
     ctx.tenants = s->tenants_.get();
     spdlog::info("tenants file {}: {} tenants", config.tenants_file,

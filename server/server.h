@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "server/admission/admission.h"
+#include "server/admission/tenant_policy.h"
 #include "server/config.h"
 #include "server/scrubber.h"
 #include "server/sequence_reaper.h"
@@ -56,6 +57,8 @@ class KvpoolServer {
   // The bound port (useful with a :0 listen address).
   int port() const { return port_; }
   ServiceContext* context() { return &ctx_; }
+  // Where the tenants file's quotas are installed, at start and on every reload.
+  TenantPolicy* tenant_policy() { return tenant_policy_.get(); }
   // A channel to this server inside the process (no socket), for tests and fuzz targets. Its
   // messages are limited to max_message_bytes like the listening port's.
   std::shared_ptr<grpc::Channel> InProcessChannel();
@@ -78,6 +81,7 @@ class KvpoolServer {
   ServerConfig config_;
   // Outlives every stream's ticket (destroyed after the services, transports and workers).
   std::unique_ptr<Admission> admission_;
+  TenantQuotaTable quotas_;  // read by the store and the registry: outlives them
   std::unique_ptr<ComputeBackend> backend_;
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<PrefixIndex> index_;
@@ -87,6 +91,7 @@ class KvpoolServer {
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
   std::unique_ptr<IngestEngine> ingest_;
+  std::unique_ptr<TenantPolicy> tenant_policy_;
   std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;

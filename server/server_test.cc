@@ -16,6 +16,7 @@
 #include "kvpool/v1/sequence_service.grpc.pb.h"
 #include "kvpool/v1/stats_service.grpc.pb.h"
 #include "proto/service_stubs.h"
+#include "proto/status.h"
 #include "server/model_registry.h"
 #include "server/server_test_util.h"
 #include "tests/support/api_requests.h"
@@ -576,6 +577,84 @@ TEST_F(ServerTest, SixteenConcurrentClientsKeepExactAccounting) {
   ASSERT_EQ(resp.models_size(), 1);
   EXPECT_EQ(resp.models(0).pool_bytes(), resp.pool().used_bytes());
   EXPECT_GT(resp.service().ingested_bytes(), 0u);
+}
+
+// Quotas over the wire: RESOURCE_EXHAUSTED with reason QUOTA for a model, a sequence and pool
+// bytes (streamed append and decode append), nothing changed, and the caller's usage row in
+// GetStats. (Every caller is the default tenant until identities exist.)
+TEST_F(ServerTest, QuotasRefuseWithReasonAndGetStatsShowsTheTenantsRow) {
+  auto quota = [](uint64_t pool_bytes) {
+    v1::TenantQuota q;
+    q.set_pool_bytes(pool_bytes);
+    q.set_sequences(2);
+    q.set_models(1);
+    q.set_compute_weight(3);
+    return q;
+  };
+  ASSERT_TRUE(server_->tenant_policy()->SetTenantQuotas({{kDefaultTenant, quota(0)}}).ok());
+  ASSERT_TRUE(RegisterDataFree("m", v1::ROTATION_KIND_HADAMARD, v1::QUANT_METHOD_UNIFORM).ok());
+  absl::Status s = FromGrpcStatus(
+      RegisterDataFree("m2", v1::ROTATION_KIND_HADAMARD, v1::QUANT_METHOD_UNIFORM), "register");
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_EQ(ReasonOf(s), ErrorReason::kQuota) << s;
+  ASSERT_TRUE(Create("m", "s1").ok());
+  ASSERT_TRUE(Create("m", "s2").ok());
+  s = FromGrpcStatus(Create("m", "s3"), "create");
+  EXPECT_EQ(ReasonOf(s), ErrorReason::kQuota) << s;
+  EXPECT_NE(s.message().find("quota 2, usage 2, request 1"), absl::string_view::npos) << s;
+
+  Kv kv(40, 1);  // sink 8, INT2 history 16, recent 16
+  ASSERT_TRUE(Append("s1", 0, 40, kv.k, kv.v, true).ok());
+  const uint64_t used = UsedBytes();
+  ASSERT_TRUE(server_->tenant_policy()->SetTenantQuotas({{kDefaultTenant, quota(used)}}).ok());
+  s = FromGrpcStatus(Append("s2", 0, 20, kv.k, kv.v, true), "append");
+  EXPECT_EQ(ReasonOf(s), ErrorReason::kQuota) << s;
+  EXPECT_EQ(UsedBytes(), used);
+  // Decode steps go on until one needs a page.
+  int length = 40;
+  bool refused = false;
+  for (int step = 0; step < 24 && !refused; ++step) {
+    grpc::ClientContext ctx;
+    v1::AppendDecodeRequest req;
+    req.set_sequence_id("s1");
+    req.set_token_start(length);
+    req.set_num_tokens(1);
+    req.set_dtype(v1::DTYPE_FP32);
+    std::vector<float> k = kvpool::testing::GaussianValues(kLayers * kRow, step);
+    req.set_k(reinterpret_cast<const char*>(k.data()), k.size() * 4);
+    req.set_v(reinterpret_cast<const char*>(k.data()), k.size() * 4);
+    v1::AppendDecodeResponse resp;
+    absl::Status d = FromGrpcStatus(stubs_->sequences->AppendDecode(&ctx, req, &resp), "decode");
+    refused = !d.ok();
+    if (refused) {
+      EXPECT_EQ(ReasonOf(d), ErrorReason::kQuota) << d;
+    } else {
+      ++length;
+    }
+  }
+  EXPECT_TRUE(refused);
+  EXPECT_EQ(UsedBytes(), used);
+
+  grpc::ClientContext ctx;
+  v1::GetStatsResponse resp;
+  ASSERT_TRUE(stubs_->stats->GetStats(&ctx, v1::GetStatsRequest(), &resp).ok());
+  EXPECT_EQ(resp.quota_bytes(), used);
+  ASSERT_EQ(resp.tenants_size(), 1);
+  const v1::TenantUsage& row = resp.tenants(0);
+  EXPECT_EQ(row.tenant(), kDefaultTenant);
+  EXPECT_EQ(row.pool_bytes(), resp.pool().used_bytes());
+  EXPECT_EQ(row.bf16_bytes() + row.int2_bytes(), row.pool_bytes());
+  EXPECT_GT(row.int2_bytes(), 0u);
+  EXPECT_EQ(row.sequences(), 2u);
+  EXPECT_EQ(row.models(), 1u);
+  EXPECT_EQ(row.quota().pool_bytes(), used);
+  EXPECT_EQ(row.quota().sequences(), 2u);
+  EXPECT_EQ(row.quota().compute_weight(), 3u);
+  EXPECT_EQ(row.rejected_models(), 1u);
+  EXPECT_EQ(row.rejected_sequences(), 1u);
+  EXPECT_EQ(row.rejected_pool_bytes(), 2u);
+  EXPECT_GT(row.served_tasks(), 0u);
+  EXPECT_EQ(row.queued_tasks(), 0u);
 }
 
 }  // namespace

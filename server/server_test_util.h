@@ -21,6 +21,7 @@
 #include "server/model_registry.h"
 #include "server/prefix_index.h"
 #include "server/sequence_store.h"
+#include "server/tenant_quotas.h"
 
 namespace kvpool::server::testing {
 
@@ -32,11 +33,15 @@ struct TestCore {
   explicit TestCore(size_t pool_bytes = 32 << 20, size_t slab_bytes = 256 << 10);
   ~TestCore();
 
-  // Registers a model (2 layers, Hq 4, Hkv 2, D 32 unless given) or fails the test.
+  // Registers a model of `tenant` (2 layers, Hq 4, Hkv 2, D 32 unless given) or fails the
+  // test.
   std::shared_ptr<const Model> AddModel(const std::string& id, RotationKind kind,
                                         const QuantConfig& quant, int num_layers = 2,
-                                        int q_heads = 4, int kv_heads = 2, int head_dim = 32);
+                                        int q_heads = 4, int kv_heads = 2, int head_dim = 32,
+                                        const TenantId& tenant = kDefaultTenant);
 
+  // Quotas the store and the registry read (empty: none).
+  TenantQuotaTable quotas;
   std::unique_ptr<ComputeBackend> backend;
   std::unique_ptr<BlockPool> pool;
   std::unique_ptr<PrefixIndex> index;
@@ -93,6 +98,7 @@ std::vector<Bf16> TestRows(int tokens, size_t row_values, uint64_t seed);
 // of `chunk` tokens. Returns the commit status.
 absl::Status AppendAll(SequenceStore& store, const Model& model, const std::string& id,
                        int token_start, int tokens, AppendKind kind, uint64_t seed,
-                       int chunk = 1 << 30, std::vector<uint32_t> token_ids = {});
+                       int chunk = 1 << 30, std::vector<uint32_t> token_ids = {},
+                       const TenantId& tenant = kDefaultTenant);
 
 }  // namespace kvpool::server::testing

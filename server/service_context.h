@@ -30,6 +30,7 @@
 #include "server/prefix_index.h"
 #include "server/sequence_store.h"
 #include "server/tenant.h"
+#include "server/tenant_quotas.h"
 #include "server/worker_pool.h"
 
 namespace kvpool::server {
@@ -37,6 +38,7 @@ namespace kvpool::server {
 class IngestEngine;        // server/ingest/ingest_engine.h
 class Transport;           // server/transport/transport.h
 class ConnectionListener;  // server/connection_listener.h
+class TenantPolicy;        // server/admission/tenant_policy.h
 
 // Ingest counters are the ingest engine's (IngestEngine::counters).
 struct ServiceCounters {
@@ -57,6 +59,9 @@ struct ServiceContext {
   AttentionEngine* attention = nullptr;
   // Every append of K/V, whatever carries it, goes through it.
   IngestEngine* ingest = nullptr;
+  // Tenants' quotas and refusals, and where a (re)loaded tenants file installs them.
+  const TenantQuotaTable* quotas = nullptr;
+  TenantPolicy* tenant_policy = nullptr;
   // Data-plane transports offered in TransportService.Negotiate (grpc_inline first).
   std::vector<Transport*> transports;
   // The gRPC port's accept loop and its connection cap (null in servers without a port).

@@ -1,5 +1,6 @@
 #include "server/stats_service.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "server/connection_listener.h"
@@ -33,6 +34,46 @@ void FillSecurityStats(const ServiceContext& ctx, const Caller& caller, v1::Secu
 }
 
 }  // namespace
+
+std::vector<TenantId> TenantRowsVisibleTo(const Caller& caller,
+                                          const std::vector<TenantId>& known) {
+  if (caller.role != v1::ROLE_ADMIN && caller.role != v1::ROLE_ROUTER) return {caller.tenant};
+  std::vector<TenantId> all = known;
+  all.push_back(caller.tenant);
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  return all;
+}
+
+v1::TenantUsage TenantUsageOf(const ServiceContext& ctx, const TenantId& tenant) {
+  v1::TenantUsage row;
+  row.set_tenant(tenant);
+  const AccountUsage usage = ctx.pool->UsageOf(tenant);
+  row.set_pool_bytes(usage.bytes());
+  row.set_bf16_bytes(usage.tier_bytes[static_cast<int>(PageTier::kBf16)]);
+  row.set_int2_bytes(usage.tier_bytes[static_cast<int>(PageTier::kInt2)]);
+  row.set_sequences(ctx.store->SequencesOf(tenant));
+  row.set_models(ctx.registry->CountOf(tenant));
+  if (ctx.quotas != nullptr) {
+    const TenantQuota q = ctx.quotas->Get(tenant);
+    v1::TenantQuota* out = row.mutable_quota();
+    out->set_pool_bytes(q.pool_bytes);
+    out->set_sequences(q.sequences);
+    out->set_models(q.models);
+    out->set_guaranteed_pool_bytes(q.guaranteed_pool_bytes);
+    out->set_compute_weight(q.compute_weight);
+    const QuotaRejections r = ctx.quotas->Rejections(tenant);
+    row.set_rejected_pool_bytes(r.pool_bytes);
+    row.set_rejected_sequences(r.sequences);
+    row.set_rejected_models(r.models);
+  }
+  const FairFlowStats work = ctx.workers->TenantStats(tenant);
+  row.set_queued_tasks(work.queued);
+  row.set_queued_units(work.queued_units);
+  row.set_served_tasks(work.served);
+  row.set_served_units(work.served_units);
+  return row;
+}
 
 grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext* context,
                                                      const v1::GetStatsRequest* request,
@@ -173,7 +214,16 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
     }
   }
   response->set_tenant(tenant);
-  response->set_quota_bytes(0);
+  response->set_quota_bytes(ctx_->quotas != nullptr ? ctx_->quotas->Get(tenant).pool_bytes : 0);
+  // Every tenant with quotas or named in the tenants file (for a caller allowed to see them).
+  std::vector<TenantId> known =
+      ctx_->quotas != nullptr ? ctx_->quotas->Tenants() : std::vector<TenantId>{};
+  if (ctx_->tenants != nullptr) {
+    for (const TenantIdentity& t : ctx_->tenants->current()->tenants()) known.push_back(t.name);
+  }
+  for (const TenantId& t : TenantRowsVisibleTo(caller, known)) {
+    *response->add_tenants() = TenantUsageOf(*ctx_, t);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -7,6 +7,8 @@
 // Thread-safe; cheap enough to poll.
 #pragma once
 
+#include <vector>
+
 #include "kvpool/v1/stats_service.grpc.pb.h"
 #include "server/service_context.h"
 
@@ -26,5 +28,14 @@ class StatsServiceImpl final : public ::kvpool::v1::StatsService::CallbackServic
 
 // The daemon's version string.
 const char* KvpoolVersion();
+
+// The tenants whose usage rows (GetStatsResponse.tenants) `caller` is shown: this function alone
+// decides. A tenant sees its own row; an admin or a router every tenant in `known` (those with
+// quotas or in the tenants file) and its own.
+std::vector<TenantId> TenantRowsVisibleTo(const Caller& caller, const std::vector<TenantId>& known);
+
+// One tenant's row from the pool's accounts, the store, the registry, the quota table and the
+// worker pool.
+::kvpool::v1::TenantUsage TenantUsageOf(const ServiceContext& ctx, const TenantId& tenant);
 
 }  // namespace kvpool::server

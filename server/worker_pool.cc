@@ -14,25 +14,48 @@ WorkerPool::WorkerPool(int threads, size_t queue_capacity)
 
 WorkerPool::~WorkerPool() { Shutdown(); }
 
-bool WorkerPool::TrySubmit(std::function<void()> task) {
+bool WorkerPool::TrySubmit(const TenantId& tenant, uint64_t cost, std::function<void()> task) {
   absl::MutexLock lock(&mu_);
-  if (stopping_ || queue_.size() >= capacity_) {
+  if (stopping_) {
     ++rejected_;
     return false;
   }
-  queue_.push_back(std::move(task));
+  if (queue_.size() >= capacity_) {
+    const size_t own = queue_.size(tenant);
+    const size_t tenants = queue_.active_flows() + (own == 0 ? 1 : 0);
+    if (own >= std::max<size_t>(1, capacity_ / tenants)) {
+      ++rejected_;
+      return false;
+    }
+  }
+  queue_.Push(tenant, cost, std::move(task));
   return true;
 }
 
-void WorkerPool::Submit(std::function<void()> task) {
+void WorkerPool::Submit(const TenantId& tenant, uint64_t cost, std::function<void()> task) {
   {
     absl::MutexLock lock(&mu_);
     if (!stopping_) {
-      queue_.push_back(std::move(task));
+      queue_.Push(tenant, cost, std::move(task));
       return;
     }
   }
   task();
+}
+
+void WorkerPool::SetWeights(std::map<TenantId, uint32_t> weights) {
+  absl::MutexLock lock(&mu_);
+  queue_.SetWeights(std::move(weights));
+}
+
+void WorkerPool::SetFairness(bool weighted) {
+  absl::MutexLock lock(&mu_);
+  queue_.SetWeighted(weighted);
+}
+
+FairFlowStats WorkerPool::TenantStats(const TenantId& tenant) const {
+  absl::MutexLock lock(&mu_);
+  return queue_.Stats(tenant);
 }
 
 void WorkerPool::Shutdown() {
@@ -67,8 +90,7 @@ void WorkerPool::Run() {
                ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) { return p->stopping_ || !p->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stopping and drained
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      task = queue_.Pop();
     }
     task();
   }

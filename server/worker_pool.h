@@ -10,19 +10,26 @@
 //   if (!pool.TrySubmit([&] { DoHeavyThing(); })) return absl::ResourceExhaustedError("busy");
 //   pool.Shutdown();  // runs what is queued, then joins
 //
+// Work is queued per tenant and taken by weighted fair queueing (fair_queue.h): each task names
+// its tenant and its cost in work units, so one tenant's flood of large tasks does not starve
+// another's small ones, and a lone tenant's tasks run in arrival order. Tasks submitted without
+// a tenant belong to the default tenant "".
+//
 // Thread-safe.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <functional>
+#include <map>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "server/fair_queue.h"
+#include "server/tenant.h"
 
 namespace kvpool::server {
 
@@ -41,12 +48,25 @@ class WorkerPool {
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  // Queues `task` unless the queue is full or the pool is shut down; false then (the task is
-  // not run and is destroyed).
-  [[nodiscard]] bool TrySubmit(std::function<void()> task);
+  // Queues `task` of `tenant` costing `cost` work units unless the pool is shut down, or the
+  // queue is full and the tenant already holds its share of it (the capacity divided by the
+  // tenants with work queued, counting this one): false then (the task is not run and is
+  // destroyed). So a tenant filling the queue does not lock the others out of it.
+  [[nodiscard]] bool TrySubmit(const TenantId& tenant, uint64_t cost, std::function<void()> task);
+  [[nodiscard]] bool TrySubmit(std::function<void()> task) {
+    return TrySubmit(kDefaultTenant, 1, std::move(task));
+  }
   // Queues `task` regardless of the bound (for continuations of admitted work). After
   // Shutdown the task runs inline on the caller's thread.
-  void Submit(std::function<void()> task);
+  void Submit(const TenantId& tenant, uint64_t cost, std::function<void()> task);
+  void Submit(std::function<void()> task) { Submit(kDefaultTenant, 1, std::move(task)); }
+
+  // Tenants' compute weights (absent or 0: 1), for tasks queued from now on.
+  void SetWeights(std::map<TenantId, uint32_t> weights);
+  // false: plain arrival order (FIFO) across tenants, for comparison; true by default.
+  void SetFairness(bool weighted);
+  // A tenant's queued and served tasks and work units.
+  FairFlowStats TenantStats(const TenantId& tenant) const;
 
   // Stops accepting work, runs everything queued, joins the threads. Idempotent.
   void Shutdown();
@@ -63,7 +83,7 @@ class WorkerPool {
   const int num_threads_;
   std::vector<std::thread> threads_;
   mutable absl::Mutex mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  FairQueue<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t rejected_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -1,7 +1,10 @@
 #include "server/worker_pool.h"
 
 #include <atomic>
+#include <string>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
@@ -46,6 +49,62 @@ TEST(WorkerPoolTest, SubmitAfterShutdownRunsInline) {
   bool ran = false;
   pool.Submit([&] { ran = true; });
   EXPECT_TRUE(ran);
+}
+
+// With one worker held busy, the queue's order and bound across tenants are deterministic.
+TEST(WorkerPoolTest, FullQueueStillAdmitsATenantBelowItsShareAndRunsItFirst) {
+  WorkerPool pool(1, 4);
+  absl::Notification release, started;
+  ASSERT_TRUE(pool.TrySubmit("x", 1, [&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  auto record = [&](std::string name) {
+    return [&, name] {
+      absl::MutexLock lock(&mu);
+      order.push_back(name);
+    };
+  };
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(pool.TrySubmit("big", 10, record("big" + std::to_string(i))));
+  EXPECT_FALSE(pool.TrySubmit("big", 10, record("big4")));  // full, and all of it is big's
+  // Two tenants with work: each may hold half of the bound.
+  EXPECT_TRUE(pool.TrySubmit("small", 1, record("small0")));
+  EXPECT_TRUE(pool.TrySubmit("small", 1, record("small1")));
+  EXPECT_FALSE(pool.TrySubmit("small", 1, record("small2")));
+  EXPECT_EQ(pool.TenantStats("big").queued, 4u);
+  EXPECT_EQ(pool.TenantStats("small").queued_units, 2u);
+  release.Notify();
+  pool.Shutdown();
+  EXPECT_EQ(order, (std::vector<std::string>{"small0", "small1", "big0", "big1", "big2", "big3"}));
+  EXPECT_EQ(pool.TenantStats("big").served_units, 40u);
+  EXPECT_EQ(pool.rejected(), 2u);
+}
+
+TEST(WorkerPoolTest, FifoModeRunsInArrivalOrder) {
+  WorkerPool pool(1, 16);
+  pool.SetFairness(false);
+  absl::Notification release, started;
+  ASSERT_TRUE(pool.TrySubmit("x", 1, [&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  for (const char* name : {"big0", "big1", "small0"}) {
+    const std::string tenant = std::string(name).substr(0, std::string(name).size() - 1);
+    ASSERT_TRUE(pool.TrySubmit(tenant, tenant == "big" ? 10 : 1, [&, n = std::string(name)] {
+      absl::MutexLock lock(&mu);
+      order.push_back(n);
+    }));
+  }
+  release.Notify();
+  pool.Shutdown();
+  EXPECT_EQ(order, (std::vector<std::string>{"big0", "big1", "small0"}));
 }
 
 }  // namespace

@@ -197,11 +197,12 @@ void IngestAppend::Finish(Deferred d, bool admit) {
     auto task = [self = shared_from_this(), layer = layer, held] {
       self->RunChunk(layer, std::move(*held));
     };
+    const uint64_t units = IngestUnits(held->bytes());
     if (!admit) {
-      workers_->Submit(std::move(task));
+      workers_->Submit(options_.tenant, units, std::move(task));
       continue;
     }
-    if (workers_->TrySubmit(std::move(task))) continue;
+    if (workers_->TrySubmit(options_.tenant, units, std::move(task))) continue;
     // The pool's queue is full: the chunk never runs, and the append fails.
     Deferred refused;
     {

@@ -49,6 +49,7 @@
 #include "server/admission/admission.h"
 #include "server/ingest/ingest_counters.h"
 #include "server/sequence_store.h"
+#include "server/tenant.h"
 #include "server/worker_pool.h"
 
 namespace kvpool::server {
@@ -72,7 +73,13 @@ struct IngestOptions {
   // count against it until the append ends, and every chunk handed over or staged is progress
   // (Touch). Its expiry is the owner's to act on (IngestEngine::Begin aborts the append).
   std::shared_ptr<Admission::Ticket> ticket;
+  // Whose work the chunks are in the worker pool's fair queueing (IngestEngine::Begin sets it).
+  TenantId tenant = kDefaultTenant;
 };
+
+// A chunk's codec work in fair-queueing units (worker_pool.h): one per 64 KiB of payload, plus
+// one for the task.
+inline uint64_t IngestUnits(size_t payload_bytes) { return 1 + payload_bytes / (64 * 1024); }
 
 class IngestAppend : public std::enable_shared_from_this<IngestAppend> {
  public:

@@ -76,6 +76,7 @@ absl::StatusOr<std::shared_ptr<IngestAppend>> IngestEngine::Begin(const TenantId
                                                                   const v1::AppendKvHeader& header,
                                                                   IngestOptions options) {
   KVPOOL_RETURN_IF_ERROR(ValidateAppendHeader(header, max_append_tokens_));
+  options.tenant = tenant;
   std::shared_ptr<ExpiryTarget> target;
   if (options.ticket == nullptr) {
     target = std::make_shared<ExpiryTarget>();

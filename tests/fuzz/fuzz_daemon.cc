@@ -141,6 +141,16 @@ absl::StatusOr<v1::GetStatsResponse> FuzzDaemon::StateSnapshot() {
   // with any read or call, successful or not.
   resp.clear_lifecycle();
   for (v1::SequenceStats& s : *resp.mutable_sequences()) s.clear_idle_ms();
+  // A tenant's refusals and its work in the worker pool count calls, not state.
+  for (v1::TenantUsage& t : *resp.mutable_tenants()) {
+    t.clear_rejected_pool_bytes();
+    t.clear_rejected_sequences();
+    t.clear_rejected_models();
+    t.clear_queued_tasks();
+    t.clear_queued_units();
+    t.clear_served_tasks();
+    t.clear_served_units();
+  }
   return resp;
 }
 
