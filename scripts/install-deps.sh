@@ -14,6 +14,7 @@ BUILD_PACKAGES=(
   libabsl-dev libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libeigen3-dev liblapacke-dev libopenblas-dev libssl-dev libspdlog-dev
+  libcpp-httplib-dev
   clang-format
 )
 if [ "$#" -gt 0 ]; then PACKAGES=("$@"); else PACKAGES=("${BUILD_PACKAGES[@]}"); fi

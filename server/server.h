@@ -37,6 +37,10 @@ class StatsServiceImpl;
 class TransportServiceImpl;
 class Transport;
 class ConnectionListener;
+class RpcLatency;
+class KvEventHub;
+class KvEventServiceImpl;
+class MetricsHttpServer;
 
 class KvpoolServer {
  public:
@@ -55,6 +59,8 @@ class KvpoolServer {
   const ServerConfig& config() const { return config_; }
   // The bound port (useful with a :0 listen address).
   int port() const { return port_; }
+  // The bound port of the metrics endpoint (--metrics_listen); 0 without one.
+  int metrics_port() const;
   ServiceContext* context() { return &ctx_; }
   // A channel to this server inside the process (no socket), for tests and fuzz targets. Its
   // messages are limited to max_message_bytes like the listening port's.
@@ -75,6 +81,7 @@ class KvpoolServer {
   std::unique_ptr<ComputeBackend> backend_;
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<PrefixIndex> index_;
+  std::unique_ptr<KvEventHub> kv_events_;  // observes index_ (gone first)
   std::unique_ptr<ModelRegistry> registry_;
   std::unique_ptr<SequenceStore> store_;
   std::unique_ptr<SequenceReaper> reaper_;  // releases the store's expired leases
@@ -90,10 +97,13 @@ class KvpoolServer {
   std::unique_ptr<AttentionServiceImpl> attention_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
   std::unique_ptr<TransportServiceImpl> transport_service_;
+  std::unique_ptr<KvEventServiceImpl> kv_event_service_;
   std::unique_ptr<grpc::Service> extra_service_;
   std::unique_ptr<ConnectionListener> listener_;  // accepts connections for server_
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<RpcLatency> rpc_latency_;          // fed by an interceptor of server_
+  std::unique_ptr<MetricsHttpServer> metrics_http_;  // reads everything above: stopped first
   int port_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;

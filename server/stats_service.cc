@@ -13,7 +13,14 @@ const char* KvpoolVersion() { return "kvpoold 0.1.0"; }
 grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext* context,
                                                      const v1::GetStatsRequest* request,
                                                      v1::GetStatsResponse* response) {
-  const TenantId tenant = TenantOf(context);
+  Collect(TenantOf(context), request, response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+void StatsServiceImpl::Collect(const TenantId& tenant, const v1::GetStatsRequest* request,
+                               v1::GetStatsResponse* response) const {
   const BlockPoolStats pool = ctx_->pool->Stats();
   const PrefixIndexStats index = ctx_->index->Stats();
   v1::PoolStats* p = response->mutable_pool();
@@ -34,6 +41,9 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   }
   p->set_evicted_units(index.evicted_units);
   p->set_prefix_units(index.units);
+  p->set_prefix_lookups(index.lookups);
+  p->set_prefix_lookup_tokens(index.lookup_tokens);
+  p->set_prefix_hit_tokens(index.hit_tokens);
 
   const auto totals = ctx_->store->TotalsByModel(tenant);
   for (const auto& m : ctx_->registry->List(tenant)) {
@@ -147,9 +157,6 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   }
   response->set_tenant(tenant);
   response->set_quota_bytes(0);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
 }  // namespace kvpool::server

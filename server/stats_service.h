@@ -20,6 +20,10 @@ class StatsServiceImpl final : public ::kvpool::v1::StatsService::CallbackServic
                                      const ::kvpool::v1::GetStatsRequest* request,
                                      ::kvpool::v1::GetStatsResponse* response) override;
 
+  // What GetStats answers `tenant` (the metrics endpoint reads the same numbers through it).
+  void Collect(const TenantId& tenant, const ::kvpool::v1::GetStatsRequest* request,
+               ::kvpool::v1::GetStatsResponse* response) const;
+
  private:
   ServiceContext* const ctx_;
 };
