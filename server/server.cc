@@ -103,6 +103,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->ingest_ =
       std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(), s->workers_.get(),
                                      config.max_append_tokens, s->admission_.get());
+  s->codec_health_ = std::make_unique<CodecHealth>(config.codec_health_sample_every);
+  s->ingest_->SetCodecHealth(s->codec_health_.get());
   ServiceContext& ctx = s->ctx_;
   ctx.config = &s->config_;
   ctx.backend = s->backend_.get();
@@ -199,7 +201,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->scrubber_->Start();
   if (!config.metrics_listen.empty()) {
     const MetricsSources sources{&s->ctx_, s->stats_service_.get(), s->rpc_latency_.get(),
-                                 s->kv_events_.get()};
+                                 s->kv_events_.get(), s->codec_health_.get()};
     const bool tenant_labels = config.metrics_tenant_labels;
     KVPOOL_ASSIGN_OR_RETURN(
         s->metrics_http_, MetricsHttpServer::Start(config.metrics_listen, [sources, tenant_labels] {

@@ -39,6 +39,7 @@ class Transport;
 class ConnectionListener;
 class RpcLatency;
 class KvEventHub;
+class CodecHealth;
 class KvEventServiceImpl;
 class MetricsHttpServer;
 
@@ -87,6 +88,7 @@ class KvpoolServer {
   std::unique_ptr<SequenceReaper> reaper_;  // releases the store's expired leases
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
+  std::unique_ptr<CodecHealth> codec_health_;  // sampled by ingest_
   std::unique_ptr<IngestEngine> ingest_;
   std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain

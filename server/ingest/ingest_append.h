@@ -47,6 +47,7 @@
 #include "kernels/bf16.h"
 #include "kvpool/v1/common.pb.h"
 #include "server/admission/admission.h"
+#include "server/codec_health.h"
 #include "server/ingest/ingest_counters.h"
 #include "server/sequence_store.h"
 #include "server/worker_pool.h"
@@ -72,6 +73,8 @@ struct IngestOptions {
   // count against it until the append ends, and every chunk handed over or staged is progress
   // (Touch). Its expiry is the owner's to act on (IngestEngine::Begin aborts the append).
   std::shared_ptr<Admission::Ticket> ticket;
+  // Samples arriving rows for the codec-health metrics (set by IngestEngine); null: none.
+  CodecHealth* codec_health = nullptr;
 };
 
 class IngestAppend : public std::enable_shared_from_this<IngestAppend> {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -261,6 +263,71 @@ void RenderRpcLatency(const RpcLatency& latency, PrometheusText& out) {
   }
 }
 
+void RenderCodecHealth(const ServiceContext& ctx, CodecHealth* health, bool tenant_labels,
+                       const std::vector<TenantId>& tenants, PrometheusText& out) {
+  std::set<std::pair<TenantId, std::string>> live;
+  for (const TenantId& t : tenants) {
+    for (const auto& m : ctx.registry->List(t)) live.emplace(t, m->id);
+  }
+  // (tenant or "", model, layer, key) -> sums over tenants without tenant labels.
+  std::map<std::tuple<std::string, std::string, int, bool>, CodecHealthSeries> series;
+  for (const CodecHealthSeries& s : health->Snapshot(live)) {
+    CodecHealthSeries& t =
+        series[{tenant_labels ? s.tenant : std::string(), s.model_id, s.layer, s.key}];
+    t.rows += s.rows;
+    t.clip_energy += s.clip_energy;
+    t.error_energy += s.error_energy;
+    t.signal_energy += s.signal_energy;
+  }
+  struct Field {
+    const char* name;
+    const char* help;
+    double CodecHealthSeries::*value;
+  };
+  out.Family("kvpool_codec_health_rows_total", "counter",
+             "Arriving head rows re-encoded on the side for codec health (every "
+             "--codec_health_sample_every-th chunk).");
+  const Field fields[] = {
+      {"kvpool_codec_health_clip_energy_total",
+       "Energy the clip removed from the sampled rotated rows: sum of (|x| - tau)^2.",
+       &CodecHealthSeries::clip_energy},
+      {"kvpool_codec_health_error_energy_total",
+       "Squared error of the sampled rows after encode and decode: sum of (x - x_hat)^2.",
+       &CodecHealthSeries::error_energy},
+      {"kvpool_codec_health_signal_energy_total",
+       "Energy of the sampled rotated rows: sum of x^2 (divide the two above by it).",
+       &CodecHealthSeries::signal_energy}};
+  auto labels = [&](const auto& key, MetricLabels* l, std::string* layer) {
+    const auto& [tenant, model, layer_index, is_key] = key;
+    *layer = absl::StrCat(layer_index);
+    if (tenant_labels) l->emplace_back("tenant", tenant);
+    l->emplace_back("model", model);
+    l->emplace_back("layer", *layer);
+    l->emplace_back("tensor", is_key ? "k" : "v");
+  };
+  for (const auto& [key, s] : series) {
+    MetricLabels l;
+    std::string layer;
+    labels(key, &l, &layer);
+    out.Sample("kvpool_codec_health_rows_total", l, s.rows);
+  }
+  for (const Field& f : fields) {
+    out.Family(f.name, "counter", f.help);
+    for (const auto& [key, s] : series) {
+      MetricLabels l;
+      std::string layer;
+      labels(key, &l, &layer);
+      out.Sample(f.name, l, s.*f.value);
+    }
+  }
+  const CodecHealthCost cost = health->Cost();
+  One(out, "kvpool_codec_health_samples_total", "counter", "Chunks sampled for codec health.",
+      cost.samples);
+  out.Family("kvpool_codec_health_sample_seconds_total", "counter",
+             "Worker time spent sampling codec health (its cost).");
+  out.Sample("kvpool_codec_health_sample_seconds_total", {}, cost.seconds);
+}
+
 }  // namespace
 
 std::string RenderMetricsPage(const MetricsSources& sources, bool tenant_labels) {
@@ -291,6 +358,9 @@ std::string RenderMetricsPage(const MetricsSources& sources, bool tenant_labels)
     One(out, "kvpool_kv_event_subscribers_dropped_total", "counter",
         "KvEventService subscribers dropped for falling --kv_events_buffer events behind.",
         sources.kv_events->dropped());
+  }
+  if (sources.codec_health != nullptr) {
+    RenderCodecHealth(*sources.ctx, sources.codec_health, tenant_labels, tenants, out);
   }
   if (sources.latency != nullptr) RenderRpcLatency(*sources.latency, out);
   return out.Take();

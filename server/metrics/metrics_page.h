@@ -12,6 +12,7 @@
 
 #include <string>
 
+#include "server/codec_health.h"
 #include "server/events/kv_event_hub.h"
 #include "server/metrics/rpc_latency.h"
 #include "server/service_context.h"
@@ -24,6 +25,7 @@ struct MetricsSources {
   const StatsServiceImpl* stats = nullptr;
   const RpcLatency* latency = nullptr;
   const KvEventHub* kv_events = nullptr;
+  CodecHealth* codec_health = nullptr;
 };
 
 std::string RenderMetricsPage(const MetricsSources& sources, bool tenant_labels);

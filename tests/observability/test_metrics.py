@@ -53,7 +53,7 @@ def do_work(client, model):
 
 
 def test_counters_equal_get_stats_exactly():
-    with ObservedDaemon() as d, d.client() as client:
+    with ObservedDaemon(["--codec_health_sample_every=1"]) as d, d.client() as client:
         appends = do_work(client, "metrics-model")
         stats = client.get_stats()
         m = d.scrape()
@@ -131,10 +131,52 @@ def test_counters_equal_get_stats_exactly():
         values = [v for _, v in sorted(buckets, key=lambda lv: float(lv[0]["le"]))]
         assert values == sorted(values) and values[-1] == 1  # cumulative, +Inf holds all
 
+        # Codec health: every chunk sampled, each layer and tensor, errors below the signal.
+        for layer in range(LAYERS):
+            for tensor in ("k", "v"):
+                at = dict(model="metrics-model", layer=str(layer), tensor=tensor)
+                assert m.value("kvpool_codec_health_rows_total", **at) > 0
+                signal = m.value("kvpool_codec_health_signal_energy_total", **at)
+                error = m.value("kvpool_codec_health_error_energy_total", **at)
+                assert 0 < error < signal
+        assert m.value("kvpool_codec_health_samples_total") >= 2 * LAYERS
+        assert m.value("kvpool_codec_health_sample_seconds_total") > 0
+
         # Still the same after another quiet scrape; no tenant label without the flag.
         again = d.scrape()
         assert again.value("kvpool_prefix_hit_tokens_total") == p.prefix_hit_tokens
         assert "tenant=" not in again.text
+
+
+def test_codec_health_sees_heavier_tails_than_calibrated_for():
+    """Rows with rare large outliers (what a drifted model looks like to a fitted rotation) lose
+    far more energy to the clip than Gaussian rows do."""
+    with ObservedDaemon(["--codec_health_sample_every=1"]) as d, d.client() as client:
+        rng = np.random.default_rng(3)
+        for model, outliers in (("calm", False), ("drifted", True)):
+            client.register_model(model, q_heads=HQ, kv_heads=HKV, num_layers=LAYERS,
+                                  head_dim=D, data_free="identity", quant=QUANT)
+            k, v = kv(rng, TOKENS)
+            if outliers:
+                mask = rng.random(k.shape) < 0.02
+                k[mask] *= 40.0
+                v[mask] *= 40.0
+            client.create_sequence(model, model)
+            client.append_kv(model, k, v, end_of_prefill=True)
+        m = d.scrape()
+
+        def clip_fraction(model):
+            clip = sum(v for l, v in m.labelled("kvpool_codec_health_clip_energy_total")
+                       if l["model"] == model)
+            signal = sum(v for l, v in m.labelled("kvpool_codec_health_signal_energy_total")
+                         if l["model"] == model)
+            return clip / signal
+        assert clip_fraction("drifted") > 5 * clip_fraction("calm") > 0
+        # A deleted model's series go away.
+        client.release_sequence("calm")
+        client.delete_model("calm")
+        assert not [l for l, _ in d.scrape().labelled("kvpool_codec_health_rows_total")
+                    if l["model"] == "calm"]
 
 
 def test_tenant_labels_only_with_the_flag():
