@@ -176,8 +176,10 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4 << 20);
   // Every call's latency by method and status, in one place (the metrics endpoint shows it).
   s->rpc_latency_ = std::make_unique<RpcLatency>();
+  s->attend_latency_ = std::make_unique<RpcLatency>();
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(NewRpcLatencyInterceptorFactory(s->rpc_latency_.get()));
+  interceptors.push_back(
+      NewRpcLatencyInterceptorFactory(s->rpc_latency_.get(), s->attend_latency_.get()));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(s->model_service_.get());
   builder.RegisterService(s->sequence_service_.get());
@@ -200,8 +202,12 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second});
   s->scrubber_->Start();
   if (!config.metrics_listen.empty()) {
-    const MetricsSources sources{&s->ctx_, s->stats_service_.get(), s->rpc_latency_.get(),
-                                 s->kv_events_.get(), s->codec_health_.get()};
+    const MetricsSources sources{&s->ctx_,
+                                 s->stats_service_.get(),
+                                 s->rpc_latency_.get(),
+                                 s->attend_latency_.get(),
+                                 s->kv_events_.get(),
+                                 s->codec_health_.get()};
     const bool tenant_labels = config.metrics_tenant_labels;
     KVPOOL_ASSIGN_OR_RETURN(
         s->metrics_http_, MetricsHttpServer::Start(config.metrics_listen, [sources, tenant_labels] {

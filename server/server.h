@@ -105,6 +105,7 @@ class KvpoolServer {
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<RpcLatency> rpc_latency_;          // fed by an interceptor of server_
+  std::unique_ptr<RpcLatency> attend_latency_;       // the same, Attend by batch size
   std::unique_ptr<MetricsHttpServer> metrics_http_;  // reads everything above: stopped first
   int port_ = 0;
   absl::Mutex shutdown_mu_;

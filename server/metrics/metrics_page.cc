@@ -243,23 +243,23 @@ void RenderTransports(const ServiceContext& ctx, PrometheusText& out) {
          [](const TransportStats& s) { return s.connections_refused; });
 }
 
-void RenderRpcLatency(const RpcLatency& latency, PrometheusText& out) {
-  out.Family("kvpool_rpc_duration_seconds", "histogram",
-             "gRPC calls served, from arrival to the status sent, by method and status code.");
+// A histogram family whose series are `latency`'s, the first label named `first_label`.
+void RenderLatency(const RpcLatency& latency, absl::string_view name, absl::string_view help,
+                   absl::string_view first_label, PrometheusText& out) {
+  out.Family(name, "histogram", help);
+  const std::string bucket = absl::StrCat(name, "_bucket");
+  const std::string sum = absl::StrCat(name, "_sum");
+  const std::string count = absl::StrCat(name, "_count");
   for (const RpcLatencySeries& s : latency.Snapshot()) {
     uint64_t cumulative = 0;
     for (size_t b = 0; b < kRpcLatencyBuckets.size(); ++b) {
       cumulative += s.buckets[b];
       const std::string le = absl::StrCat(kRpcLatencyBuckets[b]);
-      out.Sample("kvpool_rpc_duration_seconds_bucket",
-                 {{"method", s.method}, {"code", s.code}, {"le", le}}, cumulative);
+      out.Sample(bucket, {{first_label, s.method}, {"code", s.code}, {"le", le}}, cumulative);
     }
-    out.Sample("kvpool_rpc_duration_seconds_bucket",
-               {{"method", s.method}, {"code", s.code}, {"le", "+Inf"}}, s.count);
-    out.Sample("kvpool_rpc_duration_seconds_sum", {{"method", s.method}, {"code", s.code}},
-               s.sum_seconds);
-    out.Sample("kvpool_rpc_duration_seconds_count", {{"method", s.method}, {"code", s.code}},
-               s.count);
+    out.Sample(bucket, {{first_label, s.method}, {"code", s.code}, {"le", "+Inf"}}, s.count);
+    out.Sample(sum, {{first_label, s.method}, {"code", s.code}}, s.sum_seconds);
+    out.Sample(count, {{first_label, s.method}, {"code", s.code}}, s.count);
   }
 }
 
@@ -362,7 +362,16 @@ std::string RenderMetricsPage(const MetricsSources& sources, bool tenant_labels)
   if (sources.codec_health != nullptr) {
     RenderCodecHealth(*sources.ctx, sources.codec_health, tenant_labels, tenants, out);
   }
-  if (sources.latency != nullptr) RenderRpcLatency(*sources.latency, out);
+  if (sources.latency != nullptr) {
+    RenderLatency(*sources.latency, "kvpool_rpc_duration_seconds",
+                  "gRPC calls served, from arrival to the status sent, by method and status code.",
+                  "method", out);
+  }
+  if (sources.attend_latency != nullptr) {
+    RenderLatency(*sources.attend_latency, "kvpool_attend_duration_seconds",
+                  "Remote attention (gRPC Attend) calls by batch size (sequences) and status code.",
+                  "batch", out);
+  }
   return out.Take();
 }
 

@@ -24,6 +24,7 @@ struct MetricsSources {
   const ServiceContext* ctx = nullptr;
   const StatsServiceImpl* stats = nullptr;
   const RpcLatency* latency = nullptr;
+  const RpcLatency* attend_latency = nullptr;  // by batch bucket
   const KvEventHub* kv_events = nullptr;
   CodecHealth* codec_health = nullptr;
 };

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <chrono>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "google/protobuf/descriptor.h"
+#include "kvpool/v1/attention_service.pb.h"
 
 namespace kvpool::server {
 namespace {
@@ -29,39 +31,62 @@ std::string MethodLabel(absl::string_view path) {
   return std::string(path.substr(1));
 }
 
+constexpr absl::string_view kAttendMethod = "kvpool.v1.AttentionService/Attend";
+
 class RpcLatencyInterceptor final : public grpc::experimental::Interceptor {
  public:
-  RpcLatencyInterceptor(RpcLatency* latency, std::string method)
-      : latency_(latency), method_(std::move(method)), start_(std::chrono::steady_clock::now()) {}
+  RpcLatencyInterceptor(RpcLatency* latency, RpcLatency* attend_by_batch, std::string method)
+      : latency_(latency),
+        attend_by_batch_(method == kAttendMethod ? attend_by_batch : nullptr),
+        method_(std::move(method)),
+        start_(std::chrono::steady_clock::now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(
-            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+    using grpc::experimental::InterceptionHookPoints;
+    if (attend_by_batch_ != nullptr &&
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+      // The request as gRPC parsed it for the handler (an Attend call carries one).
+      if (const auto* request =
+              static_cast<const ::kvpool::v1::AttendRequest*>(methods->GetRecvMessage());
+          request != nullptr) {
+        batch_ = request->queries_size();
+      }
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      latency_->Record(method_, static_cast<int>(methods->GetSendStatus().error_code()), seconds);
+      const int code = static_cast<int>(methods->GetSendStatus().error_code());
+      latency_->Record(method_, code, seconds);
+      if (attend_by_batch_ != nullptr && batch_ > 0) {
+        attend_by_batch_->Record(AttendBatchBucket(batch_), code, seconds);
+      }
     }
     methods->Proceed();
   }
 
  private:
   RpcLatency* const latency_;
+  RpcLatency* const attend_by_batch_;  // null unless this call is an Attend
   const std::string method_;
   const std::chrono::steady_clock::time_point start_;
+  int batch_ = 0;
 };
 
 class RpcLatencyInterceptorFactory final
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit RpcLatencyInterceptorFactory(RpcLatency* latency) : latency_(latency) {}
+  RpcLatencyInterceptorFactory(RpcLatency* latency, RpcLatency* attend_by_batch)
+      : latency_(latency), attend_by_batch_(attend_by_batch) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     return new RpcLatencyInterceptor(
-        latency_, info->method() == nullptr ? std::string("unknown") : MethodLabel(info->method()));
+        latency_, attend_by_batch_,
+        info->method() == nullptr ? std::string("unknown") : MethodLabel(info->method()));
   }
 
  private:
   RpcLatency* const latency_;
+  RpcLatency* const attend_by_batch_;
 };
 
 }  // namespace
@@ -112,9 +137,17 @@ std::vector<RpcLatencySeries> RpcLatency::Snapshot() const {
   return out;
 }
 
+std::string AttendBatchBucket(int sequences) {
+  if (sequences <= 1) return "1";
+  int high = 4;
+  while (high < sequences && high < 256) high *= 2;
+  if (sequences > high) return "257+";
+  return absl::StrCat(high == 4 ? 2 : high / 2 + 1, "-", high);
+}
+
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-NewRpcLatencyInterceptorFactory(RpcLatency* latency) {
-  return std::make_unique<RpcLatencyInterceptorFactory>(latency);
+NewRpcLatencyInterceptorFactory(RpcLatency* latency, RpcLatency* attend_by_batch) {
+  return std::make_unique<RpcLatencyInterceptorFactory>(latency, attend_by_batch);
 }
 
 }  // namespace kvpool::server

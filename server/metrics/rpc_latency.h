@@ -9,7 +9,9 @@
 //   for (const RpcLatencySeries& s : latency->Snapshot()) ...
 //
 // Method names come from the network: a name that is not one of the daemon's registered
-// methods is recorded as "unknown", so a caller cannot grow the series. Thread-safe.
+// methods is recorded as "unknown", so a caller cannot grow the series. The same interceptor
+// also times remote attention (AttentionService.Attend) by batch size, into a second RpcLatency
+// whose first label is the batch bucket (AttendBatchBucket). Thread-safe.
 #pragma once
 
 #include <array>
@@ -32,8 +34,9 @@ inline constexpr std::array<double, 17> kRpcLatencyBuckets = {
     0.1,    0.25,    0.5,    1.0,   2.5,    5.0,   10.0, 60.0};
 
 struct RpcLatencySeries {
-  std::string method;  // "kvpool.v1.SequenceService/AppendKv", or "unknown"
-  std::string code;    // "OK", "NOT_FOUND", ...
+  // "kvpool.v1.SequenceService/AppendKv" or "unknown"; the batch bucket ("5-8") for Attend's.
+  std::string method;
+  std::string code;  // "OK", "NOT_FOUND", ...
   // Calls whose latency is at most kRpcLatencyBuckets[i] (not cumulative), then the rest.
   std::array<uint64_t, kRpcLatencyBuckets.size() + 1> buckets{};
   uint64_t count = 0;
@@ -56,8 +59,12 @@ class RpcLatency {
 // of range.
 const char* GrpcCodeName(int code);
 
-// An interceptor factory recording every call into `latency` (which must outlive the server).
+// The bucket of an Attend batch of `sequences`: "1", "2-4", "5-8", ..., "129-256", "257+".
+std::string AttendBatchBucket(int sequences);
+
+// An interceptor factory recording every call into `latency`, and Attend calls also into
+// `attend_by_batch` (both must outlive the server; `attend_by_batch` may be null).
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
-NewRpcLatencyInterceptorFactory(RpcLatency* latency);
+NewRpcLatencyInterceptorFactory(RpcLatency* latency, RpcLatency* attend_by_batch);
 
 }  // namespace kvpool::server

@@ -124,6 +124,7 @@ def test_counters_equal_get_stats_exactly():
         assert count("AttentionService/Attend") == 1
         assert count("SequenceService/DescribeSequence", "NOT_FOUND") == 1
         assert count("StatsService/GetStats") == 1  # the one above; the scrape is not a call
+        assert m.value("kvpool_attend_duration_seconds_count", batch="2-4", code="OK") == 1
         family = m.families["kvpool_rpc_duration_seconds"]
         assert family.type == "histogram"
         buckets = [(l, v) for l, v in m.labelled("kvpool_rpc_duration_seconds_bucket")
