@@ -5,6 +5,7 @@ nothing served but /metrics."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import numpy as np
@@ -197,6 +198,26 @@ def test_only_metrics_is_served():
         assert d.get("/metrics/../admin")[0] == 404
         assert d.get("/debug")[0] == 404
         assert d.get("/metrics")[0] == 200
+
+
+def test_hostile_bytes_on_the_metrics_port_leave_the_daemon_serving():
+    def send(payload: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", d.metrics_port), timeout=60) as s:
+            try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+                return s.recv(4096)
+            except OSError:  # the server may close on us mid-send: fine
+                return b""
+    with ObservedDaemon() as d, d.client() as client:
+        send(bytes(range(256)) * 64 + b"\r\n\r\n")                     # binary garbage
+        send(b"GET /" + b"a" * 100000 + b" HTTP/1.1\r\n\r\n")            # huge URI
+        send(b"GET /metrics HTTP/1.1\r\n" + b"X: y\r\n" * 20000 + b"\r\n")  # header flood
+        answer = send(b"POST /metrics HTTP/1.1\r\nContent-Length: 100000000\r\n\r\n" +
+                      b"x" * 65536)
+        assert not answer.startswith(b"HTTP/1.1 200")
+        assert d.get("/metrics")[0] == 200
+        assert client.health() == "SERVING"
 
 
 def test_bad_metrics_address_is_refused_at_start():
