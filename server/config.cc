@@ -75,6 +75,9 @@ ABSL_FLAG(std::string, metrics_port_file, "",
 ABSL_FLAG(uint32_t, kv_events_buffer, 4096,
           "KV events (SubscribeKvEvents) queued for one subscriber; a subscriber that falls "
           "this far behind is dropped with RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, kv_events_max_subscribers, 64,
+          "Most SubscribeKvEvents streams at once (each may hold a replay of the prefix index); "
+          "more are refused with RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, codec_health_sample_every, 64,
           "Codec health metrics: re-encode a few rows of every Nth arriving chunk on the side to "
           "measure clip and quantization error per model and layer; 0 = off");
@@ -363,6 +366,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.metrics_tenant_labels = absl::GetFlag(FLAGS_metrics_tenant_labels);
   c.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
   c.kv_events_buffer = absl::GetFlag(FLAGS_kv_events_buffer);
+  c.kv_events_max_subscribers = absl::GetFlag(FLAGS_kv_events_max_subscribers);
   c.codec_health_sample_every = absl::GetFlag(FLAGS_codec_health_sample_every);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);

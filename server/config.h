@@ -65,6 +65,7 @@ struct ServerConfig {
   bool metrics_tenant_labels = false;
   std::string metrics_port_file;
   uint32_t kv_events_buffer = 4096;
+  uint32_t kv_events_max_subscribers = 64;
   uint32_t codec_health_sample_every = 64;  // server/codec_health.h; 0 = off
   std::string log_level = "info";
   int shutdown_grace_ms = 5000;

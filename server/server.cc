@@ -91,7 +91,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                           s->backend_->AllocateArena(s->config_.pool_bytes));
   KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));
   s->index_ = std::make_unique<PrefixIndex>(s->pool_.get());
-  s->kv_events_ = std::make_unique<KvEventHub>(s->index_.get());
+  s->kv_events_ = std::make_unique<KvEventHub>(s->index_.get(), config.kv_events_max_subscribers);
   s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get());
   s->store_ = std::make_unique<SequenceStore>(s->pool_.get(), s->index_.get(), s->backend_.get(),
                                               config.sequence_ttl);

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "proto/status.h"
+
 namespace kvpool::server {
 
 KvEventRecord KvEventRecordOf(const PrefixUnitView& unit, KvEventRecord::Kind kind) {
@@ -17,12 +20,25 @@ KvEventRecord KvEventRecordOf(const PrefixUnitView& unit, KvEventRecord::Kind ki
   return r;
 }
 
-KvEventHub::KvEventHub(PrefixIndex* index) : index_(index) { index_->SetObserver(this); }
+KvEventHub::KvEventHub(PrefixIndex* index, size_t max_subscribers)
+    : index_(index), max_subscribers_(max_subscribers) {
+  index_->SetObserver(this);
+}
 
 KvEventHub::~KvEventHub() { index_->SetObserver(nullptr); }
 
-void KvEventHub::Subscribe(KvEventSubscriber* subscriber, const TenantId& tenant, bool all_tenants,
-                           bool replay) {
+absl::Status KvEventHub::Subscribe(KvEventSubscriber* subscriber, const TenantId& tenant,
+                                   bool all_tenants, bool replay) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (subscribers_.size() + joining_ >= max_subscribers_) {
+      return WithReason(absl::ResourceExhaustedError(
+                            absl::StrCat("KV events: ", max_subscribers_,
+                                         " subscribers already (--kv_events_max_subscribers)")),
+                        ErrorReason::kLimit);
+    }
+    ++joining_;
+  }
   uint64_t units = 0;
   bool full = false;
   if (replay) {
@@ -42,6 +58,7 @@ void KvEventHub::Subscribe(KvEventSubscriber* subscriber, const TenantId& tenant
       },
       [&] {
         absl::MutexLock lock(&mu_);
+        --joining_;
         if (full) {
           ++dropped_;
           subscriber->Drop();
@@ -57,6 +74,7 @@ void KvEventHub::Subscribe(KvEventSubscriber* subscriber, const TenantId& tenant
         }
         subscribers_.push_back(Entry{subscriber, tenant, all_tenants});
       });
+  return absl::OkStatus();
 }
 
 void KvEventHub::Unsubscribe(KvEventSubscriber* subscriber) {

@@ -3,8 +3,9 @@
 // under the index's lock and never blocks there: a subscriber whose queue of live events is full
 // is told to end (KvEventSubscriber::Drop) instead of slowing ingest.
 //
-//   KvEventHub hub(&index);                      // registers itself as the index's observer
-//   hub.Subscribe(subscriber, tenant, /*all_tenants=*/false, /*replay=*/true);
+//   KvEventHub hub(&index, /*max_subscribers=*/64);   // the index's observer from now on
+//   KVPOOL_RETURN_IF_ERROR(hub.Subscribe(subscriber, tenant, /*all_tenants=*/false,
+//                                        /*replay=*/true));
 //   ...
 //   hub.Unsubscribe(subscriber);                  // before the subscriber goes away
 //
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "server/prefix_index.h"
 
@@ -51,16 +53,18 @@ class KvEventSubscriber {
 
 class KvEventHub final : public PrefixIndexObserver {
  public:
-  explicit KvEventHub(PrefixIndex* index);
+  // At most `max_subscribers` streams at once: each may hold a replay of the whole index.
+  KvEventHub(PrefixIndex* index, size_t max_subscribers);
   ~KvEventHub() override;  // unsets itself as the index's observer
   KvEventHub(const KvEventHub&) = delete;
   KvEventHub& operator=(const KvEventHub&) = delete;
 
   // Feeds `subscriber` the changes of `tenant`'s units (every tenant's with `all_tenants`),
   // after, with `replay`, AllCleared, every unit held now and ReplayComplete; atomically with
-  // the index, so no change is missed or seen twice.
-  void Subscribe(KvEventSubscriber* subscriber, const TenantId& tenant, bool all_tenants,
-                 bool replay);
+  // the index, so no change is missed or seen twice. RESOURCE_EXHAUSTED (reason LIMIT), with
+  // nothing offered, when max_subscribers are subscribed.
+  [[nodiscard]] absl::Status Subscribe(KvEventSubscriber* subscriber, const TenantId& tenant,
+                                       bool all_tenants, bool replay);
   void Unsubscribe(KvEventSubscriber* subscriber);
 
   size_t subscribers() const;
@@ -79,7 +83,9 @@ class KvEventHub final : public PrefixIndexObserver {
   void Publish(KvEventRecord event);
 
   PrefixIndex* const index_;
+  const size_t max_subscribers_;
   mutable absl::Mutex mu_;
+  size_t joining_ ABSL_GUARDED_BY(mu_) = 0;  // subscribers replaying, not yet in the list
   std::vector<Entry> subscribers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;

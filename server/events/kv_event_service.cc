@@ -51,7 +51,10 @@ class KvEventStream final : public grpc::ServerWriteReactor<v1::KvEvent>, public
 
   void Begin(const TenantId& tenant, bool replay) {
     // The hub may call Offer/Drop from here on; they only queue and start writes.
-    hub_->Subscribe(this, tenant, /*all_tenants=*/false, replay);
+    if (absl::Status s = hub_->Subscribe(this, tenant, /*all_tenants=*/false, replay); !s.ok()) {
+      absl::MutexLock lock(&mu_);
+      FinishLocked(ToGrpcStatus(s));
+    }
   }
 
   bool Offer(KvEventRecord event) override {

@@ -126,3 +126,24 @@ def test_a_subscriber_that_stops_reading_is_dropped_and_ingest_goes_on():
         again = subscribe(client)
         assert next(again).WhichOneof("event") == "all_cleared"
         again.cancel()
+
+
+def test_subscribers_beyond_the_cap_are_refused():
+    with ObservedDaemon(["--kv_events_max_subscribers=2"]) as d, d.client() as client:
+        feeds = [subscribe(client) for _ in range(2)]
+        for feed in feeds:
+            assert next(feed).WhichOneof("event") == "all_cleared"
+        with pytest.raises(grpc.RpcError) as e:
+            next(subscribe(client))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert KvpoolError.from_rpc_error(e.value, "SubscribeKvEvents").reason == "LIMIT"
+        feeds[0].cancel()
+        scraped = lambda: d.scrape().value("kvpool_kv_event_subscribers")
+        for _ in range(3000):  # the daemon hears of the cancel asynchronously
+            if scraped() == 1:
+                break
+        assert scraped() == 1
+        again = subscribe(client)
+        assert next(again).WhichOneof("event") == "all_cleared"
+        again.cancel()
+        feeds[1].cancel()
