@@ -11,7 +11,7 @@ CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
 .PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
-	bench-service bench-tenancy bench-tenant-fairness bench-transport format clean venv fidelity fuzz
+	bench-service bench-tenancy bench-tenant-fairness bench-transport format clean venv fidelity fuzz image-cpu
 
 all: build
 
@@ -147,6 +147,13 @@ fuzz: deps
 	    -DKVPOOL_ENABLE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS); fi
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target $(FUZZ_TARGETS)
 	tests/fuzz/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) "$(FUZZ_TARGETS)"
+
+# The CPU container image without a container engine (deploy/image/build-cpu-image.sh, as
+# root, with network for Debian's mirror): a Debian root filesystem by mmdebstrap with the
+# binaries of $(BUILD), kvpoold run inside it and asked for health, then an OCI image archive
+# $(BUILD)/image/kvpool-cpu.oci.tar (umoci).
+image-cpu: build
+	./deploy/image/build-cpu-image.sh $(BUILD)
 
 format:
 	find kernels server client tests calibration -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format -i

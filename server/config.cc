@@ -87,6 +87,23 @@ ABSL_FLAG(int32_t, stream_total_timeout_ms, 30 * 60 * 1000,
           "and its append rolled back");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file once serving (for tests)");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Address of the plaintext HTTP port serving Prometheus metrics at /metrics "
+          "(host:port; port 0 picks a free one); '' = no metrics port");
+ABSL_FLAG(bool, metrics_tenant_labels, false,
+          "Label per-model metrics with their tenant and export each tenant's quota (the "
+          "metrics port is plaintext: tenant names are then visible to whoever can reach it)");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the bound metrics port is written to this file once serving (for tests)");
+ABSL_FLAG(uint32_t, kv_events_buffer, 4096,
+          "KV events (SubscribeKvEvents) queued for one subscriber; a subscriber that falls "
+          "this far behind is dropped with RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, kv_events_max_subscribers, 64,
+          "Most SubscribeKvEvents streams at once (each may hold a replay of the prefix index); "
+          "more are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, codec_health_sample_every, 64,
+          "Codec health metrics: re-encode a few rows of every Nth arriving chunk on the side to "
+          "measure clip and quantization error per model and layer; 0 = off");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 ABSL_FLAG(int32_t, shutdown_grace_ms, 5000,
           "On SIGTERM/SIGINT, how long in-flight calls may finish before being cancelled");
@@ -212,6 +229,14 @@ absl::Status ValidateSecurity(const ServerConfig& c) {
 absl::Status ServerConfig::Validate() const {
   if (absl::StatusOr<HostPort> a = ParseHostPort(listen); !a.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--listen: ", a.status().message()));
+  }
+  if (!metrics_listen.empty()) {
+    if (absl::StatusOr<HostPort> a = ParseHostPort(metrics_listen); !a.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--metrics_listen: ", a.status().message()));
+    }
+  }
+  if (kv_events_buffer < 16 || kv_events_buffer > (1u << 20)) {
+    return absl::InvalidArgumentError("--kv_events_buffer must be in [16, 1048576]");
   }
   if (pool_bytes < slab_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -409,6 +434,12 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.stream_idle_timeout_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
   c.stream_total_timeout_ms = absl::GetFlag(FLAGS_stream_total_timeout_ms);
   c.port_file = absl::GetFlag(FLAGS_port_file);
+  c.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  c.metrics_tenant_labels = absl::GetFlag(FLAGS_metrics_tenant_labels);
+  c.metrics_port_file = absl::GetFlag(FLAGS_metrics_port_file);
+  c.kv_events_buffer = absl::GetFlag(FLAGS_kv_events_buffer);
+  c.kv_events_max_subscribers = absl::GetFlag(FLAGS_kv_events_max_subscribers);
+  c.codec_health_sample_every = absl::GetFlag(FLAGS_codec_health_sample_every);
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
   c.malloc_retain_bytes = absl::GetFlag(FLAGS_malloc_retain_bytes);

@@ -58,6 +58,15 @@ struct ServerConfig {
   int stream_idle_timeout_ms = 30000;
   int stream_total_timeout_ms = 30 * 60 * 1000;
   std::string port_file;
+  // Observability (server/metrics/, server/events/): the plaintext Prometheus port ("" = none),
+  // tenant labels on it, its port file, the KV events one subscriber may fall behind by, and
+  // how often arriving rows are sampled for codec health.
+  std::string metrics_listen;
+  bool metrics_tenant_labels = false;
+  std::string metrics_port_file;
+  uint32_t kv_events_buffer = 4096;
+  uint32_t kv_events_max_subscribers = 64;
+  uint32_t codec_health_sample_every = 64;  // server/codec_health.h; 0 = off
   std::string log_level = "info";
   int shutdown_grace_ms = 5000;
   // Freed heap memory kept for reuse rather than returned to the OS (glibc's trim threshold;

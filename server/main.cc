@@ -88,6 +88,15 @@ int main(int argc, char** argv) {
                config->worker_threads);
   std::printf("kvpoold listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
+  // Before --port_file: whoever waits for that one finds this one written.
+  if (!config->metrics_port_file.empty() &&
+      !WritePortFile(config->metrics_port_file, (*server)->metrics_port())) {
+    spdlog::error("cannot write --metrics_port_file {}", config->metrics_port_file);
+    (*server)->Shutdown(std::chrono::milliseconds(0));
+    (*server)->Wait();
+    return 1;
+  }
+
   if (!config->port_file.empty() && !WritePortFile(config->port_file, port)) {
     spdlog::error("cannot write --port_file {}", config->port_file);
     (*server)->Shutdown(std::chrono::milliseconds(0));

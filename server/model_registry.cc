@@ -225,6 +225,15 @@ std::vector<std::shared_ptr<const Model>> ModelRegistry::List(const TenantId& te
   return out;
 }
 
+std::vector<TenantId> ModelRegistry::Tenants() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<TenantId> out;
+  for (const auto& [key, model] : models_) {
+    if (out.empty() || out.back() != key.first) out.push_back(key.first);
+  }
+  return out;
+}
+
 absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Remove(const TenantId& tenant,
                                                                    absl::string_view id) {
   absl::MutexLock lock(&mu_);

@@ -105,6 +105,8 @@ class ModelRegistry {
                                                                  absl::string_view id) const;
   // The tenant's models sorted by id.
   std::vector<std::shared_ptr<const Model>> List(const TenantId& tenant) const;
+  // Every tenant with a registered model, sorted.
+  std::vector<TenantId> Tenants() const;
   // Removes and returns the model; NotFound when absent.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<const Model>> Remove(const TenantId& tenant,
                                                                     absl::string_view id);

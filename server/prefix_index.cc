@@ -103,14 +103,17 @@ bool PrefixIndex::Publish(const PrefixContext& ctx, const PrefixUnitKey& key,
   pool_->RefAll(e.pages);
   if (parent_entry != nullptr) ++parent_entry->children;
   lru_.emplace(e.last_use, key.hash);
-  entries_.emplace(key.hash, std::move(e));
-  return true;
+  auto [it, inserted] = entries_.emplace(key.hash, std::move(e));
+  if (observer_ != nullptr) observer_->OnStored(ViewOf(it->second));
+  return inserted;
 }
 
 std::vector<PrefixMatch> PrefixIndex::Match(const PrefixContext& ctx,
                                             absl::Span<const PrefixUnitKey> chain, bool take_refs) {
   absl::MutexLock lock(&mu_);
   std::vector<PrefixMatch> out;
+  ++lookups_;
+  for (const PrefixUnitKey& key : chain) lookup_tokens_ += static_cast<uint64_t>(key.token_count);
   for (const PrefixUnitKey& key : chain) {
     auto it = entries_.find(key.hash);
     if (it == entries_.end()) break;
@@ -126,6 +129,7 @@ std::vector<PrefixMatch> PrefixIndex::Match(const PrefixContext& ctx,
     lru_.emplace(e.last_use, key.hash);
     if (take_refs) pool_->RefAll(e.pages);
     out.push_back(PrefixMatch{e.key, e.pages});
+    hit_tokens_ += static_cast<uint64_t>(key.token_count);
   }
   return out;
 }
@@ -135,10 +139,15 @@ bool PrefixIndex::Contains(const PrefixHash& hash) const {
   return entries_.contains(hash);
 }
 
-size_t PrefixIndex::RemoveLocked(const PrefixHash& hash, bool unref) {
+PrefixUnitView PrefixIndex::ViewOf(const Entry& e) {
+  return PrefixUnitView{&e.tenant, &e.model_id, &e.key, e.has_parent ? &e.parent : nullptr};
+}
+
+size_t PrefixIndex::RemoveLocked(const PrefixHash& hash, PrefixRemoval why, bool unref) {
   auto it = entries_.find(hash);
   if (it == entries_.end()) return 0;
   Entry& e = it->second;
+  if (observer_ != nullptr) observer_->OnRemoved(ViewOf(e), why);
   if (e.has_parent) {
     auto p = entries_.find(e.parent);
     if (p != entries_.end()) --p->second.children;
@@ -163,7 +172,7 @@ size_t PrefixIndex::EvictOne() {
     if (e.children > 0 || !EvictableLocked(e)) continue;
     const PrefixHash victim = hash;
     ++evicted_;
-    return RemoveLocked(victim);
+    return RemoveLocked(victim, PrefixRemoval::kEvicted);
   }
   return 0;
 }
@@ -213,7 +222,7 @@ absl::Status PrefixIndex::AllocateEvicting(const TenantId& tenant,
   for (const PrefixHash& hash : order) groups.push_back(entries_.at(hash).pages);
   KVPOOL_ASSIGN_OR_RETURN(std::vector<size_t> released,
                           pool_->AllocateReleasing(account, requests, groups, out));
-  for (size_t i : released) RemoveLocked(order[i], /*unref=*/false);
+  for (size_t i : released) RemoveLocked(order[i], PrefixRemoval::kEvicted, /*unref=*/false);
   evicted_ += released.size();
   return absl::OkStatus();
 }
@@ -225,7 +234,7 @@ size_t PrefixIndex::DropModel(const TenantId& tenant, const std::string& model_i
     if (e.tenant == tenant && e.model_id == model_id) victims.push_back(hash);
   }
   size_t freed = 0;
-  for (const PrefixHash& h : victims) freed += RemoveLocked(h);
+  for (const PrefixHash& h : victims) freed += RemoveLocked(h, PrefixRemoval::kModelDropped);
   return freed;
 }
 
@@ -234,6 +243,9 @@ PrefixIndexStats PrefixIndex::Stats() const {
   PrefixIndexStats st;
   st.units = entries_.size();
   st.evicted_units = evicted_;
+  st.lookups = lookups_;
+  st.lookup_tokens = lookup_tokens_;
+  st.hit_tokens = hit_tokens_;
   absl::flat_hash_set<PageId> seen;
   for (const auto& [hash, e] : entries_) {
     for (PageId p : e.pages) {
@@ -244,6 +256,24 @@ PrefixIndexStats PrefixIndex::Stats() const {
     }
   }
   return st;
+}
+
+void PrefixIndex::SetObserver(PrefixIndexObserver* observer) {
+  absl::MutexLock lock(&mu_);
+  observer_ = observer;
+}
+
+void PrefixIndex::VisitUnits(const std::function<void(const PrefixUnitView&)>& visit,
+                             const std::function<void()>& then) const {
+  absl::MutexLock lock(&mu_);
+  // Parents before children: a unit's token_start is above its parent's.
+  std::vector<const Entry*> order;
+  order.reserve(entries_.size());
+  for (const auto& [hash, e] : entries_) order.push_back(&e);
+  std::sort(order.begin(), order.end(),
+            [](const Entry* a, const Entry* b) { return a->key.token_start < b->key.token_start; });
+  for (const Entry* e : order) visit(ViewOf(*e));
+  then();
 }
 
 }  // namespace kvpool::server

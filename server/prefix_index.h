@@ -21,6 +21,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -82,6 +83,30 @@ struct PrefixIndexStats {
   size_t bytes = 0;         // pages referenced by units
   size_t cached_bytes = 0;  // of those, pages only the index references
   uint64_t evicted_units = 0;
+  // Since start, over every Match (LookupPrefix and sequences created from token ids): the
+  // lookups, the tokens their chains covered and the tokens found.
+  uint64_t lookups = 0;
+  uint64_t lookup_tokens = 0;
+  uint64_t hit_tokens = 0;
+};
+
+// A unit as the index's observer sees it.
+struct PrefixUnitView {
+  const TenantId* tenant = nullptr;
+  const std::string* model_id = nullptr;
+  const PrefixUnitKey* key = nullptr;
+  const PrefixHash* parent = nullptr;  // null for a chain's first unit
+};
+
+enum class PrefixRemoval : uint8_t { kEvicted, kModelDropped };
+
+// Told of every unit added to or removed from the index (server/events/ feeds routers from
+// it). Called under the index's lock: it must neither block nor call into the index.
+class PrefixIndexObserver {
+ public:
+  virtual ~PrefixIndexObserver() = default;
+  virtual void OnStored(const PrefixUnitView& unit) = 0;
+  virtual void OnRemoved(const PrefixUnitView& unit, PrefixRemoval why) = 0;
 };
 
 class PrefixIndex {
@@ -122,6 +147,13 @@ class PrefixIndex {
 
   PrefixIndexStats Stats() const;
 
+  // Sets the observer (null: none); it must outlive the index or be unset first.
+  void SetObserver(PrefixIndexObserver* observer);
+  // Calls `visit` for every unit (parents before children), then `then`, all under the index's
+  // lock: whatever `then` registers sees every later change and none twice.
+  void VisitUnits(const std::function<void(const PrefixUnitView&)>& visit,
+                  const std::function<void()>& then) const;
+
  private:
   struct Entry {
     PrefixUnitKey key;
@@ -143,8 +175,10 @@ class PrefixIndex {
     }
   };
 
-  // Drops the unit (and, with `unref`, its page references).
-  size_t RemoveLocked(const PrefixHash& hash, bool unref = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the unit (and, with `unref`, its page references) and tells the observer why.
+  size_t RemoveLocked(const PrefixHash& hash, PrefixRemoval why, bool unref = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static PrefixUnitView ViewOf(const Entry& e);
   bool EvictableLocked(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every unit that evictions could remove, in the order they would: a unit becomes a leaf
   // once its children are gone, so the order is worked out as if evicting one by one.
@@ -157,6 +191,10 @@ class PrefixIndex {
   std::set<std::pair<uint64_t, PrefixHash>> lru_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t evicted_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t lookups_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t lookup_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t hit_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  PrefixIndexObserver* observer_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 }  // namespace kvpool::server

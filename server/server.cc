@@ -15,7 +15,12 @@
 #include "server/attention_service.h"
 #include "server/auth/server_credentials.h"
 #include "server/connection_listener.h"
+#include "server/events/kv_event_hub.h"
+#include "server/events/kv_event_service.h"
 #include "server/ingest/ingest_engine.h"
+#include "server/metrics/metrics_http_server.h"
+#include "server/metrics/metrics_page.h"
+#include "server/metrics/rpc_latency.h"
 #include "server/model_service.h"
 #include "server/read_service.h"
 #include "server/sequence_service.h"
@@ -37,9 +42,10 @@ std::map<TenantId, v1::TenantQuota> QuotasOf(const TenantDirectory& tenants) {
   return quotas;
 }
 
-constexpr const char* kServiceNames[] = {"kvpool.v1.ModelService", "kvpool.v1.SequenceService",
-                                         "kvpool.v1.ReadService",  "kvpool.v1.AttentionService",
-                                         "kvpool.v1.StatsService", "kvpool.v1.TransportService"};
+constexpr const char* kServiceNames[] = {"kvpool.v1.ModelService",  "kvpool.v1.SequenceService",
+                                         "kvpool.v1.ReadService",   "kvpool.v1.AttentionService",
+                                         "kvpool.v1.StatsService",  "kvpool.v1.TransportService",
+                                         "kvpool.v1.KvEventService"};
 
 // Keeps freed heap memory for reuse (config.malloc_retain_bytes): without it every large
 // message buffer (gRPC reads, parsed K/V payloads) is mapped fresh and faulted in page by page.
@@ -94,6 +100,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                           s->backend_->AllocateArena(s->config_.pool_bytes));
   KVPOOL_ASSIGN_OR_RETURN(s->pool_, BlockPool::Create(std::move(arena), config.slab_bytes));
   s->index_ = std::make_unique<PrefixIndex>(s->pool_.get());
+  s->kv_events_ = std::make_unique<KvEventHub>(s->index_.get(), config.kv_events_max_subscribers);
   s->registry_ = std::make_unique<ModelRegistry>(s->pool_.get(), &s->quotas_);
   s->store_ = std::make_unique<SequenceStore>(s->pool_.get(), s->index_.get(), s->backend_.get(),
                                               config.sequence_ttl, &s->quotas_);
@@ -107,6 +114,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                                      config.max_append_tokens, s->admission_.get());
   s->tenant_policy_ =
       std::make_unique<TenantPolicy>(s->pool_.get(), &s->quotas_, s->workers_.get());
+  s->codec_health_ = std::make_unique<CodecHealth>(config.codec_health_sample_every);
+  s->ingest_->SetCodecHealth(s->codec_health_.get());
   ServiceContext& ctx = s->ctx_;
   ctx.quotas = &s->quotas_;
   ctx.tenant_policy = s->tenant_policy_.get();
@@ -177,6 +186,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->attention_service_ = std::make_unique<AttentionServiceImpl>(&ctx);
   s->stats_service_ = std::make_unique<StatsServiceImpl>(&ctx);
   s->transport_service_ = std::make_unique<TransportServiceImpl>(&ctx);
+  s->kv_event_service_ =
+      std::make_unique<KvEventServiceImpl>(&s->ctx_, s->kv_events_.get(), config.kv_events_buffer);
 
   // The daemon accepts its own connections (server/connection_listener.h) and hands them to
   // gRPC: it owns its descriptor budget.
@@ -200,12 +211,20 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   // A per-stream window large enough that the next AppendKv chunk (256 KiB of K plus V) can
   // arrive while the previous one is being staged.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 4 << 20);
+  // Every call's latency by method and status, in one place (the metrics endpoint shows it).
+  s->rpc_latency_ = std::make_unique<RpcLatency>();
+  s->attend_latency_ = std::make_unique<RpcLatency>();
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(
+      NewRpcLatencyInterceptorFactory(s->rpc_latency_.get(), s->attend_latency_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(s->model_service_.get());
   builder.RegisterService(s->sequence_service_.get());
   builder.RegisterService(s->read_service_.get());
   builder.RegisterService(s->attention_service_.get());
   builder.RegisterService(s->stats_service_.get());
   builder.RegisterService(s->transport_service_.get());
+  builder.RegisterService(s->kv_event_service_.get());
   if (extra_service != nullptr) {
     s->extra_service_ = extra_service(&ctx);
     builder.RegisterService(s->extra_service_.get());
@@ -220,6 +239,22 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second});
   s->scrubber_->Start();
   if (s->tenants_ != nullptr) s->tenants_->Start();
+  if (!config.metrics_listen.empty()) {
+    const MetricsSources sources{&s->ctx_,
+                                 s->stats_service_.get(),
+                                 s->rpc_latency_.get(),
+                                 s->attend_latency_.get(),
+                                 s->kv_events_.get(),
+                                 s->codec_health_.get()};
+    const bool tenant_labels = config.metrics_tenant_labels;
+    KVPOOL_ASSIGN_OR_RETURN(
+        s->metrics_http_, MetricsHttpServer::Start(config.metrics_listen, [sources, tenant_labels] {
+          return RenderMetricsPage(sources, tenant_labels);
+        }));
+    spdlog::info("metrics on http://{}:{}/metrics (plaintext)",
+                 config.metrics_listen.substr(0, config.metrics_listen.rfind(':')),
+                 s->metrics_http_->port());
+  }
   spdlog::info("serving on port {}, at most {} connections", s->port_, max_connections);
   SetHealth(s->server_.get(), true);
   return s;
@@ -238,6 +273,7 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
   }
   SetHealth(server_.get(), false);
   if (tenants_ != nullptr) tenants_->Stop();
+  if (metrics_http_ != nullptr) metrics_http_->Stop();
   listener_->Stop();
   scrubber_->Stop();
   for (const auto& t : transports_) t->Shutdown();  // rolls back open pushes
@@ -264,17 +300,19 @@ void KvpoolServer::ReleaseTenant(const TenantId& tenant) {
       "tenant '{}' removed from the tenants file: {} models and {} sequences released, "
       "{} bytes freed",
       tenant, models, sequences, bytes);
-}
+  int KvpoolServer::metrics_port() const {
+    return metrics_http_ == nullptr ? 0 : metrics_http_->port();
+  }
 
-std::shared_ptr<grpc::Channel> KvpoolServer::InProcessChannel() {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes));
-  args.SetMaxSendMessageSize(static_cast<int>(config_.max_message_bytes));
-  return server_->InProcessChannel(args);
-}
+  std::shared_ptr<grpc::Channel> KvpoolServer::InProcessChannel() {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes));
+    args.SetMaxSendMessageSize(static_cast<int>(config_.max_message_bytes));
+    return server_->InProcessChannel(args);
+  }
 
-void KvpoolServer::Wait() {
-  if (server_ != nullptr) server_->Wait();
-}
+  void KvpoolServer::Wait() {
+    if (server_ != nullptr) server_->Wait();
+  }
 
 }  // namespace kvpool::server

@@ -38,6 +38,11 @@ class StatsServiceImpl;
 class TransportServiceImpl;
 class Transport;
 class ConnectionListener;
+class RpcLatency;
+class KvEventHub;
+class CodecHealth;
+class KvEventServiceImpl;
+class MetricsHttpServer;
 
 class KvpoolServer {
  public:
@@ -56,6 +61,8 @@ class KvpoolServer {
   const ServerConfig& config() const { return config_; }
   // The bound port (useful with a :0 listen address).
   int port() const { return port_; }
+  // The bound port of the metrics endpoint (--metrics_listen); 0 without one.
+  int metrics_port() const;
   ServiceContext* context() { return &ctx_; }
   // Where the tenants file's quotas are installed, at start and on every reload.
   TenantPolicy* tenant_policy() { return tenant_policy_.get(); }
@@ -85,11 +92,13 @@ class KvpoolServer {
   std::unique_ptr<ComputeBackend> backend_;
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<PrefixIndex> index_;
+  std::unique_ptr<KvEventHub> kv_events_;  // observes index_ (gone first)
   std::unique_ptr<ModelRegistry> registry_;
   std::unique_ptr<SequenceStore> store_;
   std::unique_ptr<SequenceReaper> reaper_;  // releases the store's expired leases
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
+  std::unique_ptr<CodecHealth> codec_health_;  // sampled by ingest_
   std::unique_ptr<IngestEngine> ingest_;
   std::unique_ptr<TenantPolicy> tenant_policy_;
   std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
@@ -103,10 +112,14 @@ class KvpoolServer {
   std::unique_ptr<AttentionServiceImpl> attention_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
   std::unique_ptr<TransportServiceImpl> transport_service_;
+  std::unique_ptr<KvEventServiceImpl> kv_event_service_;
   std::unique_ptr<grpc::Service> extra_service_;
   std::unique_ptr<ConnectionListener> listener_;  // accepts connections for server_
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<RpcLatency> rpc_latency_;          // fed by an interceptor of server_
+  std::unique_ptr<RpcLatency> attend_latency_;       // the same, Attend by batch size
+  std::unique_ptr<MetricsHttpServer> metrics_http_;  // reads everything above: stopped first
   int port_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;

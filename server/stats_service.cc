@@ -78,7 +78,14 @@ v1::TenantUsage TenantUsageOf(const ServiceContext& ctx, const TenantId& tenant)
 grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext* context,
                                                      const v1::GetStatsRequest* request,
                                                      v1::GetStatsResponse* response) {
-  const Caller caller = CallerOf(*ctx_, context);
+  Collect(CallerOf(*ctx_, context), request, response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* request,
+                               v1::GetStatsResponse* response) const {
   const TenantId& tenant = caller.tenant;
   response->set_tenant(tenant);
   FillSecurityStats(*ctx_, caller, response->mutable_security());
@@ -102,6 +109,9 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   }
   p->set_evicted_units(index.evicted_units);
   p->set_prefix_units(index.units);
+  p->set_prefix_lookups(index.lookups);
+  p->set_prefix_lookup_tokens(index.lookup_tokens);
+  p->set_prefix_hit_tokens(index.hit_tokens);
 
   const auto totals = ctx_->store->TotalsByModel(tenant);
   for (const auto& m : ctx_->registry->List(tenant)) {
@@ -224,9 +234,6 @@ grpc::ServerUnaryReactor* StatsServiceImpl::GetStats(grpc::CallbackServerContext
   for (const TenantId& t : TenantRowsVisibleTo(caller, known)) {
     *response->add_tenants() = TenantUsageOf(*ctx_, t);
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
 }
 
 }  // namespace kvpool::server

@@ -22,6 +22,11 @@ class StatsServiceImpl final : public ::kvpool::v1::StatsService::CallbackServic
                                      const ::kvpool::v1::GetStatsRequest* request,
                                      ::kvpool::v1::GetStatsResponse* response) override;
 
+  // What GetStats answers `caller` (the metrics endpoint reads the same numbers through it, as
+  // each tenant).
+  void Collect(const Caller& caller, const ::kvpool::v1::GetStatsRequest* request,
+               ::kvpool::v1::GetStatsResponse* response) const;
+
  private:
   ServiceContext* const ctx_;
 };

@@ -26,6 +26,7 @@ const std::vector<MethodRule>& MethodRules() {
       {"/kvpool.v1.ReadService/ReadKv", false, true, true, false},
       {"/kvpool.v1.AttentionService/Attend", false, true, true, false},
       {"/kvpool.v1.StatsService/GetStats", false, true, true, true},
+      {"/kvpool.v1.KvEventService/SubscribeKvEvents", false, true, true, true},
       {"/kvpool.v1.TransportService/Negotiate", false, true, true, false},
       {"/kvpool.v1.TransportService/CloseSession", false, true, true, false},
       {"/kvpool.v1.TransportService/PushKv", false, true, true, false},

@@ -240,7 +240,11 @@ absl::Status IngestAppend::StageRows(int layer, const Chunk& c, AppendTxn* txn) 
   std::vector<Bf16> k_copy, v_copy;
   KVPOOL_ASSIGN_OR_RETURN(absl::Span<const Bf16> k, view(c.k, "k", &k_copy));
   KVPOOL_ASSIGN_OR_RETURN(absl::Span<const Bf16> v, view(c.v, "v", &v_copy));
-  return txn->StageLayer(layer, offset, k, v);
+  KVPOOL_RETURN_IF_ERROR(txn->StageLayer(layer, offset, k, v));
+  if (options_.codec_health != nullptr && options_.codec_health->ShouldSample()) {
+    options_.codec_health->Sample(*model_, layer, k, v);
+  }
+  return absl::OkStatus();
 }
 
 void IngestAppend::RunChunk(int layer, Chunk chunk) {

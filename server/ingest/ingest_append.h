@@ -47,6 +47,7 @@
 #include "kernels/bf16.h"
 #include "kvpool/v1/common.pb.h"
 #include "server/admission/admission.h"
+#include "server/codec_health.h"
 #include "server/ingest/ingest_counters.h"
 #include "server/sequence_store.h"
 #include "server/tenant.h"
@@ -75,6 +76,8 @@ struct IngestOptions {
   std::shared_ptr<Admission::Ticket> ticket;
   // Whose work the chunks are in the worker pool's fair queueing (IngestEngine::Begin sets it).
   TenantId tenant = kDefaultTenant;
+  // Samples arriving rows for the codec-health metrics (set by IngestEngine); null: none.
+  CodecHealth* codec_health = nullptr;
 };
 
 // A chunk's codec work in fair-queueing units (worker_pool.h): one per 64 KiB of payload, plus

@@ -77,6 +77,7 @@ absl::StatusOr<std::shared_ptr<IngestAppend>> IngestEngine::Begin(const TenantId
                                                                   IngestOptions options) {
   KVPOOL_RETURN_IF_ERROR(ValidateAppendHeader(header, max_append_tokens_));
   options.tenant = tenant;
+  if (options.codec_health == nullptr) options.codec_health = codec_health_;
   std::shared_ptr<ExpiryTarget> target;
   if (options.ticket == nullptr) {
     target = std::make_shared<ExpiryTarget>();
@@ -136,9 +137,14 @@ absl::StatusOr<AppendResult> IngestEngine::AppendDecode(const TenantId& tenant,
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> k, DecodeToBf16(req.dtype(), req.k(), values, "k"));
   KVPOOL_ASSIGN_OR_RETURN(std::vector<Bf16> v, DecodeToBf16(req.dtype(), req.v(), values, "v"));
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    KVPOOL_RETURN_IF_ERROR(
-        txn->StageLayer(layer, 0, absl::MakeConstSpan(k).subspan(layer * per_layer, per_layer),
-                        absl::MakeConstSpan(v).subspan(layer * per_layer, per_layer)));
+    const absl::Span<const Bf16> k_layer =
+        absl::MakeConstSpan(k).subspan(layer * per_layer, per_layer);
+    const absl::Span<const Bf16> v_layer =
+        absl::MakeConstSpan(v).subspan(layer * per_layer, per_layer);
+    KVPOOL_RETURN_IF_ERROR(txn->StageLayer(layer, 0, k_layer, v_layer));
+    if (codec_health_ != nullptr && codec_health_->ShouldSample()) {
+      codec_health_->Sample(m, layer, k_layer, v_layer);
+    }
   }
   const int tokens = txn->num_tokens();
   const std::shared_ptr<const Model> model = txn->model_ptr();  // outlives the txn

@@ -67,6 +67,9 @@ class IngestEngine {
       const TenantId& tenant, const std::string& connection,
       const ::kvpool::v1::AppendDecodeRequest& request);
 
+  // Samples arriving rows of every later append into `health` (null: none); set before serving.
+  void SetCodecHealth(CodecHealth* health) { codec_health_ = health; }
+
   const IngestCounters& counters() const { return counters_; }
   int max_append_tokens() const { return max_append_tokens_; }
   // Null when nothing is capped.
@@ -78,6 +81,7 @@ class IngestEngine {
   WorkerPool* const workers_;
   const int max_append_tokens_;
   Admission* const admission_;
+  CodecHealth* codec_health_ = nullptr;
   IngestCounters counters_;
 };
 

@@ -137,6 +137,10 @@ absl::StatusOr<v1::GetStatsResponse> FuzzDaemon::StateSnapshot() {
   // with it, which may be just after its client saw the answer.
   resp.clear_admission();
   resp.mutable_pool()->clear_evicted_units();
+  // Prefix lookups count every LookupPrefix that reaches the index, read-only ones included.
+  resp.mutable_pool()->clear_prefix_lookups();
+  resp.mutable_pool()->clear_prefix_lookup_tokens();
+  resp.mutable_pool()->clear_prefix_hit_tokens();
   // Counters of calls stopped and leases, and the time since each sequence's last use, move
   // with any read or call, successful or not.
   resp.clear_lifecycle();

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/transport/ucx_channel.h"
+#include "kvpool/v1/kv_event_service.grpc.pb.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
 #include "server/auth/token_hash.h"
 #include "tests/integration/integration_util.h"
@@ -298,6 +299,18 @@ std::vector<Rpc> AllRpcs() {
   r.push_back({"GetStats", [](const KvpoolClient& c, const Target&) {
                  return c.GetStats(/*include_sequences=*/true).status();
                }});
+  r.push_back({"SubscribeKvEvents", [](const KvpoolClient& c, const Target&) {
+                 auto stub = v1::KvEventService::NewStub(c.channel());
+                 grpc::ClientContext ctx;
+                 ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+                 auto reader = stub->SubscribeKvEvents(&ctx, v1::SubscribeKvEventsRequest());
+                 // A live feed: its first event (the replay's start) says it was accepted.
+                 v1::KvEvent first;
+                 const bool accepted = reader->Read(&first);
+                 if (accepted) ctx.TryCancel();
+                 const grpc::Status s = reader->Finish();
+                 return accepted ? absl::OkStatus() : FromGrpcStatus(s, "SubscribeKvEvents");
+               }});
   for (const char* m : {"Negotiate", "CloseSession", "PushKv", "WatchSession", "SetAttentionPlan",
                         "DropAttentionPlan"}) {
     r.push_back(
@@ -332,7 +345,7 @@ TEST_F(TenancyTest, IsolationMatrixOverEveryRpc) {
   missing.sequence = "s-missing";
 
   const std::vector<Rpc> rpcs = AllRpcs();
-  ASSERT_EQ(rpcs.size(), 21u);
+  ASSERT_EQ(rpcs.size(), 22u);
   for (const Rpc& rpc : rpcs) {
     SCOPED_TRACE(rpc.name);
     // No credentials, a wrong token: UNAUTHENTICATED before any handler. A certificate of
@@ -351,7 +364,7 @@ TEST_F(TenancyTest, IsolationMatrixOverEveryRpc) {
   for (const Rpc& rpc : rpcs) {
     SCOPED_TRACE(rpc.name);
     if (rpc.name == "RegisterModel" || rpc.name == "ListModels" || rpc.name == "GetStats" ||
-        rpc.name == "Negotiate") {
+        rpc.name == "Negotiate" || rpc.name == "SubscribeKvEvents") {
       continue;  // they name nothing of A's: below
     }
     const absl::Status as_missing = rpc.call(*a, missing);
@@ -418,7 +431,7 @@ TEST_F(TenancyTest, RolesAuthorizeMethodByMethod) {
   const Target target;
   for (const Rpc& rpc : AllRpcs()) {
     const absl::Status s = rpc.call(*router, target);
-    if (rpc.name == "GetStats") {
+    if (rpc.name == "GetStats" || rpc.name == "SubscribeKvEvents") {
       EXPECT_TRUE(s.ok()) << s;
     } else {
       EXPECT_EQ(s.code(), C::kPermissionDenied) << rpc.name << ": " << s;

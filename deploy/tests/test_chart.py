@@ -1,0 +1,229 @@
+"""deploy/helm/kvpool, offline: Helm's own SDK (helm-python-sdk) lints the chart, checks every
+example values file against values.schema.json and renders it; kubernetes-validate checks every
+rendered object against the Kubernetes schemas (--strict: no unknown fields); the assertions below
+check what a schema cannot (probes and Services on the container's real ports, the PDB and
+Services selecting the pods, auth wiring, security context); and the rendered kvpoold.conf is
+handed to the real kvpoold (--config), which must start and serve.
+
+No cluster runs here: nothing below installs the chart (deploy/README.md)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import tempfile
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHART = os.path.join(HERE, "..", "helm", "kvpool")
+EXAMPLES = sorted(glob.glob(os.path.join(HERE, "..", "helm", "examples", "*.yaml")))
+KUBE_VERSIONS = ["1.29.0", "1.37.0"]  # an older supported release and the newest bundled
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # not in the Kubernetes schemas
+
+
+def load_values(path):
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def render(values, name="kvpool", namespace="ml"):
+    """Every object the chart renders, (kind, name) -> object."""
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+        manifests = chart.render(values, name=name, namespace=namespace)
+    objects = {}
+    for path, text in manifests.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def only(objects, kind):
+    found = [o for (k, _), o in objects.items() if k == kind]
+    assert len(found) == 1, f"{len(found)} {kind}"
+    return found[0]
+
+
+def daemon_container(objects):
+    pod = only(objects, "StatefulSet")["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "kvpoold"]
+    return pod, container
+
+
+def config_of(objects):
+    text = only(objects, "ConfigMap")["data"]["kvpoold.conf"]
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("#")]
+    return dict(l.split(" = ", 1) for l in lines)
+
+
+def test_lint_is_clean():
+    report = helm.lint(CHART, strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("example", [None, *EXAMPLES], ids=lambda e: os.path.basename(e or "defaults"))
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_every_object_is_valid_kubernetes(example, kube):
+    values = load_values(example) if example else {"auth": {"tenantsFile": "tenant { name: \"a\" }"}}
+    objects = render(values)
+    assert objects
+    for (kind, name), obj in objects.items():
+        if (obj["apiVersion"], kind) in CRDS:
+            continue
+        kubernetes_validate.validate(obj, kube, strict=True)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
+def test_probes_services_and_selectors_use_the_real_ports(example):
+    values = load_values(example)
+    objects = render(values)
+    pod, c = daemon_container(objects)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    config = config_of(objects)
+    assert config["listen"] == f"0.0.0.0:{ports['grpc']}"
+    assert config["metrics_listen"] == f"0.0.0.0:{ports['metrics']}"
+    assert config["ucx_listen"] == f"0.0.0.0:{ports['ucx']}"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == ports["grpc"], probe
+    sts = only(objects, "StatefulSet")
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    headless = objects[("Service", sts["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None"
+    for (kind, _), svc in objects.items():
+        if kind != "Service":
+            continue
+        assert all(pod_labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports and ports[p["targetPort"]] == p["port"]
+    pdb = only(objects, "PodDisruptionBudget")
+    assert all(pod_labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+    if values.get("serviceMonitor", {}).get("enabled"):
+        sm = only(objects, "ServiceMonitor")
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+        client = [s for (k, _), s in objects.items() if k == "Service" and all(
+            s["metadata"]["labels"].get(a) == b for a, b in sm["spec"]["selector"]["matchLabels"].items())]
+        assert len(client) == 1 and "metrics" in [p["name"] for p in client[0]["spec"]["ports"]]
+    np_ports = {p["port"] for rule in only(objects, "NetworkPolicy")["spec"]["ingress"]
+                for p in rule["ports"]}
+    assert np_ports == {"grpc", "ucx", "metrics"}
+    # The helm test pod asks the client Service for health.
+    test_pod = [o for o in objects.values() if o["metadata"].get("annotations", {}).get(
+        "helm.sh/hook") == "test"]
+    assert len(test_pod) == 1
+    args = test_pod[0]["spec"]["containers"][0]["args"]
+    assert args[0] == "health" and args[1].endswith(f".svc:{ports['grpc']}")
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
+def test_pods_are_least_privilege_and_sized(example):
+    values = load_values(example)
+    objects = render(values)
+    pod, c = daemon_container(objects)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert pod.get("hostIPC", False) == values.get("gpu", {}).get("cudaIpc", False)
+    gpus = values.get("gpu", {}).get("count", 0)
+    assert c["resources"].get("limits", {}).get("nvidia.com/gpu", 0) == gpus
+    if gpus:
+        assert config_of(objects)["device"].startswith("cuda:")
+    shm = [v for v in pod["volumes"] if v["name"] == "shm"][0]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    grace_ms = int(config_of(objects)["shutdown_grace_ms"])
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pod["terminationGracePeriodSeconds"] * 1000 > grace_ms + pre_stop * 1000
+
+
+def test_tenants_file_by_default_insecure_only_when_asked():
+    objects = render({"auth": {"tenantsFile": "tenant { name: \"a\" }"}})
+    pod, c = daemon_container(objects)
+    assert "--insecure" not in c["args"]
+    (tenants_arg,) = [a for a in c["args"] if a.startswith("--tenants_file=")]
+    mount = [m for m in c["volumeMounts"] if m["name"] == "tenants"][0]
+    assert tenants_arg == f"--tenants_file={mount['mountPath']}/tenants.txtpb"
+    secret = [v for v in pod["volumes"] if v["name"] == "tenants"][0]["secret"]["secretName"]
+    assert ("Secret", secret) in objects
+
+    insecure = render({"auth": {"insecure": True}})
+    _, c = daemon_container(insecure)
+    assert "--insecure" in c["args"]
+    assert not [a for a in c["args"] if a.startswith("--tenants_file")]
+    assert not [k for k in insecure if k[0] == "Secret"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"auth": {"insecure": True, "existingSecret": "x"}}, "auth.insecure"),
+    ({"terminationGracePeriodSeconds": 10}, "terminationGracePeriodSeconds"),
+    ({"gpu": {"count": 1}}, "cuda"),
+    ({"tls": {"enabled": True, "secretName": "t"}}, "health port"),
+])
+def test_inconsistent_values_are_refused(values, message):
+    with pytest.raises(helm.HelmError) as e:
+        render(values)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("values", [
+    {"replicas": 0},
+    {"no_such_key": 1},
+    {"daemon": {"device": "tpu", "shutdown_grace_ms": 1}},
+    {"daemon": {"device": "cpu", "shutdown_grace_ms": 1, "listen": "0.0.0.0:1"}},
+    {"ports": {"grpc": 70000, "ucx": 1, "metrics": 2}},
+])
+def test_schema_refuses_bad_values(values):
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError):
+        chart.validate_schema(values)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
+def test_kvpoold_accepts_the_rendered_config(example):
+    """Every flag in the ConfigMap is one kvpoold accepts: the daemon starts from the rendered
+    file and serves. Overridden on the command line for this machine: the addresses (loopback),
+    the device (no GPU here) and the pool size."""
+    from kvpool.local_daemon import LocalDaemon, find_kvpoold
+    config = config_of(render(load_values(example)))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kvpoold.conf")
+        with open(path, "w") as f:
+            f.writelines(f"{k} = {v}\n" for k, v in config.items())
+        daemon = LocalDaemon(find_kvpoold(), [
+            f"--config={path}", "--metrics_listen=127.0.0.1:0", "--ucx_listen=127.0.0.1:0",
+            "--device=cpu", "--pool_bytes=67108864", "--worker_threads=2",
+            "--ucx_tls=tcp", "--ucx_net_devices=lo"])
+        try:
+            daemon.start()  # waits for grpc.health.v1 SERVING
+            with daemon_client(daemon) as client:
+                stats = client.get_stats()
+                assert stats.service.backend == "cpu"
+                assert stats.limits.max_connections == int(config.get("max_connections",
+                                                                      stats.limits.max_connections))
+            daemon.stop()
+        finally:
+            daemon.cleanup()
+
+
+def daemon_client(daemon):
+    from kvpool import Client
+    return Client(daemon.target)
+
+
+def test_a_bad_flag_in_the_config_is_refused():
+    """The check above has teeth: kvpoold refuses a config file with an unknown flag."""
+    from kvpool.local_daemon import find_kvpoold
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kvpoold.conf")
+        with open(path, "w") as f:
+            f.write("listen = 127.0.0.1:0\nno_such_flag = 1\n")
+        run = subprocess.run([find_kvpoold(), f"--config={path}"], capture_output=True,
+                             text=True, timeout=120)
+    assert run.returncode == 2 and "no_such_flag" in run.stderr
