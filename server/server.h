@@ -13,6 +13,7 @@
 // Thread-safe: Shutdown may race with Wait; everything else is set up before Start returns.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/admission/admission.h"
 #include "server/config.h"
+#include "server/device_health_monitor.h"
 #include "server/scrubber.h"
 #include "server/sequence_reaper.h"
 #include "server/service_context.h"
@@ -65,6 +67,10 @@ class KvpoolServer {
   void Shutdown(std::chrono::milliseconds grace);
   // Blocks until the server has shut down.
   void Wait();
+  // The process exit status the daemon should end with: 0, or kDeviceFailedExitStatus when it
+  // shut itself down because its device failed (a poisoned CUDA context).
+  static constexpr int kDeviceFailedExitStatus = 3;
+  int exit_status() const { return exit_status_.load(); }
 
  private:
   KvpoolServer() = default;
@@ -97,6 +103,9 @@ class KvpoolServer {
   int port_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  std::atomic<int> exit_status_{0};
+  // Last: stopped first on destruction, while everything its callbacks touch still exists.
+  std::unique_ptr<DeviceHealthMonitor> device_monitor_;
 };
 
 }  // namespace kvpool::server
