@@ -87,6 +87,11 @@ if [ "$MODE" = all ] || [ "$MODE" = test ] || [ "$MODE" = quick ]; then
   KVPOOL_FAULT_INJECTION_DAEMON=$BIN/kvpoold-fault-injection step \
     "device health: poisoned context (cuda:0)" "$OUT/test.log" \
     "$BIN/integration_device_health_test" --gtest_color=no
+  # The page checksums the arrival and demotion kernels fuse in, verified by reads and the
+  # scrubber of a daemon on cuda:0.
+  KVPOOL_FAULT_INJECTION_DAEMON=$BIN/kvpoold-fault-injection KVPOOL_TEST_DEVICE=cuda:0 step \
+    "fused checksums verify (cuda:0)" "$OUT/test.log" "$BIN/integration_integrity_test" \
+    --gtest_color=no --gtest_filter='*OnTheGpu*'
 fi
 if [ "$MODE" = all ] || [ "$MODE" = sanitize ]; then
   CS="compute-sanitizer --error-exitcode 9 --print-limit 20"
