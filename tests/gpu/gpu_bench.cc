@@ -267,7 +267,8 @@ void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base)
 // Demotion of one decode step: every (sequence, layer) moves its 16 oldest recent tokens from a
 // BF16 page into an INT2 history block (32 sequences x 80 layers, Hkv = 8, D = 128, shuffled
 // blocks), K and V. One DemoteToHistory launch against the path it replaced in the same run:
-// dequantize the pages to a staging buffer, then quantize it, per tensor (four launches).
+// dequantize the pages to a staging buffer, then quantize it, per tensor (four launches); and
+// with the page checksums fused in against without.
 void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tuning) {
   constexpr int kHkv = 8, kD = 128, kRuns = 32 * 80, kTokens = 16;
   QuantConfig cfg;
@@ -306,6 +307,12 @@ void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tu
   const double fused_us = TimeUs(stream, 5, 40, [&](int) {
     Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning), "demote");
   });
+  // The same launch with the page checksums fused in (zeroed first, as the CUDA backend does).
+  uint32_t* sums = DeviceAlloc<uint32_t>(kRuns);
+  const double checksums_us = TimeUs(stream, 5, 40, [&](int) {
+    Check(cudaMemsetAsync(sums, 0, kRuns * sizeof(uint32_t), stream), "memset");
+    Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning, sums), "demote");
+  });
   const double staged_us = TimeUs(stream, 5, 40, [&](int) {
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       Check(DequantizeToBf16(bypass, page_view, from_batch, t, staging, err, stream), "dequant");
@@ -326,8 +333,14 @@ void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tu
   std::printf("%-34s %10.1f us  %8.1f GB/s in   (staged path %.1f us, floor %.1f us)\n",
               "demote_to_history_one_launch", fused_us, in_bytes / (fused_us * 1e-6) / 1e9,
               staged_us, floor_us);
+  g_results.push_back(
+      {"demote_with_checksums_us",
+       "{\"sequences\": 32, \"layers\": 80, \"tokens\": 16, \"Hkv\": 8, \"D\": 128}", checksums_us,
+       "us", "demote_without_checksums_us", fused_us, fused_us / checksums_us});
+  std::printf("%-34s %10.1f us  vs %.1f us without (%.2f%% more)\n", "demote_with_checksums",
+              checksums_us, fused_us, (checksums_us / fused_us - 1) * 100);
   for (void* p :
-       std::vector<void*>{pages, history, staging, d_offsets, d_first, d_src, d_dst, err}) {
+       std::vector<void*>{pages, history, staging, d_offsets, d_first, d_src, d_dst, err, sums}) {
     cudaFree(p);
   }
 }
