@@ -74,11 +74,12 @@ class LocalDaemon {
   [[nodiscard]] absl::Status Stop(absl::Duration timeout = absl::Seconds(60));
   // Whether the process is still running (reaps it when it has exited).
   bool Running();
+  // Waits up to `timeout` for the process to exit on its own (no signal is sent); true with its
+  // wait status (waitpid's) when it exited.
+  bool WaitExit(absl::Duration timeout, int* wait_status);
 
  private:
   LocalDaemon() = default;
-  // Waits up to `timeout` for the child; true with its wait status when it exited.
-  bool WaitExit(absl::Duration timeout, int* wait_status);
 
   pid_t pid_ = -1;
   int port_ = 0;

@@ -172,6 +172,14 @@ class ComputeBackend {
   // thread, so callers give it one sequence's rows per call and spread the calls over their
   // workers. Device I/O (call.on_device) only where device() >= 0.
   virtual absl::Status Attend(const Model& model, const AttentionCall& call) = 0;
+
+  // Device health: OK while the backend can compute. Unavailable, for good, once it cannot: a
+  // sticky CUDA error (an illegal address, say) poisoned the device context, by one of its own
+  // calls or by anything else in the process; from then on every compute call answers that
+  // status at once. Checks the device when asked (cheap), so a supervisor can poll it.
+  virtual absl::Status DeviceHealth() { return absl::OkStatus(); }
+  // Compute calls answered Unavailable because the device had failed, since start.
+  virtual uint64_t calls_refused() const { return 0; }
 };
 
 // The backend of `name`: "cpu", or "cuda:N" (GPU N) in a build with CUDA, whose kernels run with

@@ -145,6 +145,13 @@ ABSL_FLAG(absl::Duration, scrub_period, absl::Minutes(5),
 ABSL_FLAG(uint64_t, scrub_max_bytes_per_second, uint64_t{128} << 20,
           "Most bytes of pool memory the scrubber reads per second (a sweep that needs more "
           "takes longer than --scrub_period)");
+ABSL_FLAG(absl::Duration, device_check_period, absl::Seconds(1),
+          "How often the compute device is checked for a CUDA error that poisoned it (e.g. 1s, "
+          "500ms; > 0). A failed call finds such an error at once");
+ABSL_FLAG(absl::Duration, device_failure_exit_grace, absl::Seconds(5),
+          "After the device failed (health NOT_SERVING, compute calls UNAVAILABLE), how long "
+          "the daemon keeps answering before it exits with status 3 so that its supervisor "
+          "restarts it (e.g. 5s; 0 = at once)");
 ABSL_FLAG(bool, cuda_programmatic_launch, kvpool::cuda::AttentionTuning{}.programmatic_launch,
           "CUDA backend: the attention kernels after the query rotation start while their "
           "predecessor finishes (programmatic dependent launch); false launches them in plain "
@@ -297,6 +304,12 @@ absl::Status ServerConfig::Validate() const {
   }
   if (scrub_period < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--scrub_period must be >= 0 (0 = no scrubber)");
+  }
+  if (device_check_period <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--device_check_period must be > 0");
+  }
+  if (device_failure_exit_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--device_failure_exit_grace must be >= 0");
   }
   if (scrub_max_bytes_per_second < 1) {
     return absl::InvalidArgumentError("--scrub_max_bytes_per_second must be >= 1");
@@ -453,6 +466,8 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);
   c.scrub_period = absl::GetFlag(FLAGS_scrub_period);
   c.scrub_max_bytes_per_second = absl::GetFlag(FLAGS_scrub_max_bytes_per_second);
+  c.device_check_period = absl::GetFlag(FLAGS_device_check_period);
+  c.device_failure_exit_grace = absl::GetFlag(FLAGS_device_failure_exit_grace);
   c.transport_keepalive_ms = absl::GetFlag(FLAGS_transport_keepalive_ms);
   c.tenants_file = absl::GetFlag(FLAGS_tenants_file);
   c.tenants_poll_ms = absl::GetFlag(FLAGS_tenants_poll_ms);

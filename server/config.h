@@ -98,6 +98,10 @@ struct ServerConfig {
   std::string tls_client_ca;
   int tls_refresh_seconds = 60;
   bool insecure = false;
+  // Device health (server/device_health_monitor.h): how often the backend's device is checked
+  // for a poisoned CUDA context, and how long after a failure the daemon exits (status 3).
+  absl::Duration device_check_period = absl::Seconds(1);
+  absl::Duration device_failure_exit_grace = absl::Seconds(5);
   // Kernels of the CUDA backend (--device=cuda:N): the measured defaults with
   // --cuda_programmatic_launch and --cuda_history_chunk_tokens applied.
   cuda::KernelTuning cuda_tuning;

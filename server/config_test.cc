@@ -12,6 +12,8 @@ ABSL_DECLARE_FLAG(std::string, ucx_listen);
 ABSL_DECLARE_FLAG(bool, cuda_programmatic_launch);
 ABSL_DECLARE_FLAG(int32_t, cuda_history_chunk_tokens);
 ABSL_DECLARE_FLAG(absl::Duration, sequence_ttl);
+ABSL_DECLARE_FLAG(absl::Duration, device_check_period);
+ABSL_DECLARE_FLAG(absl::Duration, device_failure_exit_grace);
 
 namespace kvpool::server {
 namespace {
@@ -62,6 +64,25 @@ TEST(ConfigTest, SequenceTtlIsADurationZeroMeaningNone) {
   absl::SetFlag(&FLAGS_sequence_ttl, absl::Seconds(-1));
   EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
   absl::SetFlag(&FLAGS_sequence_ttl, absl::ZeroDuration());
+}
+
+TEST(ConfigTest, DeviceHealthDurationsHaveDefaultsAndBounds) {
+  auto c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->device_check_period, absl::Seconds(1));
+  EXPECT_EQ(c->device_failure_exit_grace, absl::Seconds(5));
+  ASSERT_TRUE(
+      ApplyConfigText("device_check_period = 250ms\ndevice_failure_exit_grace = 0", "t").ok());
+  c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->device_check_period, absl::Milliseconds(250));
+  EXPECT_EQ(c->device_failure_exit_grace, absl::ZeroDuration());
+  absl::SetFlag(&FLAGS_device_check_period, absl::ZeroDuration());  // would never check
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  absl::SetFlag(&FLAGS_device_check_period, absl::Seconds(1));
+  absl::SetFlag(&FLAGS_device_failure_exit_grace, absl::Seconds(-1));
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  absl::SetFlag(&FLAGS_device_failure_exit_grace, absl::Seconds(5));
 }
 
 TEST(ConfigTest, HostPortSplitsAndRejectsMalformedAddresses) {

@@ -115,6 +115,33 @@ struct RunTable {
 
 size_t AlignUp(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// CUDA errors after which the context is unusable: every later call in the process fails too,
+// until the process exits (the CUDA runtime documents each so).
+bool IsStickyCudaError(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorExternalDevice:
+    case cudaErrorMpsClientTerminated:
+#if CUDART_VERSION >= 12080
+    case cudaErrorContained:
+    case cudaErrorTensorMemoryLeak:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Appends `v` to the host staging vector `bytes` at a 16-byte aligned offset; returns it.
 template <typename T>
 size_t Append(std::vector<uint8_t>* bytes, const T* v, size_t n) {
@@ -133,9 +160,47 @@ class CudaBackend final : public ComputeBackend {
     cudaSetDevice(device_);
     lanes_.clear();
     for (auto& [key, ptr] : rotations_) cudaFree(ptr);
+    if (cudaStream_t probe = probe_.load(); probe != nullptr) cudaStreamDestroy(probe);
   }
 
   absl::string_view name() const override { return name_; }
+
+  // The compute calls: refused at once once the device has failed; a call that fails checks
+  // whether its error poisoned the device (then it answers Unavailable too).
+  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
+                         absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
+    return Guarded([&] { return StageRowsBody(m, layer, k, v, writes); });
+  }
+  absl::Status StageDeviceRows(const Model& m, int layer, const Bf16* k, const Bf16* v, int rows,
+                               absl::Span<const RowWrite> writes) override {
+    return Guarded([&] { return StageDeviceRowsBody(m, layer, k, v, rows, writes); });
+  }
+  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
+    return Guarded([&] { return DemoteRowsBody(m, moves); });
+  }
+  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
+                        int count, absl::Span<float> out) override {
+    return Guarded([&] { return ReadRowsBody(m, block, history, t, slot, count, out); });
+  }
+  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
+                            absl::Span<Bf16> out) override {
+    return Guarded([&] { return ReadBf16RowsBody(m, page, t, slot, count, out); });
+  }
+  absl::Status ChecksumSlots(const Model& m, absl::Span<const SlotRange> ranges,
+                             absl::Span<uint32_t> out) override {
+    return Guarded([&] { return ChecksumSlotsBody(m, ranges, out); });
+  }
+  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+    return Guarded([&] { return CopyFromPoolBody(dst, src, bytes); });
+  }
+  absl::Status Attend(const Model& m, const AttentionCall& call) override {
+    return Guarded([&] { return AttendBody(m, call); });
+  }
+
+  absl::Status DeviceHealth() override {
+    return CheckSticky() ? FailureStatus() : absl::OkStatus();
+  }
+  uint64_t calls_refused() const override { return refused_.load(std::memory_order_relaxed); }
 
   BackendTimes times() const override {
     absl::MutexLock lock(&mu_);
@@ -165,13 +230,20 @@ class CudaBackend final : public ComputeBackend {
         cudaMemPoolSetAttribute(mem_pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess) {
       (void)cudaGetLastError();  // only a cost, not an error
     }
+    // An idle stream whose query reports a poisoned context (DeviceHealth).
+    cudaStream_t probe = nullptr;
+    if (cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) != cudaSuccess) {
+      cudaFree(p);
+      return CudaStatus(cudaGetLastError(), "cudaStreamCreate (device health probe)");
+    }
+    probe_.store(probe);
     arena_bytes_.store(bytes);
     arena_.store(static_cast<uint8_t*>(p));
     return std::unique_ptr<Arena>(new DeviceArena(device_, static_cast<uint8_t*>(p), bytes));
   }
 
-  absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
-                         absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
+  absl::Status StageRowsBody(const Model& m, int layer, absl::Span<const Bf16> k,
+                             absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) {
     if (k.size() != v.size()) return absl::InternalError("StageRows: K and V sizes differ");
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
     const size_t bytes = k.size() * sizeof(Bf16);
@@ -185,8 +257,8 @@ class CudaBackend final : public ComputeBackend {
                        reinterpret_cast<const Bf16*>(rows + bytes), writes);
   }
 
-  absl::Status StageDeviceRows(const Model& m, int layer, const Bf16* k, const Bf16* v, int rows,
-                               absl::Span<const RowWrite> writes) override {
+  absl::Status StageDeviceRowsBody(const Model& m, int layer, const Bf16* k, const Bf16* v,
+                                   int rows, absl::Span<const RowWrite> writes) {
     if (k == nullptr || v == nullptr || rows < 0) {
       return absl::InternalError("StageDeviceRows: null rows");
     }
@@ -207,7 +279,7 @@ class CudaBackend final : public ComputeBackend {
   }
   size_t max_arena_bytes() const override { return kMaxArenaBytes; }
 
-  absl::Status DemoteRows(const Model& m, absl::Span<const RowMove> moves) override {
+  absl::Status DemoteRowsBody(const Model& m, absl::Span<const RowMove> moves) {
     if (moves.empty()) return absl::OkStatus();
     RunTable src, dst;
     for (const RowMove& mv : moves) {
@@ -217,25 +289,21 @@ class CudaBackend final : public ComputeBackend {
       dst.Add(mv.count, mv.dst_slot, d);
     }
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    // Move i is run i of `dst` (single-block runs): its page checksum accumulates in d_sums[i].
+    const size_t num_sums = WantsChecksums(moves) ? moves.size() : 0;
+    uint32_t* d_sums = nullptr;
+    const RunTable* tables[] = {&src, &dst};
     KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
-                            UploadRuns(*lane, {&src, &dst}));
-    // Every layer's moves, K and V, straight from the BF16 pages: one launch.
+                            UploadRuns(*lane, tables, num_sums, &d_sums));
+    // Every layer's moves, K and V, straight from the BF16 pages, with the checksums of the
+    // slots written: one launch.
     const cuda::PagedRows from = PagesOf(m, batch[0]);
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(m.codec.quant, View(m, /*history=*/true), batch[1],
                                                  from, lane->error_word, lane->stream,
-                                                 tuning_.arrival));
-    // Checksums of the slots written, in one more launch on the same stream.
-    std::vector<SlotRange> written;
-    std::vector<uint32_t*> sums;
-    for (const RowMove& mv : moves) {
-      if (mv.checksum == nullptr) continue;
-      written.push_back({mv.dst, mv.dst_slot, mv.count, /*history=*/true});
-      sums.push_back(mv.checksum);
-    }
-    KVPOOL_ASSIGN_OR_RETURN(uint32_t * d_sums, EnqueueChecksums(*lane, m, written));
+                                                 tuning_.arrival, d_sums));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
-    KVPOOL_RETURN_IF_ERROR(CopyChecksums(*lane, d_sums, sums));
+    KVPOOL_RETURN_IF_ERROR(CopyChecksums(*lane, d_sums, moves));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "demotion"));
     AddTime(*lane, &BackendTimes::arrival_seconds);
     return absl::OkStatus();
@@ -243,23 +311,23 @@ class CudaBackend final : public ComputeBackend {
 
   // Reads (ReadKv, not a hot path) must equal the CPU backend's fp32 values exactly, which the
   // BF16 dequantization kernel would round: copy the block and decode it with the CPU codec.
-  absl::Status ReadRows(const Model& m, const uint8_t* block, bool history, KvTensor t, int slot,
-                        int count, absl::Span<float> out) override {
+  absl::Status ReadRowsBody(const Model& m, const uint8_t* block, bool history, KvTensor t,
+                            int slot, int count, absl::Span<float> out) {
     const BlockLayout& layout = history ? m.block_layout : m.bf16_layout;
     std::vector<uint8_t> bytes(layout.block_bytes());
-    KVPOOL_RETURN_IF_ERROR(CopyFromPool(bytes.data(), block, bytes.size()));
+    KVPOOL_RETURN_IF_ERROR(CopyFromPoolBody(bytes.data(), block, bytes.size()));
     (history ? m.row_codec : m.bf16_codec)
         .DecodeFromBlock(t, layout, bytes.data(), slot, count, out);
     return absl::OkStatus();
   }
 
-  absl::Status ReadBf16Rows(const Model& m, const uint8_t* page, KvTensor t, int slot, int count,
-                            absl::Span<Bf16> out) override {
+  absl::Status ReadBf16RowsBody(const Model& m, const uint8_t* page, KvTensor t, int slot,
+                                int count, absl::Span<Bf16> out) {
     return ReadWords(m, page, /*history=*/false, t, slot, count, out);
   }
 
-  absl::Status ChecksumSlots(const Model& m, absl::Span<const SlotRange> ranges,
-                             absl::Span<uint32_t> out) override {
+  absl::Status ChecksumSlotsBody(const Model& m, absl::Span<const SlotRange> ranges,
+                                 absl::Span<uint32_t> out) {
     if (out.size() != ranges.size()) return absl::InternalError("ChecksumSlots: sizes differ");
     if (ranges.empty()) return absl::OkStatus();
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
@@ -271,7 +339,7 @@ class CudaBackend final : public ComputeBackend {
     return Finish(*lane, "checksums");
   }
 
-  absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
+  absl::Status CopyFromPoolBody(void* dst, const uint8_t* src, size_t bytes) {
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());  // on a stream: see DeviceBuffer
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, lane->stream), "D2H pool bytes"));
@@ -280,7 +348,7 @@ class CudaBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  absl::Status Attend(const Model& m, const AttentionCall& call) override {
+  absl::Status AttendBody(const Model& m, const AttentionCall& call) {
     const PagedKvBatch& kv = call.kv;
     const int n = kv.num_seqs;
     if (n == 0) return absl::OkStatus();
@@ -382,6 +450,50 @@ class CudaBackend final : public ComputeBackend {
   }
 
  private:
+  // Runs a compute call `body` (see the public wrappers).
+  template <typename Fn>
+  absl::Status Guarded(Fn&& body) {
+    if (failed_.load(std::memory_order_acquire)) {
+      refused_.fetch_add(1, std::memory_order_relaxed);
+      return FailureStatus();
+    }
+    absl::Status s = body();
+    if (!s.ok() && CheckSticky()) return FailureStatus();
+    return s;
+  }
+
+  // Whether the device context is poisoned. Latches the first sticky error seen: the calling
+  // thread's last error, else a query of the idle probe stream (which answers a sticky error
+  // whichever call in the process caused it).
+  bool CheckSticky() {
+    if (failed_.load(std::memory_order_acquire)) return true;
+    cudaError_t e = cudaGetLastError();
+    if (!IsStickyCudaError(e)) {
+      cudaStream_t probe = probe_.load();
+      if (probe == nullptr) return false;
+      e = cudaSetDevice(device_);
+      if (e == cudaSuccess) e = cudaStreamQuery(probe);
+      if (!IsStickyCudaError(e)) {
+        if (e != cudaSuccess) (void)cudaGetLastError();
+        return false;
+      }
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (failure_.empty())
+        failure_ = absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+    }
+    failed_.store(true, std::memory_order_release);
+    return true;
+  }
+
+  absl::Status FailureStatus() const {
+    absl::MutexLock lock(&mu_);
+    return absl::UnavailableError(
+        absl::StrCat("device ", name_, " has failed and cannot compute (", failure_,
+                     "); kvpoold exits so that its supervisor restarts it"));
+  }
+
   // A lane taken from the free list; returns it when destroyed.
   class LaneLease {
    public:
@@ -503,12 +615,15 @@ class CudaBackend final : public ComputeBackend {
 
   // Uploads run tables into the lane's table buffer as SequenceBatches. Stream order makes
   // reusing the buffer safe: the copy runs after earlier launches of the lane that read it.
+  // With `zeroed_words` > 0, the same copy also puts that many zeroed words after the tables, at
+  // *zeroed (the fused page checksums' sums); *zeroed stays nullptr otherwise.
   absl::StatusOr<std::vector<cuda::SequenceBatch>> UploadRuns(
       Lane& lane, std::initializer_list<const RunTable*> tables) {
     return UploadRuns(lane, absl::MakeConstSpan(tables.begin(), tables.size()));
   }
   absl::StatusOr<std::vector<cuda::SequenceBatch>> UploadRuns(
-      Lane& lane, absl::Span<const RunTable* const> tables) {
+      Lane& lane, absl::Span<const RunTable* const> tables, size_t zeroed_words = 0,
+      uint32_t** zeroed = nullptr) {
     std::vector<uint8_t> host;
     std::vector<std::array<size_t, 3>> at;
     for (const RunTable* t : tables) {
@@ -516,6 +631,8 @@ class CudaBackend final : public ComputeBackend {
                     Append(&host, t->first_token.data(), t->first_token.size()),
                     Append(&host, t->block.data(), t->block.size())});
     }
+    const size_t zeroed_at = AlignUp(host.size());
+    if (zeroed_words > 0) host.resize(zeroed_at + zeroed_words * sizeof(uint32_t), 0);
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane.tables.Reserve(host.size(), lane.stream));
     // From pageable memory: the driver stages it before returning (no device-wide wait, which
     // pinned allocations can cause; see DeviceBuffer).
@@ -534,6 +651,9 @@ class CudaBackend final : public ComputeBackend {
       batch.total_rows = t->rows();
       out.push_back(batch);
       ++i;
+    }
+    if (zeroed != nullptr) {
+      *zeroed = zeroed_words > 0 ? reinterpret_cast<uint32_t*>(dev + zeroed_at) : nullptr;
     }
     return out;
   }
@@ -607,29 +727,28 @@ class CudaBackend final : public ComputeBackend {
     std::vector<const RunTable*> table_ptrs;
     for (const RunTable& t : tables) table_ptrs.push_back(&t);
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
-    KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch, UploadRuns(*lane, table_ptrs));
+    // Write w is entry w - first_write[r] of run table r (single-block runs): its page checksum
+    // accumulates in d_sums[w], zeroed by the upload.
+    const size_t num_sums = WantsChecksums(writes) ? writes.size() : 0;
+    uint32_t* d_sums = nullptr;
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<cuda::SequenceBatch> batch,
+                            UploadRuns(*lane, table_ptrs, num_sums, &d_sums));
     // Every run's K and V in one launch where the kernels allow (a launch has a fixed cost however
-    // few its rows: kernels/cuda/NOTES.md, run 6).
+    // few its rows: kernels/cuda/NOTES.md, run 6), the checksums of the slots written fused in.
     std::vector<cuda::ArrivalJob> jobs;
     for (size_t r = 0; r < tables.size(); ++r) {
       const RowWrite& w = writes[first_write[r]];
       const size_t from = static_cast<size_t>(w.input_row) * row_bytes;
+      uint32_t* sums = d_sums != nullptr ? d_sums + first_write[r] : nullptr;
       jobs.push_back(ArrivalJobOf(m, w.history, batch[r], k_rows + from, rot_k, KvTensor::kKey));
+      jobs.back().in.page_checksums = sums;
       jobs.push_back(ArrivalJobOf(m, w.history, batch[r], v_rows + from, rot_v, KvTensor::kValue));
+      jobs.back().in.page_checksums = sums;
     }
     KVPOOL_RETURN_IF_ERROR(
         cuda::QuantizeOnArrivalJobs(jobs, lane->error_word, lane->stream, tuning_.arrival));
-    // Checksums of the slots written, in one more launch on the same stream.
-    std::vector<SlotRange> written;
-    std::vector<uint32_t*> sums;
-    for (const RowWrite& w : writes) {
-      if (w.checksum == nullptr) continue;
-      written.push_back({w.block, w.slot, w.count, w.history});
-      sums.push_back(w.checksum);
-    }
-    KVPOOL_ASSIGN_OR_RETURN(uint32_t * d_sums, EnqueueChecksums(*lane, m, written));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
-    KVPOOL_RETURN_IF_ERROR(CopyChecksums(*lane, d_sums, sums));
+    KVPOOL_RETURN_IF_ERROR(CopyChecksums(*lane, d_sums, writes));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, absl::StrCat("layer ", layer)));
     AddTime(*lane, &BackendTimes::arrival_seconds);
     return absl::OkStatus();
@@ -747,9 +866,9 @@ class CudaBackend final : public ComputeBackend {
     return dst;
   }
 
-  // Enqueues the checksums of `ranges` (kernels/cuda/page_checksum_cuda.h) on the lane's stream,
-  // after its earlier work; returns the device array they land in (in the lane's table buffer,
-  // valid until the lane's next upload), or nullptr for no ranges.
+  // Enqueues the checksums of `ranges` (kernels/cuda/page_checksum_cuda.h, for ChecksumSlots) on
+  // the lane's stream, after its earlier work; returns the device array they land in (in the lane's
+  // table buffer, valid until the lane's next upload), or nullptr for no ranges.
   absl::StatusOr<uint32_t*> EnqueueChecksums(Lane& lane, const Model& m,
                                              absl::Span<const SlotRange> ranges) {
     if (ranges.empty()) return nullptr;
@@ -776,16 +895,27 @@ class CudaBackend final : public ComputeBackend {
     return out;
   }
 
-  // Copies EnqueueChecksums' results to the writers' checksum fields (waits for the stream).
-  absl::Status CopyChecksums(Lane& lane, const uint32_t* d_sums, absl::Span<uint32_t* const> to) {
-    if (to.empty()) return absl::OkStatus();
-    std::vector<uint32_t> host(to.size());
+  // Whether any of the writes or moves asks for the checksum of what it writes.
+  template <typename T>
+  static bool WantsChecksums(absl::Span<const T> items) {
+    return std::any_of(items.begin(), items.end(),
+                       [](const T& item) { return item.checksum != nullptr; });
+  }
+
+  // Copies the fused checksums (d_sums[i] for items[i]; nullptr: none asked) to the items'
+  // checksum fields (waits for the stream).
+  template <typename T>
+  absl::Status CopyChecksums(Lane& lane, const uint32_t* d_sums, absl::Span<const T> items) {
+    if (d_sums == nullptr) return absl::OkStatus();
+    std::vector<uint32_t> host(items.size());
     KVPOOL_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(host.data(), d_sums, host.size() * sizeof(uint32_t),
                                    cudaMemcpyDeviceToHost, lane.stream),
                    "D2H checksums"));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane.stream), "D2H checksums"));
-    for (size_t i = 0; i < to.size(); ++i) *to[i] = host[i];
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (items[i].checksum != nullptr) *items[i].checksum = host[i];
+    }
     return absl::OkStatus();
   }
 
@@ -818,6 +948,12 @@ class CudaBackend final : public ComputeBackend {
   std::vector<std::unique_ptr<Lane>> lanes_ ABSL_GUARDED_BY(mu_);
   BackendTimes times_ ABSL_GUARDED_BY(mu_);
   std::map<std::tuple<std::string, int, int>, float*> rotations_ ABSL_GUARDED_BY(mu_);
+  // Device health: the probe stream (set by AllocateArena), whether a sticky error poisoned the
+  // context, which one, and the calls refused since.
+  std::atomic<cudaStream_t> probe_{nullptr};
+  std::atomic<bool> failed_{false};
+  std::string failure_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> refused_{0};
 };
 
 }  // namespace

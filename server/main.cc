@@ -3,7 +3,9 @@
 //   kvpoold --pool_bytes=1073741824 --listen=127.0.0.1:0 --port_file=/tmp/kvpoold.port
 //
 // Stops gracefully on SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused,
-// in-flight calls get --shutdown_grace_ms to finish. SIGHUP re-reads --tenants_file.
+// in-flight calls get --shutdown_grace_ms to finish. SIGHUP re-reads --tenants_file. When its GPU
+// fails (a poisoned CUDA context) it stops on its own after --device_failure_exit_grace and exits
+// with status 3.
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -117,8 +119,11 @@ int main(int argc, char** argv) {
     srv->Shutdown(grace);
   });
   srv->Wait();
+  const int status = srv->exit_status();
+  // The server stopped itself (its device failed): wake the signal thread.
+  if (status != 0) pthread_kill(stopper.native_handle(), SIGTERM);
   stopper.join();
   server->reset();
   spdlog::info("stopped");
-  return 0;
+  return status;
 }

@@ -5,7 +5,11 @@
 #endif
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <map>
+#include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -257,6 +261,29 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   }
   spdlog::info("serving on port {}, at most {} connections", s->port_, max_connections);
   SetHealth(s->server_.get(), true);
+  // A poisoned device: NOT_SERVING at once (the backend refuses every compute call), then, after
+  // the grace, a shutdown that makes the daemon exit with kDeviceFailedExitStatus.
+  KvpoolServer* server = s.get();
+  const absl::Duration grace = config.device_failure_exit_grace;
+  s->device_monitor_ = std::make_unique<DeviceHealthMonitor>(
+      s->backend_.get(), DeviceHealthMonitor::Options{config.device_check_period, grace},
+      [server, grace](const absl::Status& failure) {
+        spdlog::critical("{}: health NOT_SERVING, compute calls answer UNAVAILABLE; exiting in {}",
+                         std::string(failure.message()), absl::FormatDuration(grace));
+        SetHealth(server->server_.get(), false);
+      },
+      [server] {
+        spdlog::critical("exiting (status {}) after the device failure", kDeviceFailedExitStatus);
+        server->exit_status_.store(kDeviceFailedExitStatus);
+        // Tearing down what a poisoned context holds (NCCL channels, say) may hang: the process
+        // ends with the same status in any case.
+        std::thread([] {
+          std::this_thread::sleep_for(std::chrono::seconds(30));
+          std::_Exit(kDeviceFailedExitStatus);
+        }).detach();
+        server->Shutdown(std::chrono::milliseconds(0));
+      });
+  s->device_monitor_->Start();
   return s;
 }
 

@@ -13,6 +13,7 @@
 // Thread-safe: Shutdown may race with Wait; everything else is set up before Start returns.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -24,6 +25,7 @@
 #include "server/admission/admission.h"
 #include "server/admission/tenant_policy.h"
 #include "server/config.h"
+#include "server/device_health_monitor.h"
 #include "server/scrubber.h"
 #include "server/sequence_reaper.h"
 #include "server/service_context.h"
@@ -75,6 +77,10 @@ class KvpoolServer {
   void Shutdown(std::chrono::milliseconds grace);
   // Blocks until the server has shut down.
   void Wait();
+  // The process exit status the daemon should end with: 0, or kDeviceFailedExitStatus when it
+  // shut itself down because its device failed (a poisoned CUDA context).
+  static constexpr int kDeviceFailedExitStatus = 3;
+  int exit_status() const { return exit_status_.load(); }
 
   // Re-reads --tenants_file now (SIGHUP); FailedPrecondition without one, else as
   // TenantsSource::Reload. Tenants it removes lose their models and sequences.
@@ -123,6 +129,9 @@ class KvpoolServer {
   int port_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  std::atomic<int> exit_status_{0};
+  // Last: stopped first on destruction, while everything its callbacks touch still exists.
+  std::unique_ptr<DeviceHealthMonitor> device_monitor_;
 };
 
 }  // namespace kvpool::server

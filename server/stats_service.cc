@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 
 #include "server/connection_listener.h"
 #include "server/ingest/ingest_engine.h"
@@ -161,6 +162,12 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
   integrity->set_sweeps_completed(ic.sweeps_completed.load());
   integrity->set_scrub_period_seconds(absl::ToDoubleSeconds(cfg.scrub_period));
   integrity->set_scrub_max_bytes_per_second(cfg.scrub_max_bytes_per_second);
+
+  v1::DeviceStats* device = response->mutable_device();
+  const absl::Status health = ctx_->backend->DeviceHealth();
+  device->set_healthy(health.ok());
+  device->set_error(std::string(health.message()));
+  device->set_calls_refused(ctx_->backend->calls_refused());
 
   v1::ServerLimits* l = response->mutable_limits();
   l->set_max_message_bytes(cfg.max_message_bytes);

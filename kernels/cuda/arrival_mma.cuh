@@ -31,6 +31,8 @@
 //   floor(fl(fl(fl(x - m) / s) + 0.5))). The thresholds are monotone, so with the three compare
 //   masks m1 >= m2 >= m3 the code's bits are (m2, m1 ^ m2 ^ m3): three packed compares and
 //   three bitwise ops per element pair, straight into the lane's code words.
+// - Page checksums (p.page_checksums set): each lane adds the terms of the words it stores, a
+//   tile's terms go to its page's sum in one atomic (page_checksum_accumulate.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,6 +42,7 @@
 
 #include "kernels/cuda/codec_params.h"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/page_checksum_accumulate.cuh"
 
 namespace kvpool::cuda::internal {
 
@@ -204,6 +207,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
   const int64_t num_tiles = (total + 15) / 16;
   const bool scale_bf16 = p.scale_is_bf16 != 0;
   const int c = p.clip_rank;
+  uint32_t* const sums = p.page_checksums;
   for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kArrivalWarps + warp; tile < num_tiles;
        tile += static_cast<int64_t>(gridDim.x) * kArrivalWarps) {
     // The warp's next tile into L2 (its 16 rows are contiguous: 128 bytes per lane at D = 128),
@@ -231,6 +235,8 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
       slot[r].valid = false;
       slot[r].codes = 0;
       slot[r].meta = 0;
+      slot[r].page = 0;
+      slot[r].entry = -1;
       src_row[r] = nullptr;
     }
     if (in[0]) {
@@ -251,6 +257,9 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
       // A row with a bad source block is reported as a bad block, like a bad destination.
       if (src_row[r] == nullptr) slot[r].valid = false;
     }
+    // Checksum terms of the words this lane stores in row r, and its sums index (-1: none).
+    uint32_t ck_term[2] = {0u, 0u};
+    int ck_entry[2] = {-1, -1};
 
     // ob[r][L] = the rotated row r's BF16 pair at dims ArrivalLaneDim(t, L, 0), (t, L, 1).
     uint32_t ob[2][kNT];
@@ -367,7 +376,15 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
         uint2* dst = reinterpret_cast<uint2*>(p.pool + slot[r].codes) + kLaneWords * 4 * t;
 #pragma unroll
         for (int u = 0; u < kLaneWords * 4; ++u) dst[u] = make_uint2(v[2 * u], v[2 * u + 1]);
+        if (sums != nullptr) {
+          const uint32_t at =
+              static_cast<uint32_t>(slot[r].codes - slot[r].page) + 32 * kLaneWords * t;
+#pragma unroll
+          for (int w = 0; w < kLaneWords * 8; ++w) ck_term[r] += PageChecksumTerm(v[w], at + 4 * w);
+          ck_entry[r] = static_cast<int>(slot[r].entry);
+        }
       }
+      if (sums != nullptr) AddTileChecksums(sums, ck_entry, ck_term);
       continue;
     }
 
@@ -585,11 +602,21 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
       } else {
         reinterpret_cast<uint32_t*>(codes)[t] = mine[0];
       }
-      if (t == 0) {
-        *reinterpret_cast<uint32_t*>(p.pool + slot[r].meta) =
-            static_cast<uint32_t>(sw) | (static_cast<uint32_t>(mw) << 16);
+      const uint32_t meta_word = static_cast<uint32_t>(sw) | (static_cast<uint32_t>(mw) << 16);
+      if (t == 0) *reinterpret_cast<uint32_t*>(p.pool + slot[r].meta) = meta_word;
+      if (sums != nullptr) {
+        const uint32_t at =
+            static_cast<uint32_t>(slot[r].codes - slot[r].page) + 4 * kLaneWords * t;
+#pragma unroll
+        for (int w = 0; w < kLaneWords; ++w) ck_term[r] += PageChecksumTerm(mine[w], at + 4 * w);
+        if (t == 0) {
+          ck_term[r] +=
+              PageChecksumTerm(meta_word, static_cast<uint32_t>(slot[r].meta - slot[r].page));
+        }
+        ck_entry[r] = static_cast<int>(slot[r].entry);
       }
     }
+    if (sums != nullptr) AddTileChecksums(sums, ck_entry, ck_term);
   }
 }
 

@@ -16,6 +16,7 @@
 #include "kernels/cuda/arrival_mma.cuh"
 #include "kernels/cuda/codec_params.h"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/page_checksum_accumulate.cuh"
 #include "kernels/cuda/warp_row_codec.cuh"
 
 namespace kvpool::cuda::internal {
@@ -138,6 +139,10 @@ __global__ void __launch_bounds__(kCodecWarpsPerCta* kWarpSize)
   const uint32_t err =
       EncodeRowWarp<kMaxE>(bits, e_count, shape, p.pool + slot.codes, p.pool + slot.meta);
   if (err != 0 && lane == 0) atomicOr(p.error_word, err);
+  if (err == 0 && p.page_checksums != nullptr) {
+    AddRowChecksum(p.page_checksums + slot.entry, p.pool, slot.page, slot.codes, slot.meta,
+                   p.geo.code_bytes_per_row, p.geo.meta_bytes_per_row);
+  }
 }
 
 template <int kD>

@@ -67,6 +67,9 @@ struct ArrivalParams {
   int32_t scale_is_bf16;   // 0 = fp16 scale/min, 1 = bf16
   int32_t lloyd_max;       // 1 = Lloyd-Max quantizer (INT2, G = D)
   int32_t use_mma_kernel;  // 1 = ArrivalMmaKernel where it applies (ArrivalMmaFits)
+  // nullptr, or per block table entry (batch.block_tables' shape) the running page checksum
+  // (kernels/page_checksum.h) that the kernel adds the terms of its stored words to
+  uint32_t* page_checksums;
 };
 
 // Several arrival jobs (a chunk's K and V of its sink, history and recent runs) for one launch

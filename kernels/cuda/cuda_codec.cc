@@ -142,6 +142,9 @@ absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const Page
   if (in.rotation != nullptr && reinterpret_cast<uintptr_t>(in.rotation) % 16 != 0) {
     return absl::InvalidArgumentError("rotation must be 16-byte aligned");
   }
+  if (reinterpret_cast<uintptr_t>(in.page_checksums) % alignof(uint32_t) != 0) {
+    return absl::InvalidArgumentError("page checksums must be 4-byte aligned");
+  }
   ArrivalParams p;
   p.geo = MakeGeometry(kv);
   p.batch = Batch(batch);
@@ -163,6 +166,7 @@ absl::StatusOr<ArrivalParams> ArrivalParamsOf(const QuantConfig& cfg, const Page
   p.scale_is_bf16 = cfg.scale_dtype == ScaleDtype::kBf16 ? 1 : 0;
   p.lloyd_max = cfg.method == QuantMethod::kLloydMax ? 1 : 0;
   p.use_mma_kernel = tuning.mma_kernel ? 1 : 0;
+  p.page_checksums = in.page_checksums;
   return p;
 }
 
@@ -219,7 +223,7 @@ absl::Status QuantizeOnArrivalJobs(absl::Span<const ArrivalJob> jobs, uint32_t* 
 
 absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
                              const SequenceBatch& to, const PagedRows& from, uint32_t* error_word,
-                             Stream stream, const ArrivalTuning& tuning) {
+                             Stream stream, const ArrivalTuning& tuning, uint32_t* page_checksums) {
   ArrivalJob jobs[2];
   for (int t = 0; t < 2; ++t) {
     jobs[t].cfg = cfg;
@@ -227,6 +231,7 @@ absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
     jobs[t].batch = to;
     jobs[t].tensor = static_cast<KvTensor>(t);
     jobs[t].in.paged = &from;  // rotated already: identity rotation
+    jobs[t].in.page_checksums = page_checksums;
   }
   return QuantizeOnArrivalJobs(jobs, error_word, stream, tuning);
 }

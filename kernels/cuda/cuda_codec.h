@@ -55,11 +55,19 @@ struct PagedRows {
 };
 
 // Input of QuantizeOnArrival: `rows`, or `paged` (then `rows` must be null).
+//
+// `page_checksums` (optional, device, 4-byte aligned) has the shape of the batch's block tables,
+// [num_seqs][block_table_stride]: the kernel adds to entry i * stride + j the page checksum terms
+// (kernels/page_checksum.h) of every word it stores in the page block_tables[i * stride + j], in
+// the same launch (no second pass over the pool). Zeroed by the caller, the entry ends as the
+// PageSlotsChecksum of the slots written there once both K and V are written (the sum is
+// additive over tensors and slots). A row that fails (error_word) adds nothing.
 struct ArrivalRows {
-  const uint16_t* rows = nullptr;    // BF16 [total_rows][Hkv][D], original (unrotated) basis
-  const float* rotation = nullptr;   // D x D fp32 row-major, x_rot = x * M; nullptr = identity
-  uint16_t* rotated_rows = nullptr;  // optional out: the rotated rows rounded to BF16
-  const PagedRows* paged = nullptr;  // the rows read from BF16 pages instead of `rows`
+  const uint16_t* rows = nullptr;      // BF16 [total_rows][Hkv][D], original (unrotated) basis
+  const float* rotation = nullptr;     // D x D fp32 row-major, x_rot = x * M; nullptr = identity
+  uint16_t* rotated_rows = nullptr;    // optional out: the rotated rows rounded to BF16
+  const PagedRows* paged = nullptr;    // the rows read from BF16 pages instead of `rows`
+  uint32_t* page_checksums = nullptr;  // optional out: running page checksums, see above
 };
 
 // Rotates each row by `rotation`, rounds it to BF16, clips it (exact order statistic),
@@ -97,11 +105,13 @@ struct ArrivalJob {
 // sequences and layers (a layer's blocks are just other block ids; two launches for the
 // configurations that the tensor-core arrival kernel does not take). Codes equal
 // QuantizeOnArrival of the same rows with the identity rotation. Errors as for QuantizeOnArrival;
-// a block id of `from` outside its pool is reported like one of `to`.
+// a block id of `from` outside its pool is reported like one of `to`. `page_checksums`, when set,
+// as ArrivalRows::page_checksums for the batch `to` (K and V both add to it).
 [[nodiscard]] absl::Status DemoteToHistory(const QuantConfig& cfg, const PagedKvView& history,
                                            const SequenceBatch& to, const PagedRows& from,
                                            uint32_t* error_word, Stream stream,
-                                           const ArrivalTuning& tuning = {});
+                                           const ArrivalTuning& tuning = {},
+                                           uint32_t* page_checksums = nullptr);
 
 // Dequantizes the stored rows named by `batch` (tokens first_token[i] + r, r in
 // [0, row_offsets[i+1] - row_offsets[i])) to BF16 [total_rows][Hkv][D] in the rotated basis:

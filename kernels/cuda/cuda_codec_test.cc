@@ -22,6 +22,7 @@
 #include "kernels/bf16.h"
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
+#include "kernels/page_checksum.h"
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"
 #include "tests/support/test_data.h"
@@ -132,6 +133,27 @@ BatchPlan MakePlan(int tokens_per_block, uint64_t seed, bool long_batch, int fir
   return p;
 }
 
+// The CPU's page checksum (kernels/page_checksum.h) of the slots that `plan` writes in each page,
+// per block table entry (0 for unused entries), from the pool bytes `pool`.
+std::vector<uint32_t> CpuPageChecksums(const BatchPlan& plan, const std::vector<uint8_t>& pool,
+                                       const BlockLayout& layout) {
+  std::vector<uint32_t> sums(plan.block_tables.size(), 0);
+  const PageChecksumGeometry geo = PageChecksumGeometry::Of(layout);
+  for (size_t s = 0; s + 1 < plan.row_offsets.size(); ++s) {
+    const int first = plan.first_token[s];
+    const int end = first + plan.row_offsets[s + 1] - plan.row_offsets[s];
+    for (int j = 0; j < plan.stride; ++j) {
+      const int lo = std::max(first, j * layout.tokens);
+      const int hi = std::min(end, (j + 1) * layout.tokens);
+      if (lo >= hi) continue;
+      const size_t entry = s * plan.stride + j;
+      const size_t page = static_cast<size_t>(plan.block_tables[entry]) * layout.block_bytes();
+      sums[entry] = PageSlotsChecksum(&pool[page], geo, lo - j * layout.tokens, hi - lo);
+    }
+  }
+  return sums;
+}
+
 std::vector<float> InputRows(const Case& c, int rows, uint64_t seed) {
   std::vector<float> v = testing::RealLikeRows(rows * c.kv_heads, c.head_dim, seed);
   if (c.sparse) {
@@ -174,6 +196,7 @@ void RunCase(const Case& c) {
   DeviceArray<float> d_rotation(static_cast<size_t>(d) * d);
   DeviceArray<float> d_unrotation(static_cast<size_t>(d) * d);
   DeviceArray<uint32_t> d_err(1);
+  DeviceArray<uint32_t> d_sums(plan.block_tables.size());
   ASSERT_NE(pool.get(), nullptr);
   CUDA_ASSERT(d_offsets.Upload(plan.row_offsets));
   CUDA_ASSERT(d_first.Upload(plan.first_token));
@@ -209,7 +232,9 @@ void RunCase(const Case& c) {
     }
     // Poison the pool so that unwritten bytes are visible.
     CUDA_ASSERT(cudaMemset(pool.get(), 0xa5, pool.size()));
-    const ArrivalRows in{d_rows.get(), c.rotate ? d_rotation.get() : nullptr, d_rotated.get()};
+    CUDA_ASSERT(cudaMemset(d_sums.get(), 0, d_sums.size() * sizeof(uint32_t)));
+    ArrivalRows in{d_rows.get(), c.rotate ? d_rotation.get() : nullptr, d_rotated.get()};
+    in.page_checksums = d_sums.get();
     ArrivalTuning tuning;
     tuning.mma_kernel = !c.row_kernel;
     ASSERT_TRUE(QuantizeOnArrival(cfg, kv, batch, t, in, d_err.get(), nullptr, tuning).ok());
@@ -230,7 +255,10 @@ void RunCase(const Case& c) {
     const std::vector<uint16_t> rotated = d_rotated.Download();
     const std::vector<uint16_t> dequantized = d_dequant.Download();
     const std::vector<uint16_t> original = d_original.Download();
+    const std::vector<uint32_t> sums = d_sums.Download();
     ASSERT_EQ(blocks.size(), pool.size());
+    // The fused page checksums: per block table entry, the terms of this tensor's stored words.
+    std::vector<uint32_t> want_sums(plan.block_tables.size(), 0);
 
     // 1. Rotation: within BF16 rounding of a float64 rotation.
     for (int r = 0; r < total_rows * c.kv_heads; ++r) {
@@ -275,6 +303,16 @@ void RunCase(const Case& c) {
                 << "seq " << s << " row " << r << " head " << h << " code byte " << i;
             written[codes_at + i] = true;
           }
+          const size_t entry = s * plan.stride + pos / layout.tokens;
+          auto add_words = [&](size_t at, size_t bytes) {
+            for (size_t i = 0; i < bytes; i += 4) {
+              uint32_t w;
+              std::memcpy(&w, &blocks[at + i], 4);
+              want_sums[entry] += PageChecksumTerm(w, static_cast<uint32_t>(at + i - block_base));
+            }
+          };
+          add_words(codes_at, layout.code_bytes_per_row());
+          add_words(meta_at, layout.meta_bytes_per_row());
           for (size_t g = 0; g < layout.groups_per_row(); ++g) {
             GroupMeta got;
             std::memcpy(&got, &blocks[meta_at + 4 * g], sizeof(got));
@@ -308,6 +346,7 @@ void RunCase(const Case& c) {
         ASSERT_EQ(blocks[i], 0xa5) << "stray write at byte " << i;
       }
     }
+    EXPECT_EQ(sums, want_sums) << "fused page checksums";
   }
 }
 
@@ -352,6 +391,113 @@ TEST_F(CudaCodecTest, LloydMaxMatchesCpuBitForBit) {
 TEST_F(CudaCodecTest, BypassStoresRotatedRows) {
   RunCase({128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, true, false});
   RunCase({64, 1, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, false, false});
+}
+
+// Device copies of a BatchPlan, and the batch they describe.
+struct DevicePlan {
+  explicit DevicePlan(const BatchPlan& p)
+      : offsets(p.row_offsets.size()), first(p.first_token.size()), tables(p.block_tables.size()) {
+    ok = offsets.Upload(p.row_offsets) == cudaSuccess &&
+         first.Upload(p.first_token) == cudaSuccess && tables.Upload(p.block_tables) == cudaSuccess;
+    batch = SequenceBatch{static_cast<int>(p.first_token.size()),
+                          offsets.get(),
+                          first.get(),
+                          tables.get(),
+                          p.stride,
+                          p.row_offsets.back()};
+  }
+  DeviceArray<int32_t> offsets, first, tables;
+  SequenceBatch batch;
+  bool ok = false;
+};
+
+// The page checksums fused into arrival: K and V of every configuration's kernel add up, per
+// page, to the CPU's PageSlotsChecksum of the slots written (kernels/page_checksum.h), whether
+// the two tensors go in one launch (QuantizeOnArrivalJobs) or in two.
+TEST_F(CudaCodecTest, FusedPageChecksumsEqualTheCpuChecksum) {
+  for (const Case& c :
+       {Case{128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false},
+        Case{128, 8, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, false, true, true},
+        Case{64, 3, 2, 32, ScaleDtype::kBf16, QuantMethod::kUniform, true, false},
+        Case{128, 2, 4, 0, ScaleDtype::kFp16, QuantMethod::kUniform, false, false},
+        Case{128, 4, 2, 0, ScaleDtype::kFp16, QuantMethod::kLloydMax, true, false},
+        Case{128, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, true, false},
+        Case{256, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, true, false},
+        Case{32, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, true}}) {
+    SCOPED_TRACE(Name(c));
+    QuantConfig cfg;
+    cfg.bits = c.bits;
+    cfg.group_size = c.group_size;
+    cfg.method = c.method;
+    cfg.scale_dtype = c.scale;
+    cfg.block_tokens = 16;
+    cfg.demotion_batch = 16;
+    ASSERT_TRUE(cfg.Validate(c.head_dim).ok());
+    const BlockLayout layout = BlockLayout::ForModel(cfg, c.kv_heads, c.head_dim);
+    const BatchPlan plan = MakePlan(layout.tokens, 13 + c.head_dim, c.long_batch);
+    DevicePlan dev(plan);
+    ASSERT_TRUE(dev.ok);
+    const int rows = plan.row_offsets.back();
+    const size_t values = static_cast<size_t>(rows) * c.kv_heads * c.head_dim;
+    DeviceArray<uint8_t> pool(plan.num_blocks * layout.block_bytes());
+    DeviceArray<uint16_t> d_k(values), d_v(values);
+    DeviceArray<float> d_rot(static_cast<size_t>(c.head_dim) * c.head_dim);
+    DeviceArray<uint32_t> d_err(1), d_sums(plan.block_tables.size());
+    CUDA_ASSERT(cudaMemset(d_err.get(), 0, sizeof(uint32_t)));
+    auto set = RotationSet::RandomizedHadamard(1, c.head_dim, 77);
+    ASSERT_TRUE(set.ok()) << set.status();
+    CUDA_ASSERT(d_rot.Upload(set->Matrix(0, KvTensor::kKey)));
+    for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+      const std::vector<Bf16> input = testing::ToBf16(InputRows(c, rows, 90 + static_cast<int>(t)));
+      std::vector<uint16_t> bits(input.size());
+      for (size_t i = 0; i < input.size(); ++i) bits[i] = input[i].bits;
+      CUDA_ASSERT((t == KvTensor::kKey ? d_k : d_v).Upload(bits));
+    }
+    const PagedKvView kv{pool.get(), layout, c.scale, plan.num_blocks};
+    ArrivalTuning tuning;
+    tuning.mma_kernel = !c.row_kernel;
+    for (const bool one_launch : {true, false}) {
+      SCOPED_TRACE(one_launch ? "one launch" : "a launch per tensor");
+      CUDA_ASSERT(cudaMemset(pool.get(), 0xa5, pool.size()));
+      CUDA_ASSERT(cudaMemset(d_sums.get(), 0, d_sums.size() * sizeof(uint32_t)));
+      std::vector<ArrivalJob> jobs;
+      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+        ArrivalJob j;
+        j.cfg = cfg;
+        j.kv = kv;
+        j.batch = dev.batch;
+        j.tensor = t;
+        j.in.rows = t == KvTensor::kKey ? d_k.get() : d_v.get();
+        j.in.rotation = c.rotate ? d_rot.get() : nullptr;
+        j.in.page_checksums = d_sums.get();
+        jobs.push_back(j);
+      }
+      if (one_launch) {
+        ASSERT_TRUE(QuantizeOnArrivalJobs(jobs, d_err.get(), nullptr, tuning).ok());
+      } else {
+        for (const ArrivalJob& j : jobs) {
+          ASSERT_TRUE(
+              QuantizeOnArrival(cfg, kv, j.batch, j.tensor, j.in, d_err.get(), nullptr, tuning)
+                  .ok());
+        }
+      }
+      const absl::Status arrival = TakeCodecErrors(d_err.get(), nullptr);
+      ASSERT_TRUE(arrival.ok()) << arrival;
+      const std::vector<uint32_t> want = CpuPageChecksums(plan, pool.Download(), layout);
+      EXPECT_EQ(d_sums.Download(), want);
+      size_t nonzero = 0;
+      for (uint32_t w : want) nonzero += w != 0;
+      EXPECT_GT(nonzero, plan.block_tables.size() / 4) << "the arrival wrote pages";
+    }
+    // Misaligned sums are rejected before anything launches.
+    ArrivalRows misaligned{d_k.get()};
+    misaligned.page_checksums =
+        reinterpret_cast<uint32_t*>(reinterpret_cast<uintptr_t>(d_sums.get()) + 2);
+    EXPECT_EQ(
+        QuantizeOnArrival(cfg, kv, dev.batch, KvTensor::kKey, misaligned, d_err.get(), nullptr)
+            .code(),
+        absl::StatusCode::kInvalidArgument);
+  }
 }
 
 // QuantizeOnArrivalJobs (one launch for a chunk's INT2 and BF16-bypass runs, K and V) writes
@@ -448,24 +594,6 @@ TEST_F(CudaCodecTest, ArrivalJobsInOneLaunchEqualOneLaunchPerJob) {
   for (uint8_t b : pools[0]->Download()) ASSERT_EQ(b, 0xa5) << "nothing written";
 }
 
-// Device copies of a BatchPlan, and the batch they describe.
-struct DevicePlan {
-  explicit DevicePlan(const BatchPlan& p)
-      : offsets(p.row_offsets.size()), first(p.first_token.size()), tables(p.block_tables.size()) {
-    ok = offsets.Upload(p.row_offsets) == cudaSuccess &&
-         first.Upload(p.first_token) == cudaSuccess && tables.Upload(p.block_tables) == cudaSuccess;
-    batch = SequenceBatch{static_cast<int>(p.first_token.size()),
-                          offsets.get(),
-                          first.get(),
-                          tables.get(),
-                          p.stride,
-                          p.row_offsets.back()};
-  }
-  DeviceArray<int32_t> offsets, first, tables;
-  SequenceBatch batch;
-  bool ok = false;
-};
-
 // DemoteToHistory (K and V of every sequence in one call, read straight from BF16 pages) writes
 // exactly what QuantizeOnArrival writes from the same rows as flat input with the identity
 // rotation (checked against the CPU codec above), for the tensor-core kernel (INT2, G = D) and
@@ -527,10 +655,16 @@ TEST_F(CudaCodecTest, DemotionFromBf16PagesEqualsArrivalOfTheSameRows) {
     }
     ASSERT_TRUE(TakeCodecErrors(d_err.get(), nullptr).ok());
     PagedRows from{page_view, src.first.get(), src.tables.get(), src_plan.stride};
-    ASSERT_TRUE(DemoteToHistory(cfg, demoted_view, dst.batch, from, d_err.get(), nullptr).ok());
+    DeviceArray<uint32_t> d_sums(dst_plan.block_tables.size());
+    CUDA_ASSERT(cudaMemset(d_sums.get(), 0, d_sums.size() * sizeof(uint32_t)));
+    ASSERT_TRUE(
+        DemoteToHistory(cfg, demoted_view, dst.batch, from, d_err.get(), nullptr, {}, d_sums.get())
+            .ok());
     const absl::Status demotion = TakeCodecErrors(d_err.get(), nullptr);
     ASSERT_TRUE(demotion.ok()) << demotion;
     const std::vector<uint8_t> got = demoted.Download();
+    // The checksums fused into the demotion equal the CPU's of the history slots written.
+    EXPECT_EQ(d_sums.Download(), CpuPageChecksums(dst_plan, got, hist_layout));
     const std::vector<uint8_t> want = direct.Download();
     ASSERT_EQ(got.size(), want.size());
     size_t written = 0;

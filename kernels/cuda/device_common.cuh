@@ -69,7 +69,9 @@ __device__ __forceinline__ int FindSequence(const BatchParams& b, int row) {
 struct RowSlot {
   int64_t codes;
   int64_t meta;
-  bool valid;  // false when the block table entry is outside [0, num_blocks)
+  int64_t page;   // the block's first byte: codes - page is the row's offset inside its page
+  int64_t entry;  // index of the block table entry: seq * block_table_stride + block index
+  bool valid;     // false when the block table entry is outside [0, num_blocks)
 };
 
 __device__ __forceinline__ RowSlot LocateRow(const BlockGeometry& g, const BatchParams& b, int seq,
@@ -79,12 +81,13 @@ __device__ __forceinline__ RowSlot LocateRow(const BlockGeometry& g, const Batch
   const int block_index =
       (g.tokens & (g.tokens - 1)) == 0 ? position >> (__ffs(g.tokens) - 1) : position / g.tokens;
   const int slot = position - block_index * g.tokens;
-  const int32_t block =
-      __ldg(b.block_tables + static_cast<int64_t>(seq) * b.block_table_stride + block_index);
+  const int64_t entry = static_cast<int64_t>(seq) * b.block_table_stride + block_index;
+  const int32_t block = __ldg(b.block_tables + entry);
   RowSlot r;
   r.valid = block >= 0 && block < g.num_blocks;
-  const int64_t base = static_cast<int64_t>(block) * g.block_bytes +
-                       static_cast<int64_t>(head) * g.head_segment_bytes;
+  r.page = static_cast<int64_t>(block) * g.block_bytes;
+  r.entry = entry;
+  const int64_t base = r.page + static_cast<int64_t>(head) * g.head_segment_bytes;
   r.codes = base + g.codes_offset[tensor] + static_cast<int64_t>(slot) * g.code_bytes_per_row;
   r.meta = base + g.meta_offset[tensor] + static_cast<int64_t>(slot) * g.meta_bytes_per_row;
   return r;

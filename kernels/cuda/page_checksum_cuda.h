@@ -1,6 +1,7 @@
-// Page checksums (kernels/page_checksum.h) of paged blocks in GPU memory: one CTA per range,
-// the same sum the CPU computes, for the CUDA backend's writes (after the arrival and demotion
-// kernels, on their stream) and for verification (reads, the scrubber).
+// Page checksums (kernels/page_checksum.h) of paged blocks in GPU memory, the same sum the CPU
+// computes, for verification (reads, the scrubber): one flat launch, a warp per (range, span)
+// reading consecutive words. The writers do not use it: the arrival and demotion kernels add
+// the checksums of what they write in the same launch (ArrivalRows::page_checksums).
 //
 //   KVPOOL_RETURN_IF_ERROR(PageChecksums(pool, history_geo, bf16_geo, d_ranges, n, d_out, stream));
 //
@@ -24,7 +25,8 @@ struct ChecksumRange {
   int32_t history = 0;
 };
 
-// out[i] = the checksum of ranges[i], for i < n (ranges and out in device memory).
+// out[i] = the checksum of ranges[i], for i < n (ranges and out in device memory; out is zeroed
+// on the stream first, then summed into).
 [[nodiscard]] absl::Status PageChecksums(const uint8_t* pool, const PageChecksumGeometry& history,
                                          const PageChecksumGeometry& bf16,
                                          const ChecksumRange* ranges, int n, uint32_t* out,

@@ -35,6 +35,7 @@ const std::vector<MethodRule>& MethodRules() {
       {"/kvpool.v1.TransportService/DropAttentionPlan", false, true, true, false},
       // The test daemon's page-damaging service (kvpoold-fault-injection only).
       {"/kvpool.testing.FaultInjection/CorruptPage", false, false, true, false},
+      {"/kvpool.testing.FaultInjection/PoisonDevice", false, false, true, false},
   };
   return kRules;
 }

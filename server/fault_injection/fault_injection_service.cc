@@ -8,6 +8,9 @@
 #include "proto/status.h"
 #include "server/sequence_snapshot.h"
 #include "spdlog/spdlog.h"
+#if defined(KVPOOL_FAULT_INJECTION_CUDA)
+#include "kernels/cuda/testing_fault.h"
+#endif
 
 namespace kvpool::server {
 namespace {
@@ -26,7 +29,26 @@ class FaultInjectionService final : public t::FaultInjection::CallbackService {
     return reactor;
   }
 
+  grpc::ServerUnaryReactor* PoisonDevice(grpc::CallbackServerContext* context,
+                                         const t::PoisonDeviceRequest* /*request*/,
+                                         t::PoisonDeviceResponse* /*response*/) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(Poison()));
+    return reactor;
+  }
+
  private:
+  absl::Status Poison() {
+    const int device = ctx_->backend->device();
+    if (device < 0) return absl::FailedPreconditionError("the pool is not on a GPU");
+#if defined(KVPOOL_FAULT_INJECTION_CUDA)
+    spdlog::warn("fault injection: poisoning the CUDA context of cuda:{}", device);
+    return cuda::testing::PoisonCudaContext(device);
+#else
+    return absl::UnimplementedError("this build has no CUDA");
+#endif
+  }
+
   absl::Status Corrupt(const TenantId& tenant, const t::CorruptPageRequest& r) {
     if (!ctx_->pool->arena().host_accessible()) {
       return absl::UnimplementedError("fault injection writes host-accessible pools only");

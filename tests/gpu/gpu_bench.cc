@@ -181,8 +181,10 @@ void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base)
                 us, g_results.back().value, floor_us);
   }
   Check(TakeCodecErrors(err, stream), "codec errors");
-  // Page checksums (kernels/cuda/page_checksum_cuda.h): arrival of K and V with the checksum
-  // launch the CUDA backend adds after it, against arrival alone, in the same run.
+  // Page checksums: arrival of K and V with the checksums fused in (ArrivalRows::page_checksums,
+  // zeroed first, as the CUDA backend does) against the same kernels with them off, in the same
+  // run; then the verification pass (kernels/cuda/page_checksum_cuda.h) alone over one set's
+  // pages, whose sums must equal the fused ones.
   {
     std::vector<ChecksumRange> ranges(static_cast<size_t>(blocks) * kSets);
     for (size_t b = 0; b < ranges.size(); ++b) {
@@ -190,19 +192,18 @@ void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base)
     }
     ChecksumRange* d_ranges = Upload(ranges);
     uint32_t* d_sums = DeviceAlloc<uint32_t>(ranges.size());
+    uint32_t* d_pass = DeviceAlloc<uint32_t>(ranges.size());
     const PageChecksumGeometry geo = PageChecksumGeometry::Of(layout);
     auto arrival = [&](int i, bool checksum) {
       const int s = i % kSets;
-      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
-        Check(QuantizeOnArrival(cfg, kv, batch_for(s), t,
-                                ArrivalRows{rows + s * rows_per_set, rotation, nullptr}, err,
-                                stream, base),
-              "quantize");
-      }
+      uint32_t* sums = checksum ? d_sums + static_cast<size_t>(s) * blocks : nullptr;
       if (checksum) {
-        Check(PageChecksums(pool, geo, geo, d_ranges + static_cast<size_t>(s) * blocks, blocks,
-                            d_sums + static_cast<size_t>(s) * blocks, stream),
-              "checksums");
+        Check(cudaMemsetAsync(sums, 0, blocks * sizeof(uint32_t), stream), "memset");
+      }
+      for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
+        ArrivalRows in{rows + s * rows_per_set, rotation, nullptr};
+        in.page_checksums = sums;
+        Check(QuantizeOnArrival(cfg, kv, batch_for(s), t, in, err, stream, base), "quantize");
       }
     };
     const double without_us = TimeUs(stream, 5, 40, [&](int i) { arrival(i, false); });
@@ -213,8 +214,25 @@ void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base)
     std::printf("%-34s %10.1f us  vs %.1f us without (%.2f%% more)\n", "arrival_kv_with_checksums",
                 with_us, without_us, (with_us / without_us - 1) * 100);
     Check(TakeCodecErrors(err, stream), "codec errors");
+    const double pass_us = TimeUs(stream, 5, 40, [&](int i) {
+      const size_t s = static_cast<size_t>(i % kSets) * blocks;
+      Check(PageChecksums(pool, geo, geo, d_ranges + s, blocks, d_pass + s, stream), "checksums");
+    });
+    const double page_bytes = static_cast<double>(blocks) * (layout.block_bytes());
+    g_results.push_back(
+        {"page_checksums_pass", "{\"Hkv\": 8, \"D\": 128, \"pages\": 4096, \"bits\": 2}",
+         page_bytes / (pass_us * 1e-6) / 1e9, "GB/s of pages read", "copy_bandwidth_GBs", copy_gbs,
+         page_bytes / (pass_us * 1e-6) / 1e9 / copy_gbs});
+    std::printf("%-34s %10.1f us  %8.1f GB/s read (floor %.1f us)\n", "page_checksums_pass",
+                pass_us, g_results.back().value, page_bytes / (copy_gbs * 1e9) * 1e6);
+    // Every set was last written by a timed arrival with checksums and then summed by the pass.
+    std::vector<uint32_t> fused(ranges.size()), pass(ranges.size());
+    Check(cudaMemcpy(fused.data(), d_sums, fused.size() * 4, cudaMemcpyDeviceToHost), "D2H");
+    Check(cudaMemcpy(pass.data(), d_pass, pass.size() * 4, cudaMemcpyDeviceToHost), "D2H");
+    if (fused != pass) Die("fused page checksums differ from the verification pass");
     cudaFree(d_ranges);
     cudaFree(d_sums);
+    cudaFree(d_pass);
   }
   const double us = TimeUs(stream, 5, 40, [&](int i) {
     const int s = i % kSets;
@@ -249,7 +267,8 @@ void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base)
 // Demotion of one decode step: every (sequence, layer) moves its 16 oldest recent tokens from a
 // BF16 page into an INT2 history block (32 sequences x 80 layers, Hkv = 8, D = 128, shuffled
 // blocks), K and V. One DemoteToHistory launch against the path it replaced in the same run:
-// dequantize the pages to a staging buffer, then quantize it, per tensor (four launches).
+// dequantize the pages to a staging buffer, then quantize it, per tensor (four launches); and
+// with the page checksums fused in against without.
 void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tuning) {
   constexpr int kHkv = 8, kD = 128, kRuns = 32 * 80, kTokens = 16;
   QuantConfig cfg;
@@ -288,6 +307,12 @@ void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tu
   const double fused_us = TimeUs(stream, 5, 40, [&](int) {
     Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning), "demote");
   });
+  // The same launch with the page checksums fused in (zeroed first, as the CUDA backend does).
+  uint32_t* sums = DeviceAlloc<uint32_t>(kRuns);
+  const double checksums_us = TimeUs(stream, 5, 40, [&](int) {
+    Check(cudaMemsetAsync(sums, 0, kRuns * sizeof(uint32_t), stream), "memset");
+    Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning, sums), "demote");
+  });
   const double staged_us = TimeUs(stream, 5, 40, [&](int) {
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       Check(DequantizeToBf16(bypass, page_view, from_batch, t, staging, err, stream), "dequant");
@@ -308,8 +333,14 @@ void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tu
   std::printf("%-34s %10.1f us  %8.1f GB/s in   (staged path %.1f us, floor %.1f us)\n",
               "demote_to_history_one_launch", fused_us, in_bytes / (fused_us * 1e-6) / 1e9,
               staged_us, floor_us);
+  g_results.push_back(
+      {"demote_with_checksums_us",
+       "{\"sequences\": 32, \"layers\": 80, \"tokens\": 16, \"Hkv\": 8, \"D\": 128}", checksums_us,
+       "us", "demote_without_checksums_us", fused_us, fused_us / checksums_us});
+  std::printf("%-34s %10.1f us  vs %.1f us without (%.2f%% more)\n", "demote_with_checksums",
+              checksums_us, fused_us, (checksums_us / fused_us - 1) * 100);
   for (void* p :
-       std::vector<void*>{pages, history, staging, d_offsets, d_first, d_src, d_dst, err}) {
+       std::vector<void*>{pages, history, staging, d_offsets, d_first, d_src, d_dst, err, sums}) {
     cudaFree(p);
   }
 }

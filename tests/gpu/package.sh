@@ -6,9 +6,10 @@
 #
 #   bash tests/gpu/package.sh            # then: run with carry [".gpu-carry"]
 #
-# .gpu-carry/bundle.tar.xz holds bin/ (kernel tests and benchmark, kvpoold, the kvpool CLI,
-# the integration tests, the GPU daemon benchmark) and lib/ (every library ldd lists outside
-# glibc and the compiler runtime); run.sh unpacks it and sets LD_LIBRARY_PATH. xz keeps the
+# .gpu-carry/bundle.tar.xz holds bin/ (kernel tests and benchmark, kvpoold and
+# kvpoold-fault-injection, the kvpool CLI, the integration tests, the GPU daemon benchmark)
+# and lib/ (every library ldd lists outside glibc and the compiler runtime); run.sh unpacks it
+# and sets LD_LIBRARY_PATH. xz keeps the
 # carry well under the 64 MiB a call may take (the size prints at the end).
 #
 # Built for x86-64-v3 (not -march=native) so the binaries run on the GPU host's CPU.
@@ -20,7 +21,8 @@ KERNEL_TARGETS="cuda_codec_test cuda_attention_test page_checksum_cuda_test kvpo
 DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip_test
   integration_attention_test integration_prefix_test integration_concurrency_test
   integration_bad_input_test integration_cli_test integration_device_transport_test
-  integration_cuda_ipc_test
+  integration_cuda_ipc_test kvpoold-fault-injection integration_device_health_test
+  integration_integrity_test
   kvpool-gpu-transport-bench
   kvpool-gpu-attention-bench kvpool-split-replay"
 

@@ -82,6 +82,16 @@ if [ "$MODE" = all ] || [ "$MODE" = test ] || [ "$MODE" = quick ]; then
     step "attention test (all, batch 32 x 128K)" "$OUT/test.log" "$BIN/cuda_attention_test" \
       --gtest_color=no
   fi
+  # A poisoned CUDA context (kvpoold-fault-injection's PoisonDevice on cuda:0): NOT_SERVING,
+  # UNAVAILABLE, the failure in GetStats, exit status 3.
+  KVPOOL_FAULT_INJECTION_DAEMON=$BIN/kvpoold-fault-injection step \
+    "device health: poisoned context (cuda:0)" "$OUT/test.log" \
+    "$BIN/integration_device_health_test" --gtest_color=no
+  # The page checksums the arrival and demotion kernels fuse in, verified by reads and the
+  # scrubber of a daemon on cuda:0.
+  KVPOOL_FAULT_INJECTION_DAEMON=$BIN/kvpoold-fault-injection KVPOOL_TEST_DEVICE=cuda:0 step \
+    "fused checksums verify (cuda:0)" "$OUT/test.log" "$BIN/integration_integrity_test" \
+    --gtest_color=no --gtest_filter='*OnTheGpu*'
 fi
 if [ "$MODE" = all ] || [ "$MODE" = sanitize ]; then
   CS="compute-sanitizer --error-exitcode 9 --print-limit 20"

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kvpool/testing/fault_injection.grpc.pb.h"
@@ -25,10 +26,12 @@ std::string FaultDaemonPath() {
 
 class IntegrityTest : public ::testing::Test {
  protected:
-  void StartWith(std::vector<std::string> flags) {
-    // Host memory even where KVPOOL_TEST_DEVICE names a GPU: CorruptPage writes the pool from
-    // the host (a GPU pool's checksums are the same code, kernels/cuda/page_checksum_cuda_test).
-    flags.insert(flags.end(), {"--pool_bytes=268435456", "--worker_threads=2", "--device=cpu"});
+  void StartWith(std::vector<std::string> flags, bool test_device = false) {
+    // Host memory even where KVPOOL_TEST_DEVICE names a GPU, unless `test_device`: CorruptPage
+    // writes the pool from the host (a GPU pool's checksums are the same sums,
+    // kernels/cuda/cuda_codec_test and page_checksum_cuda_test).
+    flags.insert(flags.end(), {"--pool_bytes=268435456", "--worker_threads=2"});
+    if (!test_device) flags.push_back("--device=cpu");
     absl::StatusOr<std::unique_ptr<LocalDaemon>> d = StartDaemonBinary(FaultDaemonPath(), flags);
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = *std::move(d);
@@ -76,6 +79,28 @@ class IntegrityTest : public ::testing::Test {
     v1::ReadKvRequest r;
     r.set_sequence_id(id);
     return client_->ReadKv(r).status();
+  }
+
+  // `steps` decode appends of one token to `id` (which holds kTokens), each with every layer.
+  void Decode(const std::string& id, int steps, uint64_t seed) {
+    const SequenceKv kv = MakeSequenceKv(kShape, steps, seed);
+    const size_t row_bytes = static_cast<size_t>(kShape.kv_heads) * kShape.head_dim * 2;
+    for (int i = 0; i < steps; ++i) {
+      v1::AppendDecodeRequest d;
+      d.set_sequence_id(id);
+      d.set_token_start(kTokens + i);
+      d.set_num_tokens(1);
+      d.set_dtype(v1::DTYPE_BF16);
+      std::string k, v;
+      for (int l = 0; l < kShape.num_layers; ++l) {
+        absl::StrAppend(&k, AsBytes(kv.k[l]).substr(i * row_bytes, row_bytes));
+        absl::StrAppend(&v, AsBytes(kv.v[l]).substr(i * row_bytes, row_bytes));
+      }
+      d.set_k(k);
+      d.set_v(v);
+      const absl::StatusOr<v1::AppendDecodeResponse> r = client_->AppendDecode(d);
+      ASSERT_TRUE(r.ok()) << "decode step " << i << ": " << r.status();
+    }
   }
 
   v1::IntegrityStats Integrity() {
@@ -165,6 +190,30 @@ TEST_F(IntegrityTest, ScrubberFindsAFlippedBitNobodyReads) {
   EXPECT_EQ(1u, Integrity().corrupt_sequences());
   KV_ASSERT_OK(client_->ReleaseSequence("a").status());
   KV_ASSERT_OK(ReadBlocks("b"));
+}
+
+// On a GPU daemon (KVPOOL_TEST_DEVICE=cuda:N; skipped otherwise) the checksums that the arrival
+// and demotion kernels compute as they write (kernels/cuda/page_checksum_accumulate.cuh) agree
+// with what reads and the scrubber's verification pass compute: every page of sequences written
+// by prefill (sink, history, recent) and by decode steps that demote verifies.
+TEST_F(IntegrityTest, ChecksumsWrittenOnTheGpuVerify) {
+  if (!TestingOnGpu()) GTEST_SKIP() << "needs KVPOOL_TEST_DEVICE=cuda:N";
+  StartWith({"--scrub_period=0.1s"}, /*test_device=*/true);
+  if (HasFatalFailure()) return;
+  Push("a", 1);
+  Push("b", 2);
+  if (HasFatalFailure()) return;
+  Decode("a", 48, 7);  // the recent window overflows: demotions into history blocks
+  if (HasFatalFailure()) return;
+  KV_ASSERT_OK(ReadBlocks("a"));
+  KV_ASSERT_OK(ReadKv("a"));
+  KV_ASSERT_OK(ReadBlocks("b"));
+  KV_ASSERT_OK(ReadKv("b"));
+  const uint64_t start = Integrity().sweeps_completed();
+  ASSERT_TRUE(
+      WaitFor([&](const v1::IntegrityStats& s) { return s.sweeps_completed() >= start + 2; }));
+  EXPECT_EQ(0u, Integrity().corrupt_sequences());
+  EXPECT_GT(Integrity().pages_scrubbed(), 0u);
 }
 
 }  // namespace
