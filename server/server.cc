@@ -147,7 +147,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       server->ReleaseTenant(kUnresolvedTenant);
       // A reloaded table that does not fit the pool leaves the quotas in force as they were.
       const absl::Status quotas = server->tenant_policy_->SetTenantQuotas(QuotasOf(after));
-      if (!quotas.ok()) spdlog::error("tenants file reload: quotas kept: {}", quotas.message());
+      if (!quotas.ok())
+        spdlog::error("tenants file reload: quotas kept: {}", std::string(quotas.message()));
     });
     ctx.tenants = s->tenants_.get();
     spdlog::info("tenants file {}: {} tenants", config.tenants_file,
@@ -327,19 +328,21 @@ void KvpoolServer::ReleaseTenant(const TenantId& tenant) {
       "tenant '{}' removed from the tenants file: {} models and {} sequences released, "
       "{} bytes freed",
       tenant, models, sequences, bytes);
-  int KvpoolServer::metrics_port() const {
-    return metrics_http_ == nullptr ? 0 : metrics_http_->port();
-  }
+}
 
-  std::shared_ptr<grpc::Channel> KvpoolServer::InProcessChannel() {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes));
-    args.SetMaxSendMessageSize(static_cast<int>(config_.max_message_bytes));
-    return server_->InProcessChannel(args);
-  }
+int KvpoolServer::metrics_port() const {
+  return metrics_http_ == nullptr ? 0 : metrics_http_->port();
+}
 
-  void KvpoolServer::Wait() {
-    if (server_ != nullptr) server_->Wait();
-  }
+std::shared_ptr<grpc::Channel> KvpoolServer::InProcessChannel() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(config_.max_message_bytes));
+  return server_->InProcessChannel(args);
+}
+
+void KvpoolServer::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
 
 }  // namespace kvpool::server
