@@ -37,6 +37,7 @@ class StatsServiceImpl;
 class TransportServiceImpl;
 class Transport;
 class ConnectionListener;
+class OwnershipGuard;
 
 class KvpoolServer {
  public:
@@ -84,6 +85,7 @@ class KvpoolServer {
   std::unique_ptr<Scrubber> scrubber_;                  // stopped before what it reads goes away
   std::vector<std::unique_ptr<Transport>> transports_;  // shut down before the workers drain
   ServiceContext ctx_;
+  std::unique_ptr<OwnershipGuard> ownership_;  // scale-out (docs/scale-out.md)
   std::unique_ptr<ModelServiceImpl> model_service_;
   std::unique_ptr<SequenceServiceImpl> sequence_service_;
   std::unique_ptr<ReadServiceImpl> read_service_;

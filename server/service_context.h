@@ -34,6 +34,7 @@ namespace kvpool::server {
 class IngestEngine;        // server/ingest/ingest_engine.h
 class Transport;           // server/transport/transport.h
 class ConnectionListener;  // server/connection_listener.h
+class OwnershipGuard;      // server/scaleout/ownership_guard.h
 
 // Ingest counters are the ingest engine's (IngestEngine::counters).
 struct ServiceCounters {
@@ -59,6 +60,8 @@ struct ServiceContext {
   // The gRPC port's accept loop and its connection cap (null in servers without a port).
   const ConnectionListener* listener = nullptr;
   int max_connections = 0;
+  // Scale-out ownership of sequences (null: not checked).
+  const OwnershipGuard* ownership = nullptr;
   ServiceCounters counters;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
