@@ -202,7 +202,23 @@ std::unique_ptr<grpc::ClientContext> KvpoolClient::NewContext() const {
   auto context = std::make_unique<grpc::ClientContext>();
   context->set_deadline(DeadlineAfter(options_.deadline));
   context->set_wait_for_ready(options_.wait_for_ready);
+  for (const auto& [key, value] : options_.call_metadata) context->AddMetadata(key, value);
   return context;
+}
+
+std::unique_ptr<KvpoolClient> KvpoolClient::WithCallMetadata(
+    std::vector<std::pair<std::string, std::string>> call_metadata) const {
+  auto client = std::unique_ptr<KvpoolClient>(new KvpoolClient());
+  client->target_ = target_;
+  client->options_ = options_;
+  client->options_.call_metadata = std::move(call_metadata);
+  client->chunk_bytes_ = chunk_bytes_.load();
+  client->channel_ = channel_;
+  client->health_ = grpc::health::v1::Health::NewStub(channel_);
+  client->stubs_ = std::make_unique<ServiceStubs>(channel_);
+  client->append_kv_ = std::make_unique<grpc::internal::RpcMethod>(
+      kAppendKvMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, channel_);
+  return client;
 }
 
 absl::Status KvpoolClient::FitToServerLimits() {
