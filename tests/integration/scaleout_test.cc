@@ -202,6 +202,47 @@ TEST_F(ScaleOutTest, SequencesSpreadEvenlyOverTheDaemons) {
   EXPECT_LE(cv, 0.10);
 }
 
+TEST_F(ScaleOutTest, TheOwnershipCheckAnswersWrongOwnerAndRejectsMalformedMetadata) {
+  const Membership three = MembersOf({0, 1, 2});
+  // A key daemon 0 does not own: WRONG_OWNER naming the owner and the daemon's epoch, and
+  // nothing created.
+  PlacementKey key;
+  for (int n = 0;; ++n) {
+    key = PlacementKeyOfSequence("default", "m", absl::StrCat("check-", n));
+    if (three.OwnerOf(key).endpoint != Endpoint(kHosts[0])) break;
+  }
+  v1::CreateSequenceRequest request;
+  request.set_model_id("m");
+  request.set_sequence_id("check-wrong-owner");
+  std::unique_ptr<KvpoolClient> placed = direct_[0]->WithCallMetadata(
+      {{kEpochMetadata, three.epoch_hex()}, {kPlacementKeyMetadata, key.Hex()}});
+  absl::Status s = placed->CreateSequence(request).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  ASSERT_EQ(ReasonOf(s), ErrorReason::kWrongOwner) << s;
+  EXPECT_EQ(ReasonMetadata(s)[kWrongOwnerEpochKey], three.epoch_hex());
+  EXPECT_EQ(ReasonMetadata(s)[kWrongOwnerOwnerKey], three.OwnerOf(key).endpoint);
+  EXPECT_EQ(direct_[0]->DescribeSequence("check-wrong-owner").status().code(),
+            absl::StatusCode::kNotFound);
+  // Malformed metadata: INVALID_ARGUMENT, nothing created.
+  const std::vector<std::vector<std::pair<std::string, std::string>>> malformed = {
+      {{kPlacementKeyMetadata, "abc"}},
+      {{kPlacementKeyMetadata, std::string(64, 'z')}},
+      {{kEpochMetadata, "not-an-epoch"}},
+      {{kPlacementKeyMetadata, key.Hex()}, {kPlacementKeyMetadata, key.Hex()}},
+  };
+  for (const auto& metadata : malformed) {
+    absl::Status bad = direct_[0]->WithCallMetadata(metadata)->CreateSequence(request).status();
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(direct_[0]->DescribeSequence("check-wrong-owner").status().code(),
+            absl::StatusCode::kNotFound);
+  // A single-daemon client (no metadata) is served as before, and the sequence it made stays
+  // usable by a routing call that names it, whoever owns its key.
+  ASSERT_TRUE(direct_[0]->CreateSequence("m", "check-wrong-owner").ok());
+  EXPECT_TRUE(placed->DescribeSequence("check-wrong-owner").ok());
+  EXPECT_TRUE(direct_[0]->ReleaseSequence("check-wrong-owner").ok());
+}
+
 TEST_F(ScaleOutTest, SharedFirstBlockCoLocatesAndDeduplicatesAndAttendFansOut) {
   std::unique_ptr<RoutingClient> router = Router();
   ASSERT_NE(router, nullptr);
