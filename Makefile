@@ -11,7 +11,7 @@ CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
 .PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
-	bench-service bench-transport format clean venv fidelity fuzz
+	bench-service bench-scaleout bench-transport format clean venv fidelity fuzz
 
 all: build
 
@@ -86,6 +86,11 @@ bench-cpu: build
 bench-service: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-service --out bench-results/service.json
+
+# Four kvpoold on 127.0.0.2-5: a routed call's latency beside a direct call to the owner.
+bench-scaleout: build
+	@mkdir -p bench-results
+	$(BUILD)/bin/kvpool-bench-scaleout --out bench-results/scaleout.json
 
 # The UCX data plane (loopback, shared memory and tcp) beside ucx_perftest in the same run:
 # ingest MB/s, remote-attention round trip (gRPC vs UCX vs compute), layer-wise overlap.

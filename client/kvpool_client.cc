@@ -214,10 +214,10 @@ std::unique_ptr<KvpoolClient> KvpoolClient::WithCallMetadata(
   client->options_.call_metadata = std::move(call_metadata);
   client->chunk_bytes_ = chunk_bytes_.load();
   client->channel_ = channel_;
-  client->health_ = grpc::health::v1::Health::NewStub(channel_);
-  client->stubs_ = std::make_unique<ServiceStubs>(channel_);
-  client->append_kv_ = std::make_unique<grpc::internal::RpcMethod>(
-      kAppendKvMethod, grpc::internal::RpcMethod::CLIENT_STREAMING, channel_);
+  // The same stubs: registering a channel's methods again would cost more than the call.
+  client->health_ = health_;
+  client->stubs_ = stubs_;
+  client->append_kv_ = append_kv_;
   return client;
 }
 

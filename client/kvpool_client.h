@@ -266,10 +266,11 @@ class KvpoolClient {
   ClientOptions options_;
   std::atomic<size_t> chunk_bytes_{0};
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
-  std::unique_ptr<ServiceStubs> stubs_;
+  // Shared with the clients WithCallMetadata makes (stubs are thread-safe).
+  std::shared_ptr<grpc::health::v1::Health::Stub> health_;
+  std::shared_ptr<ServiceStubs> stubs_;
   // SequenceService.AppendKv as a client-streaming method of pre-serialized messages.
-  std::unique_ptr<grpc::internal::RpcMethod> append_kv_;
+  std::shared_ptr<grpc::internal::RpcMethod> append_kv_;
 };
 
 }  // namespace kvpool::client

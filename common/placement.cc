@@ -1,10 +1,12 @@
 #include "common/placement.h"
 
+#include <openssl/evp.h>
 #include <openssl/sha.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -33,8 +35,22 @@ int HexDigit(char c) {
 }  // namespace
 
 Sha256Digest Sha256(absl::string_view bytes) {
+  // The one-shot SHA256() looks the algorithm up on every call; placement hashes several times
+  // per routed call, so the algorithm is fetched once and each thread reuses its context.
+  static EVP_MD* const kSha256 = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+  struct ContextFree {
+    void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
+  };
+  thread_local std::unique_ptr<EVP_MD_CTX, ContextFree> context(EVP_MD_CTX_new());
   Sha256Digest digest;
-  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest.data());
+  unsigned int size = 0;
+  if (kSha256 == nullptr || context == nullptr ||
+      EVP_DigestInit_ex(context.get(), kSha256, nullptr) != 1 ||
+      EVP_DigestUpdate(context.get(), bytes.data(), bytes.size()) != 1 ||
+      EVP_DigestFinal_ex(context.get(), digest.data(), &size) != 1 || size != digest.size()) {
+    // Only without a working libcrypto; the one-shot form reports nothing either.
+    SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest.data());
+  }
   return digest;
 }
 
