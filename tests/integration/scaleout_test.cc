@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -122,9 +123,11 @@ class ScaleOutTest : public ::testing::Test {
 
   // Waits until daemon `i` redirects with the epoch of the first `members` daemons: asked for a
   // key it does not own under that membership, it answers WRONG_OWNER with that epoch.
+  // `members` < 0: daemons 0 and 2 only (after the kill and drain tests).
   static bool WaitForDaemonEpoch(int i, int members) {
     std::vector<int> indices;
     for (int j = 0; j < members; ++j) indices.push_back(j);
+    if (members < 0) indices = {0, 2};
     const Membership m = MembersOf(indices);
     PlacementKey probe;
     for (int n = 0;; ++n) {
@@ -415,6 +418,60 @@ TEST_F(ScaleOutTest, AKilledDaemonFailsFastAndOnlyItsSequencesAreLost) {
       miss = router->DescribeSequence(id).status();
     }
     EXPECT_EQ(miss.code(), absl::StatusCode::kNotFound) << id << ": " << miss;
+  }
+}
+
+TEST_F(ScaleOutTest, ADrainedDaemonLeavesMidLoadWithoutHangsOrWrongAnswers) {
+  std::unique_ptr<RoutingClient> router = Router(/*refresh=*/absl::Milliseconds(200));
+  ASSERT_NE(router, nullptr);
+  const std::string drained = Endpoint(kHosts[3]);
+  ASSERT_TRUE(router->membership()->Contains(drained));
+  std::vector<std::string> ids;
+  for (int n = 0; n < 200; ++n) {
+    v1::CreateSequenceRequest request;
+    request.set_model_id("m");
+    request.set_sequence_id(absl::StrCat("drain-", n));
+    ASSERT_TRUE(router->CreateSequence(request).ok());
+    ids.push_back(request.sequence_id());
+  }
+  std::map<std::string, std::string> owner_before;
+  for (const std::string& id : ids) owner_before[id] = *router->OwnerOf(id);
+  // Load while the daemon drains (SIGTERM: health NOT_SERVING, then it stops): every answer is
+  // the sequence asked for, or a miss/unavailable for the drained daemon's sequences only.
+  std::atomic<bool> stop{false};
+  std::atomic<int> served{0}, wrong{0};
+  std::thread load([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      const std::string& id = ids[i % ids.size()];
+      absl::StatusOr<v1::SequenceInfo> info = router->DescribeSequence(id);
+      if (info.ok()) {
+        ++served;
+        if (info->sequence_id() != id) ++wrong;
+      } else if (owner_before[id] != drained) {
+        ++wrong;
+        ADD_FAILURE() << id << " on a live daemon: " << info.status();
+      }
+    }
+  });
+  ASSERT_TRUE(daemons_[3]->Stop().ok());
+  // The client and the daemons drop it at their next probes.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (router->membership()->Contains(drained) && absl::Now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_FALSE(router->membership()->Contains(drained));
+  for (int i : {0, 2}) EXPECT_TRUE(WaitForDaemonEpoch(i, -1)) << kHosts[i];
+  stop = true;
+  load.join();
+  EXPECT_GT(served.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  for (const std::string& id : ids) {
+    absl::StatusOr<v1::SequenceInfo> info = router->DescribeSequence(id);
+    if (owner_before[id] == drained) {
+      EXPECT_EQ(info.status().code(), absl::StatusCode::kNotFound) << id << ": " << info.status();
+    } else {
+      EXPECT_TRUE(info.ok()) << id << ": " << info.status();
+    }
   }
 }
 
