@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/membership_target.h"
 #include "gtest/gtest.h"
@@ -179,7 +180,10 @@ TEST(MembershipTargetTest, ResolvesADnsNameThroughTheSystemResolver) {
   absl::StatusOr<std::vector<Member>> members = ResolveMembershipTarget(*t, 1);
   ASSERT_TRUE(members.ok()) << members.status();
   ASSERT_FALSE(members->empty());
-  EXPECT_EQ((*members)[0].endpoint, "127.0.0.1:7000");
+  for (const Member& m : *members) {
+    EXPECT_TRUE(absl::StartsWith(m.endpoint, "127.")) << m.endpoint;  // a loopback address
+    EXPECT_TRUE(absl::EndsWith(m.endpoint, ":7000")) << m.endpoint;
+  }
   absl::StatusOr<MembershipTarget> none = ParseMembershipTarget("dns:///no-such-host.invalid:7000");
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(ResolveMembershipTarget(*none, 1).status().code(), absl::StatusCode::kUnavailable);

@@ -3,7 +3,6 @@
 #include <iterator>
 #include <optional>
 #include <utility>
-#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
@@ -94,10 +93,8 @@ void OwnershipGuard::Refresh() {
   }
   absl::MutexLock lock(&mu_);
   if (membership_ == nullptr || membership_->epoch() != live->epoch()) {
-    std::vector<std::string> endpoints;
-    for (const Member& m : live->members()) endpoints.push_back(m.endpoint);
     spdlog::info("scale-out: membership epoch {} ({} members)", live->epoch_hex().substr(0, 16),
-                 endpoints.size());
+                 live->members().size());
   }
   membership_ = std::make_shared<const Membership>(*std::move(live));
 }

@@ -271,6 +271,11 @@ TEST_F(ScaleOutTest, SharedFirstBlockCoLocatesAndDeduplicatesAndAttendFansOut) {
     ASSERT_TRUE(appended.ok()) << appended.status();
     // A second sequence with the same prompt: placed by the same first block, it lands on the
     // same daemon and attaches the cached prefix there.
+    const std::string owner = *router->OwnerOf(first);
+    int owner_index = 0;
+    while (Endpoint(kHosts[owner_index]) != owner) ++owner_index;
+    absl::StatusOr<v1::GetStatsResponse> before = direct_[owner_index]->GetStats();
+    ASSERT_TRUE(before.ok()) << before.status();
     v1::CreateSequenceRequest again;
     again.set_model_id("m");
     again.set_sequence_id(absl::StrCat("pfx-", prompt, "-b"));
@@ -278,7 +283,12 @@ TEST_F(ScaleOutTest, SharedFirstBlockCoLocatesAndDeduplicatesAndAttendFansOut) {
     absl::StatusOr<v1::CreateSequenceResponse> created = router->CreateSequence(again);
     ASSERT_TRUE(created.ok()) << created.status();
     EXPECT_EQ(created->reused_tokens(), static_cast<uint32_t>(kSink + 2 * kBlock));
-    const std::string owner = *router->OwnerOf(first);
+    // The owner's own accounting: the prefix is attached by reference (no new pages; its pages
+    // stay shared).
+    absl::StatusOr<v1::GetStatsResponse> after = direct_[owner_index]->GetStats();
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_EQ(after->pool().used_bytes(), before->pool().used_bytes());
+    EXPECT_GT(after->pool().shared_bytes(), 0u);
     EXPECT_EQ(*router->OwnerOf(again.sequence_id()), owner);
     owners.insert(owner);
     firsts.push_back(first);
