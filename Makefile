@@ -11,7 +11,7 @@ CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
 .PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
-	bench-service bench-tenancy bench-tenant-fairness bench-transport format clean venv fidelity fuzz image-cpu
+	bench-service bench-scaleout bench-tenancy bench-tenant-fairness bench-transport format clean venv fidelity fuzz image-cpu
 
 all: build
 
@@ -98,6 +98,11 @@ bench-tenancy: build
 bench-tenant-fairness: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-tenant-fairness --out bench-results/tenant_fairness.json
+
+# Four kvpoold on 127.0.0.2-5: a routed call's latency beside a direct call to the owner.
+bench-scaleout: build
+	@mkdir -p bench-results
+	$(BUILD)/bin/kvpool-bench-scaleout --out bench-results/scaleout.json
 
 # The UCX data plane (loopback, shared memory and tcp) beside ucx_perftest in the same run:
 # ingest MB/s, remote-attention round trip (gRPC vs UCX vs compute), layer-wise overlap.

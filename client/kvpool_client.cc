@@ -205,7 +205,23 @@ std::unique_ptr<grpc::ClientContext> KvpoolClient::NewContext() const {
   auto context = std::make_unique<grpc::ClientContext>();
   context->set_deadline(DeadlineAfter(options_.deadline));
   context->set_wait_for_ready(options_.wait_for_ready);
+  for (const auto& [key, value] : options_.call_metadata) context->AddMetadata(key, value);
   return context;
+}
+
+std::unique_ptr<KvpoolClient> KvpoolClient::WithCallMetadata(
+    std::vector<std::pair<std::string, std::string>> call_metadata) const {
+  auto client = std::unique_ptr<KvpoolClient>(new KvpoolClient());
+  client->target_ = target_;
+  client->options_ = options_;
+  client->options_.call_metadata = std::move(call_metadata);
+  client->chunk_bytes_ = chunk_bytes_.load();
+  client->channel_ = channel_;
+  // The same stubs: registering a channel's methods again would cost more than the call.
+  client->health_ = health_;
+  client->stubs_ = stubs_;
+  client->append_kv_ = append_kv_;
+  return client;
 }
 
 absl::Status KvpoolClient::FitToServerLimits() {

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -74,6 +75,8 @@ struct ClientOptions {
   bool wait_for_ready = false;
   // TLS and the bearer token (client_channel.h); default: plaintext, no token.
   ChannelSecurity security;
+  // Metadata added to every call (e.g. the scale-out placement, client/routing_client.h).
+  std::vector<std::pair<std::string, std::string>> call_metadata;
 };
 
 // The server's gRPC status as an absl::Status (proto/status.h): the same code, the message
@@ -193,8 +196,11 @@ class KvpoolClient {
   v1::ReadService::Stub* reads() const { return stubs_->reads.get(); }
   v1::AttentionService::Stub* attention() const { return stubs_->attention.get(); }
   v1::StatsService::Stub* stats() const { return stubs_->stats.get(); }
-  // A context with the client's deadline and wait-for-ready setting.
+  // A context with the client's deadline, wait-for-ready setting and call metadata.
   std::unique_ptr<grpc::ClientContext> NewContext() const;
+  // A client on the same channel (no new connection) whose calls carry `call_metadata` instead.
+  std::unique_ptr<KvpoolClient> WithCallMetadata(
+      std::vector<std::pair<std::string, std::string>> call_metadata) const;
 
   // Asks the server for its limits (GetStats) and lowers the AppendKv and rotation-file chunk
   // size so that every message fits them: k and v each at most limits.max_chunk_bytes, the
@@ -263,10 +269,11 @@ class KvpoolClient {
   ClientOptions options_;
   std::atomic<size_t> chunk_bytes_{0};
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
-  std::unique_ptr<ServiceStubs> stubs_;
+  // Shared with the clients WithCallMetadata makes (stubs are thread-safe).
+  std::shared_ptr<grpc::health::v1::Health::Stub> health_;
+  std::shared_ptr<ServiceStubs> stubs_;
   // SequenceService.AppendKv as a client-streaming method of pre-serialized messages.
-  std::unique_ptr<grpc::internal::RpcMethod> append_kv_;
+  std::shared_ptr<grpc::internal::RpcMethod> append_kv_;
 };
 
 }  // namespace kvpool::client

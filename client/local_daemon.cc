@@ -76,8 +76,10 @@ absl::StatusOr<std::unique_ptr<LocalDaemon>> LocalDaemon::Start(const LocalDaemo
   daemon->log_path_ = options.inherit_output ? "" : daemon->dir_ + "/kvpoold.log";
 
   // Everything the child needs is prepared before fork: after it only async-signal-safe calls.
-  std::vector<std::string> args = {options.binary, "--listen=127.0.0.1:0",
-                                   "--port_file=" + port_file};
+  daemon->host_ = options.listen_host;
+  std::vector<std::string> args = {
+      options.binary, absl::StrCat("--listen=", options.listen_host, ":", options.listen_port),
+      "--port_file=" + port_file};
   args.insert(args.end(), options.flags.begin(), options.flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
@@ -161,7 +163,7 @@ LocalDaemon::~LocalDaemon() {
   RemoveTree(dir_);
 }
 
-std::string LocalDaemon::target() const { return absl::StrCat("127.0.0.1:", port_); }
+std::string LocalDaemon::target() const { return absl::StrCat(host_, ":", port_); }
 
 std::string LocalDaemon::LogTail(size_t max_bytes) const {
   if (log_path_.empty()) return "";

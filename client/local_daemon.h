@@ -38,6 +38,10 @@ struct LocalDaemonOptions {
   std::string binary;
   // Further flags (e.g. --pool_bytes=...). --listen and --port_file are added by Start.
   std::vector<std::string> flags;
+  // The loopback address and port of --listen (0: the kernel picks), e.g. 127.0.0.3 for one of
+  // several daemons that must be told apart by address (scale-out tests).
+  std::string listen_host = "127.0.0.1";
+  int listen_port = 0;
   // How long to wait for the port file and then for SERVING (generous: loaded machines).
   absl::Duration startup_timeout = absl::Seconds(120);
   // Echo the daemon's log to this process's stderr instead of a file.
@@ -59,7 +63,7 @@ class LocalDaemon {
   LocalDaemon(const LocalDaemon&) = delete;
   LocalDaemon& operator=(const LocalDaemon&) = delete;
 
-  // "127.0.0.1:PORT".
+  // "HOST:PORT" (listen_host, the port it listens on).
   std::string target() const;
   int port() const { return port_; }
   pid_t pid() const { return pid_; }
@@ -82,6 +86,7 @@ class LocalDaemon {
   LocalDaemon() = default;
 
   pid_t pid_ = -1;
+  std::string host_ = "127.0.0.1";
   int port_ = 0;
   std::string dir_;
   std::string log_path_;

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/proto_convert.h"
+#include "server/scaleout/ownership_check.h"
 
 namespace kvpool::server {
 namespace {
@@ -32,6 +33,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   const TenantId tenant = TenantOf(*ctx_, context);
   ServiceContext* ctx = ctx_;
   auto start = [&]() -> absl::Status {
+    std::vector<absl::string_view> ids;
+    for (const v1::SequenceQuery& sq : request->queries()) ids.push_back(sq.sequence_id());
+    KVPOOL_RETURN_IF_ERROR(CheckOwnership(*ctx, context, tenant, ids));
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                             ctx->registry->Get(tenant, request->model_id()));
     const int batch = request->queries_size();

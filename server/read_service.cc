@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "server/grpc_reactor_order.h"
 #include "server/proto_convert.h"
+#include "server/scaleout/ownership_check.h"
 
 namespace kvpool::server {
 namespace {
@@ -277,6 +278,11 @@ class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::R
 
 grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadServiceImpl::ReadBlocks(
     grpc::CallbackServerContext* context, const v1::ReadBlocksRequest* request) {
+  if (absl::Status owner =
+          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+      !owner.ok()) {
+    return new ErrorReactor<v1::ReadBlocksResponse>(owner);
+  }
   const std::vector<int> layers = RequestedLayers(request->layers());
   auto snap = ctx_->store->Snapshot(TenantOf(*ctx_, context), request->sequence_id(), layers);
   if (!snap.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(snap.status());
@@ -285,6 +291,11 @@ grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadServiceImpl::ReadBlocks(
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(
     grpc::CallbackServerContext* context, const v1::ReadKvRequest* request) {
+  if (absl::Status owner =
+          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+      !owner.ok()) {
+    return new ErrorReactor<v1::ReadKvResponse>(owner);
+  }
   v1::DType dtype = request->dtype();
   if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_BF16;
   if (dtype != v1::DTYPE_BF16 && dtype != v1::DTYPE_FP32) {

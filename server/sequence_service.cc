@@ -12,6 +12,7 @@
 #include "server/ingest/ingest_engine.h"
 #include "server/ingest_stream_reactor.h"
 #include "server/proto_convert.h"
+#include "server/scaleout/ownership_check.h"
 
 namespace kvpool::server {
 namespace {
@@ -40,6 +41,7 @@ class AppendKvReactor final : public IngestStreamReactor<v1::AppendKvRequest> {
     if (first.part_case() != v1::AppendKvRequest::kHeader) {
       return absl::InvalidArgumentError("AppendKv: the first message must be a header");
     }
+    KVPOOL_RETURN_IF_ERROR(CheckOwnership(*ctx_, call(), tenant_, {first.header().sequence_id()}));
     return ctx_->ingest->Begin(tenant_, call()->peer(), first.header(), std::move(options));
   }
 
@@ -71,6 +73,7 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::CreateSequence(
     v1::CreateSequenceResponse* response) {
   const TenantId tenant = TenantOf(*ctx_, context);
   auto run = [&]() -> absl::Status {
+    KVPOOL_RETURN_IF_ERROR(CheckOwnership(*ctx_, context, tenant, {request->sequence_id()}));
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                             ctx_->registry->Get(tenant, request->model_id()));
     if (request->prefix_token_ids_size() > ctx_->config->max_append_tokens) {
@@ -99,6 +102,10 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServer
                                                             v1::AppendDecodeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const TenantId tenant = TenantOf(*ctx_, context);
+  if (absl::Status owner = CheckOwnership(*ctx_, context, tenant, {request->sequence_id()});
+      !owner.ok()) {
+    return FinishNow(context, owner);
+  }
   ServiceContext* ctx = ctx_;
   const uint64_t units = IngestUnits(request->k().size() + request->v().size());
   if (!ctx_->workers->TrySubmit(
@@ -115,6 +122,11 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServer
 grpc::ServerUnaryReactor* SequenceServiceImpl::SealSequence(grpc::CallbackServerContext* context,
                                                             const v1::SealSequenceRequest* request,
                                                             v1::SealSequenceResponse* response) {
+  if (absl::Status owner =
+          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+      !owner.ok()) {
+    return FinishNow(context, owner);
+  }
   absl::StatusOr<SequenceInfo> info =
       ctx_->store->Seal(TenantOf(*ctx_, context), request->sequence_id());
   if (info.ok()) FillSequenceInfo(*info, response->mutable_sequence());
@@ -124,6 +136,11 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::SealSequence(grpc::CallbackServer
 grpc::ServerUnaryReactor* SequenceServiceImpl::ReleaseSequence(
     grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* response) {
+  if (absl::Status owner =
+          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+      !owner.ok()) {
+    return FinishNow(context, owner);
+  }
   absl::StatusOr<size_t> freed =
       ctx_->store->Release(TenantOf(*ctx_, context), request->sequence_id());
   if (freed.ok()) response->set_freed_bytes(*freed);
@@ -133,6 +150,11 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::ReleaseSequence(
 grpc::ServerUnaryReactor* SequenceServiceImpl::DescribeSequence(
     grpc::CallbackServerContext* context, const v1::DescribeSequenceRequest* request,
     v1::SequenceInfo* response) {
+  if (absl::Status owner =
+          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+      !owner.ok()) {
+    return FinishNow(context, owner);
+  }
   absl::StatusOr<SequenceInfo> info =
       ctx_->store->Describe(TenantOf(*ctx_, context), request->sequence_id());
   if (info.ok()) FillSequenceInfo(*info, response);
@@ -144,6 +166,7 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::LookupPrefix(grpc::CallbackServer
                                                             v1::LookupPrefixResponse* response) {
   const TenantId tenant = TenantOf(*ctx_, context);
   auto run = [&]() -> absl::Status {
+    KVPOOL_RETURN_IF_ERROR(CheckOwnership(*ctx_, context, tenant, {}));
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                             ctx_->registry->Get(tenant, request->model_id()));
     if (request->token_ids_size() > ctx_->config->max_append_tokens) {

@@ -27,6 +27,7 @@
 #include "server/metrics/rpc_latency.h"
 #include "server/model_service.h"
 #include "server/read_service.h"
+#include "server/scaleout/ownership_guard.h"
 #include "server/sequence_service.h"
 #include "server/stats_service.h"
 #include "server/transport/cuda_ipc/cuda_ipc_transport.h"
@@ -185,6 +186,9 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
     }
   }
   for (const auto& t : s->transports_) ctx.transports.push_back(t.get());
+  KVPOOL_ASSIGN_OR_RETURN(s->ownership_,
+                          OwnershipGuard::Start(ScaleOutConfigFromFlags(), s->config_.pool_bytes));
+  ctx.ownership = s->ownership_.get();
   s->model_service_ = std::make_unique<ModelServiceImpl>(&ctx);
   s->sequence_service_ = std::make_unique<SequenceServiceImpl>(&ctx);
   s->read_service_ = std::make_unique<ReadServiceImpl>(&ctx);

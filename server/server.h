@@ -45,6 +45,7 @@ class KvEventHub;
 class CodecHealth;
 class KvEventServiceImpl;
 class MetricsHttpServer;
+class OwnershipGuard;
 
 class KvpoolServer {
  public:
@@ -112,6 +113,7 @@ class KvpoolServer {
   ServiceContext ctx_;
   // Read by the auth processor (owned by server_, destroyed first) and the services.
   std::unique_ptr<TenantsSource> tenants_;
+  std::unique_ptr<OwnershipGuard> ownership_;  // scale-out (docs/scale-out.md)
   std::unique_ptr<ModelServiceImpl> model_service_;
   std::unique_ptr<SequenceServiceImpl> sequence_service_;
   std::unique_ptr<ReadServiceImpl> read_service_;

@@ -39,6 +39,7 @@ class IngestEngine;        // server/ingest/ingest_engine.h
 class Transport;           // server/transport/transport.h
 class ConnectionListener;  // server/connection_listener.h
 class TenantPolicy;        // server/admission/tenant_policy.h
+class OwnershipGuard;      // server/scaleout/ownership_guard.h
 
 // Ingest counters are the ingest engine's (IngestEngine::counters).
 struct ServiceCounters {
@@ -67,6 +68,8 @@ struct ServiceContext {
   // The gRPC port's accept loop and its connection cap (null in servers without a port).
   const ConnectionListener* listener = nullptr;
   int max_connections = 0;
+  // Scale-out ownership of sequences (null: not checked).
+  const OwnershipGuard* ownership = nullptr;
   ServiceCounters counters;
   // The tenants file in force (null: none, every caller is the default tenant) and the calls
   // the auth processor refused.

@@ -8,6 +8,7 @@
 - kvpool.stream.AppendStream: the layer-wise push;
 - kvpool.errors.KvpoolError: the one exception type (gRPC code, RPC, reason);
 - kvpool.options: deadlines, retries, TLS and token credentials;
+- kvpool.placement: scale-out placement (membership epoch, placement keys, owners), as in C++;
 - kvpool.attention: LSE merge of partial attentions, dense reference attention;
 - kvpool.local_daemon.LocalDaemon: a kvpoold process on loopback;
 - kvpool.connectors: vLLM KV connector, SGLang HiCache storage backend, remote attention.

@@ -1,0 +1,489 @@
+// Scale-out end to end (docs/scale-out.md): real kvpoold processes on 127.0.0.2-5 (one port, four
+// loopback addresses), each told the same static peer list, and the routing client. The fourth
+// daemon is listed from the start but only started by the membership-change test; the daemons'
+// probes add it. Tests run in order and share the daemons (spread, co-location and fan-out, a
+// fourth daemon and a stale client, a SIGKILLed daemon).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/routing_client.h"
+#include "common/placement.h"
+#include "gtest/gtest.h"
+#include "proto/member_probe.h"
+#include "tests/integration/integration_util.h"
+
+namespace kvpool::integration {
+namespace {
+
+using client::RoutingClient;
+using client::RoutingOptions;
+
+constexpr Shape kShape{/*num_layers=*/1, /*q_heads=*/2, /*kv_heads=*/1, /*head_dim=*/64};
+constexpr int kSink = 64, kBlock = 16, kRecent = 256;
+constexpr int kSpreadSequences = 3000;
+const char* const kHosts[] = {"127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"};
+
+// A port free on all four addresses (bound and released: the daemons bind it next).
+int FreePortOnAllHosts() {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    int fds[4] = {-1, -1, -1, -1};
+    int port = 0;
+    bool ok = true;
+    for (int i = 0; i < 4 && ok; ++i) {
+      fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>(port));
+      inet_pton(AF_INET, kHosts[i], &addr.sin_addr);
+      ok = bind(fds[i], reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+      if (ok && i == 0) {
+        socklen_t len = sizeof(addr);
+        getsockname(fds[0], reinterpret_cast<sockaddr*>(&addr), &len);
+        port = ntohs(addr.sin_port);
+      }
+    }
+    for (int fd : fds) {
+      if (fd >= 0) close(fd);
+    }
+    if (ok) return port;
+  }
+  return 0;
+}
+
+std::vector<uint32_t> Prompt(int n, uint32_t salt) {
+  std::vector<uint32_t> ids(n);
+  for (int i = 0; i < n; ++i) ids[i] = salt * 100003u + static_cast<uint32_t>(i) * 7u;
+  return ids;
+}
+
+class ScaleOutTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    port_ = FreePortOnAllHosts();
+    ASSERT_GT(port_, 0) << "no port free on 127.0.0.2-5";
+    std::vector<std::string> peers;
+    for (const char* h : kHosts) peers.push_back(Endpoint(h));
+    peer_list_ = absl::StrJoin(peers, ",");
+    for (int i = 0; i < 3; ++i) StartMember(i);
+    // All three see each other before the tests start.
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitForDaemonEpoch(i, 3));
+  }
+  static void TearDownTestSuite() {
+    for (auto& d : daemons_) d.reset();
+  }
+
+  static std::string Endpoint(const char* host) { return absl::StrCat(host, ":", port_); }
+  static std::string Target(int members) {
+    std::vector<std::string> e;
+    for (int i = 0; i < members; ++i) e.push_back(Endpoint(kHosts[i]));
+    return absl::StrJoin(e, ",");
+  }
+  static Membership MembersOf(std::vector<int> indices) {
+    std::vector<Member> m;
+    for (int i : indices) m.push_back({Endpoint(kHosts[i]), 1});
+    return *Membership::Create(m);
+  }
+
+  static void StartMember(int i) {
+    client::LocalDaemonOptions options;
+    options.binary = KvpooldPath();
+    options.listen_host = kHosts[i];
+    options.listen_port = port_;
+    options.flags = {"--pool_bytes=134217728", "--worker_threads=1",
+                     "--log_level=warn",       absl::StrCat("--advertise=", Endpoint(kHosts[i])),
+                     "--peers=" + peer_list_,  "--peers_refresh=200ms",
+                     "--peer_probe_timeout=2s"};
+    options.startup_timeout = absl::Seconds(180);
+    absl::StatusOr<std::unique_ptr<LocalDaemon>> d = LocalDaemon::Start(options);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemons_[i] = *std::move(d);
+    absl::StatusOr<std::unique_ptr<KvpoolClient>> c = KvpoolClient::Connect(daemons_[i]->target());
+    ASSERT_TRUE(c.ok());
+    direct_[i] = *std::move(c);
+    absl::StatusOr<v1::ModelInfo> m =
+        RegisterDataFree(*direct_[i], "m", kShape, v1::ROTATION_KIND_RANDOMIZED_HADAMARD, 7);
+    ASSERT_TRUE(m.ok()) << m.status();
+  }
+
+  // Waits until daemon `i` redirects with the epoch of the first `members` daemons: asked for a
+  // key it does not own under that membership, it answers WRONG_OWNER with that epoch.
+  // `members` < 0: daemons 0 and 2 only (after the kill and drain tests).
+  static bool WaitForDaemonEpoch(int i, int members) {
+    std::vector<int> indices;
+    for (int j = 0; j < members; ++j) indices.push_back(j);
+    if (members < 0) indices = {0, 2};
+    const Membership m = MembersOf(indices);
+    PlacementKey probe;
+    for (int n = 0;; ++n) {
+      probe = PlacementKeyOfSequence("probe", "m", absl::StrCat("p", n));
+      if (m.OwnerOf(probe).endpoint != Endpoint(kHosts[i])) break;
+    }
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < give_up) {
+      std::unique_ptr<KvpoolClient> c = direct_[i]->WithCallMetadata(
+          {{kEpochMetadata, m.epoch_hex()}, {kPlacementKeyMetadata, probe.Hex()}});
+      absl::Status s = c->DescribeSequence("no-such-sequence").status();
+      if (ReasonOf(s) == ErrorReason::kWrongOwner &&
+          ReasonMetadata(s)[kWrongOwnerEpochKey] == m.epoch_hex()) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  static std::unique_ptr<RoutingClient> Router(absl::Duration refresh = absl::Seconds(2)) {
+    RoutingOptions options;
+    options.refresh_interval = refresh;
+    options.connect_timeout = absl::Seconds(5);
+    absl::StatusOr<std::unique_ptr<RoutingClient>> r = RoutingClient::Connect(peer_list_, options);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *std::move(r) : nullptr;
+  }
+
+  static uint64_t SequencesOn(int i) {
+    absl::StatusOr<v1::GetStatsResponse> s = direct_[i]->GetStats();
+    EXPECT_TRUE(s.ok()) << s.status();
+    uint64_t n = 0;
+    for (const auto& m : s->models()) n += m.sequences();
+    return n;
+  }
+
+  static int port_;
+  static std::string peer_list_;
+  static std::unique_ptr<LocalDaemon> daemons_[4];
+  static std::unique_ptr<KvpoolClient> direct_[4];
+  // The stale client: made with three members, never refreshed on its own.
+  static std::unique_ptr<RoutingClient> stale_;
+};
+
+int ScaleOutTest::port_ = 0;
+std::string ScaleOutTest::peer_list_;
+std::unique_ptr<LocalDaemon> ScaleOutTest::daemons_[4];
+std::unique_ptr<KvpoolClient> ScaleOutTest::direct_[4];
+std::unique_ptr<RoutingClient> ScaleOutTest::stale_;
+
+TEST_F(ScaleOutTest, SequencesSpreadEvenlyOverTheDaemons) {
+  stale_ = Router(/*refresh=*/absl::Hours(10));
+  ASSERT_NE(stale_, nullptr);
+  ASSERT_EQ(stale_->membership()->members().size(), 3u) << "the fourth daemon is not running";
+  EXPECT_EQ(stale_->membership()->epoch_hex(), MembersOf({0, 1, 2}).epoch_hex());
+  for (int n = 0; n < kSpreadSequences; ++n) {
+    v1::CreateSequenceRequest request;
+    request.set_model_id("m");
+    request.set_sequence_id(absl::StrCat("spread-", n));
+    ASSERT_TRUE(stale_->CreateSequence(request).ok()) << n;
+  }
+  EXPECT_EQ(stale_->redirects(), 0u);
+  double mean = kSpreadSequences / 3.0, var = 0;
+  uint64_t total = 0;
+  for (int i = 0; i < 3; ++i) {
+    const uint64_t n = SequencesOn(i);  // what the daemon itself holds
+    total += n;
+    var += (n - mean) * (n - mean) / 3.0;
+  }
+  EXPECT_EQ(total, static_cast<uint64_t>(kSpreadSequences));
+  const double cv = std::sqrt(var) / mean;
+  std::printf("spread: %d sequences over 3 daemons, coefficient of variation %.4f\n",
+              kSpreadSequences, cv);
+  EXPECT_LE(cv, 0.10);
+}
+
+TEST_F(ScaleOutTest, TheOwnershipCheckAnswersWrongOwnerAndRejectsMalformedMetadata) {
+  const Membership three = MembersOf({0, 1, 2});
+  // A key daemon 0 does not own: WRONG_OWNER naming the owner and the daemon's epoch, and
+  // nothing created.
+  PlacementKey key;
+  for (int n = 0;; ++n) {
+    key = PlacementKeyOfSequence("default", "m", absl::StrCat("check-", n));
+    if (three.OwnerOf(key).endpoint != Endpoint(kHosts[0])) break;
+  }
+  v1::CreateSequenceRequest request;
+  request.set_model_id("m");
+  request.set_sequence_id("check-wrong-owner");
+  std::unique_ptr<KvpoolClient> placed = direct_[0]->WithCallMetadata(
+      {{kEpochMetadata, three.epoch_hex()}, {kPlacementKeyMetadata, key.Hex()}});
+  absl::Status s = placed->CreateSequence(request).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  ASSERT_EQ(ReasonOf(s), ErrorReason::kWrongOwner) << s;
+  EXPECT_EQ(ReasonMetadata(s)[kWrongOwnerEpochKey], three.epoch_hex());
+  EXPECT_EQ(ReasonMetadata(s)[kWrongOwnerOwnerKey], three.OwnerOf(key).endpoint);
+  EXPECT_EQ(direct_[0]->DescribeSequence("check-wrong-owner").status().code(),
+            absl::StatusCode::kNotFound);
+  // Malformed metadata: INVALID_ARGUMENT, nothing created.
+  const std::vector<std::vector<std::pair<std::string, std::string>>> malformed = {
+      {{kPlacementKeyMetadata, "abc"}},
+      {{kPlacementKeyMetadata, std::string(64, 'z')}},
+      {{kEpochMetadata, "not-an-epoch"}},
+      {{kPlacementKeyMetadata, key.Hex()}, {kPlacementKeyMetadata, key.Hex()}},
+  };
+  for (const auto& metadata : malformed) {
+    absl::Status bad = direct_[0]->WithCallMetadata(metadata)->CreateSequence(request).status();
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(direct_[0]->DescribeSequence("check-wrong-owner").status().code(),
+            absl::StatusCode::kNotFound);
+  // A single-daemon client (no metadata) is served as before, and the sequence it made stays
+  // usable by a routing call that names it, whoever owns its key.
+  ASSERT_TRUE(direct_[0]->CreateSequence("m", "check-wrong-owner").ok());
+  EXPECT_TRUE(placed->DescribeSequence("check-wrong-owner").ok());
+  EXPECT_TRUE(direct_[0]->ReleaseSequence("check-wrong-owner").ok());
+}
+
+TEST_F(ScaleOutTest, SharedFirstBlockCoLocatesAndDeduplicatesAndAttendFansOut) {
+  std::unique_ptr<RoutingClient> router = Router();
+  ASSERT_NE(router, nullptr);
+  const int tokens = kSink + 2 * kBlock + kRecent;
+  const SequenceKv kv = MakeSequenceKv(kShape, tokens, 5);
+  std::vector<client::LayerKv> layers = {{0, AsBytes(kv.k[0]), AsBytes(kv.v[0])}};
+  std::set<std::string> owners;
+  std::vector<std::string> firsts;
+  for (uint32_t prompt = 1; prompt <= 10; ++prompt) {
+    const std::vector<uint32_t> ids = Prompt(tokens, prompt);
+    const std::string first = absl::StrCat("pfx-", prompt, "-a");
+    v1::CreateSequenceRequest request;
+    request.set_model_id("m");
+    request.set_sequence_id(first);
+    ASSERT_TRUE(router->CreateSequence(request, absl::MakeConstSpan(ids).subspan(0, kSink)).ok());
+    v1::AppendKvHeader header;
+    header.set_sequence_id(first);
+    header.set_num_tokens(tokens);
+    header.set_dtype(v1::DTYPE_BF16);
+    header.set_end_of_prefill(true);
+    header.mutable_token_ids()->Add(ids.begin(), ids.end());
+    absl::StatusOr<v1::AppendKvResponse> appended = router->AppendKv(header, layers);
+    ASSERT_TRUE(appended.ok()) << appended.status();
+    // A second sequence with the same prompt: placed by the same first block, it lands on the
+    // same daemon and attaches the cached prefix there.
+    const std::string owner = *router->OwnerOf(first);
+    int owner_index = 0;
+    while (Endpoint(kHosts[owner_index]) != owner) ++owner_index;
+    absl::StatusOr<v1::GetStatsResponse> before = direct_[owner_index]->GetStats();
+    ASSERT_TRUE(before.ok()) << before.status();
+    v1::CreateSequenceRequest again;
+    again.set_model_id("m");
+    again.set_sequence_id(absl::StrCat("pfx-", prompt, "-b"));
+    again.mutable_prefix_token_ids()->Add(ids.begin(), ids.end());
+    absl::StatusOr<v1::CreateSequenceResponse> created = router->CreateSequence(again);
+    ASSERT_TRUE(created.ok()) << created.status();
+    EXPECT_EQ(created->reused_tokens(), static_cast<uint32_t>(kSink + 2 * kBlock));
+    // The owner's own accounting: the prefix is attached by reference (no new pages; its pages
+    // stay shared).
+    absl::StatusOr<v1::GetStatsResponse> after = direct_[owner_index]->GetStats();
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_EQ(after->pool().used_bytes(), before->pool().used_bytes());
+    EXPECT_GT(after->pool().shared_bytes(), 0u);
+    EXPECT_EQ(*router->OwnerOf(again.sequence_id()), owner);
+    owners.insert(owner);
+    firsts.push_back(first);
+    // The routed LookupPrefix reaches the same daemon and finds the prefix.
+    absl::StatusOr<v1::LookupPrefixResponse> hit = router->LookupPrefix("m", ids);
+    ASSERT_TRUE(hit.ok()) << hit.status();
+    EXPECT_EQ(hit->matched_tokens(), static_cast<uint32_t>(kSink + 2 * kBlock));
+  }
+  EXPECT_GE(owners.size(), 2u) << "ten prompts all on one daemon";
+
+  // Attend over sequences on several daemons: one result per query, in the caller's order,
+  // equal to asking each owner directly; an unknown sequence fails alone.
+  v1::AttendRequest request;
+  request.set_model_id("m");
+  request.set_dtype(v1::DTYPE_BF16);
+  for (size_t i = 0; i < firsts.size(); ++i) {
+    v1::SequenceQuery* q = request.add_queries();
+    q->set_sequence_id(firsts[firsts.size() - 1 - i]);
+    q->set_num_queries(1);
+    q->set_q(std::string(AsBytes(GaussianBf16(kShape.q_heads * kShape.head_dim, 30 + i))));
+  }
+  request.add_queries()->set_sequence_id("never-created");
+  std::vector<absl::StatusOr<v1::SequenceAttention>> results = router->Attend(request);
+  ASSERT_EQ(results.size(), firsts.size() + 1);
+  for (size_t i = 0; i < firsts.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    EXPECT_EQ(results[i]->sequence_id(), request.queries(i).sequence_id());
+    const std::string owner = *router->OwnerOf(request.queries(i).sequence_id());
+    absl::StatusOr<const KvpoolClient*> direct = router->ClientFor(owner);
+    ASSERT_TRUE(direct.ok());
+    v1::AttendRequest one = request;
+    one.clear_queries();
+    *one.add_queries() = request.queries(i);
+    absl::StatusOr<v1::AttendResponse> alone = (*direct)->Attend(one);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_EQ(results[i]->out(), alone->results(0).out());
+    EXPECT_EQ(results[i]->attended_tokens(), static_cast<uint32_t>(tokens));
+  }
+  EXPECT_EQ(results.back().status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ScaleOutTest, AFourthDaemonTakesAQuarterAndAStaleClientIsRedirectedOnce) {
+  ASSERT_NE(stale_, nullptr);
+  StartMember(3);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(WaitForDaemonEpoch(i, 4)) << kHosts[i];
+  std::unique_ptr<RoutingClient> fresh = Router();
+  ASSERT_NE(fresh, nullptr);
+  ASSERT_EQ(fresh->membership()->epoch_hex(), MembersOf({0, 1, 2, 3}).epoch_hex());
+  const Membership three = MembersOf({0, 1, 2});
+  int moved = 0;
+  for (int n = 0; n < kSpreadSequences; ++n) {
+    const std::string id = absl::StrCat("spread-", n);
+    const PlacementKey key = fresh->KeyOfSequence("m", id);
+    fresh->Place(id, key);
+    const bool moves = *fresh->OwnerOf(id) != three.OwnerOf(key).endpoint;
+    moved += moves;
+    // Moved keys are cache misses on their new owner (the new daemon); the rest are found.
+    absl::StatusOr<v1::SequenceInfo> found = fresh->DescribeSequence(id);
+    if (moves) {
+      EXPECT_EQ(*fresh->OwnerOf(id), Endpoint(kHosts[3]));
+      EXPECT_EQ(found.status().code(), absl::StatusCode::kNotFound) << id;
+    } else {
+      EXPECT_TRUE(found.ok()) << id << ": " << found.status();
+    }
+  }
+  std::printf("fourth daemon: %d of %d keys moved (%.4f)\n", moved, kSpreadSequences,
+              moved / static_cast<double>(kSpreadSequences));
+  EXPECT_NEAR(moved / static_cast<double>(kSpreadSequences), 0.25, 0.05);
+  EXPECT_EQ(fresh->redirects(), 0u);
+
+  // The stale client still reads what its old owner holds (nothing migrates).
+  int n = 0;
+  for (;; ++n) {
+    const PlacementKey key = stale_->KeyOfSequence("m", absl::StrCat("spread-", n));
+    if (fresh->membership()->OwnerOf(key).endpoint != three.OwnerOf(key).endpoint) break;
+  }
+  EXPECT_TRUE(stale_->DescribeSequence(absl::StrCat("spread-", n)).ok());
+  EXPECT_EQ(stale_->redirects(), 0u);
+  // A new sequence whose owner changed: the stale client asks the old owner, is redirected,
+  // refreshes and succeeds on the new daemon with one retry.
+  std::string id;
+  for (int k = 0;; ++k) {
+    id = absl::StrCat("stale-", k);
+    const PlacementKey key = stale_->KeyOfSequence("m", id);
+    if (fresh->membership()->OwnerOf(key).endpoint == Endpoint(kHosts[3])) break;
+  }
+  v1::CreateSequenceRequest request;
+  request.set_model_id("m");
+  request.set_sequence_id(id);
+  absl::StatusOr<v1::CreateSequenceResponse> created = stale_->CreateSequence(request);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(stale_->redirects(), 1u);
+  EXPECT_EQ(stale_->membership()->epoch_hex(), MembersOf({0, 1, 2, 3}).epoch_hex());
+  EXPECT_TRUE(direct_[3]->DescribeSequence(id).ok());
+}
+
+TEST_F(ScaleOutTest, AKilledDaemonFailsFastAndOnlyItsSequencesAreLost) {
+  std::unique_ptr<RoutingClient> router = Router(/*refresh=*/absl::Hours(10));
+  ASSERT_NE(router, nullptr);
+  ASSERT_EQ(router->membership()->members().size(), 4u);
+  const std::string victim = Endpoint(kHosts[1]);
+  std::vector<std::string> lost, kept;
+  for (int n = 0; n < 400; ++n) {
+    const std::string id = absl::StrCat("kill-", n);
+    v1::CreateSequenceRequest request;
+    request.set_model_id("m");
+    request.set_sequence_id(id);
+    ASSERT_TRUE(router->CreateSequence(request).ok());
+    (*router->OwnerOf(id) == victim ? lost : kept).push_back(id);
+  }
+  ASSERT_FALSE(lost.empty());
+  ASSERT_EQ(kill(daemons_[1]->pid(), SIGKILL), 0);
+  while (daemons_[1]->Running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+
+  // A call for one of its sequences fails with UNAVAILABLE within twice the connect timeout.
+  const absl::Time start = absl::Now();
+  absl::Status s = router->DescribeSequence(lost[0]).status();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  std::printf("killed daemon: the call failed after %s (connect timeout 5s)\n",
+              absl::FormatDuration(took).c_str());
+  EXPECT_LT(took, 2 * absl::Seconds(5));
+  // That failure refreshed the membership: the dead daemon is gone.
+  EXPECT_EQ(router->membership()->members().size(), 3u);
+  EXPECT_FALSE(router->membership()->Contains(victim));
+  // Every other sequence is still served; the dead daemon's are misses (NOT_FOUND) on their
+  // new owners once the daemons have dropped it too.
+  for (const std::string& id : kept) {
+    absl::StatusOr<v1::SequenceInfo> found = router->DescribeSequence(id);
+    EXPECT_TRUE(found.ok()) << id << ": " << found.status();
+  }
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  for (const std::string& id : lost) {
+    absl::Status miss = router->DescribeSequence(id).status();
+    while (miss.code() != absl::StatusCode::kNotFound && absl::Now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      miss = router->DescribeSequence(id).status();
+    }
+    EXPECT_EQ(miss.code(), absl::StatusCode::kNotFound) << id << ": " << miss;
+  }
+}
+
+TEST_F(ScaleOutTest, ADrainedDaemonLeavesMidLoadWithoutHangsOrWrongAnswers) {
+  std::unique_ptr<RoutingClient> router = Router(/*refresh=*/absl::Milliseconds(200));
+  ASSERT_NE(router, nullptr);
+  const std::string drained = Endpoint(kHosts[3]);
+  ASSERT_TRUE(router->membership()->Contains(drained));
+  std::vector<std::string> ids;
+  for (int n = 0; n < 200; ++n) {
+    v1::CreateSequenceRequest request;
+    request.set_model_id("m");
+    request.set_sequence_id(absl::StrCat("drain-", n));
+    ASSERT_TRUE(router->CreateSequence(request).ok());
+    ids.push_back(request.sequence_id());
+  }
+  std::map<std::string, std::string> owner_before;
+  for (const std::string& id : ids) owner_before[id] = *router->OwnerOf(id);
+  // Load while the daemon drains (SIGTERM: health NOT_SERVING, then it stops): every answer is
+  // the sequence asked for, or a miss/unavailable for the drained daemon's sequences only.
+  std::atomic<bool> stop{false};
+  std::atomic<int> served{0}, wrong{0};
+  std::thread load([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      const std::string& id = ids[i % ids.size()];
+      absl::StatusOr<v1::SequenceInfo> info = router->DescribeSequence(id);
+      if (info.ok()) {
+        ++served;
+        if (info->sequence_id() != id) ++wrong;
+      } else if (owner_before[id] != drained) {
+        ++wrong;
+        ADD_FAILURE() << id << " on a live daemon: " << info.status();
+      }
+    }
+  });
+  ASSERT_TRUE(daemons_[3]->Stop().ok());
+  // The client and the daemons drop it at their next probes.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (router->membership()->Contains(drained) && absl::Now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_FALSE(router->membership()->Contains(drained));
+  for (int i : {0, 2}) EXPECT_TRUE(WaitForDaemonEpoch(i, -1)) << kHosts[i];
+  stop = true;
+  load.join();
+  EXPECT_GT(served.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  for (const std::string& id : ids) {
+    absl::StatusOr<v1::SequenceInfo> info = router->DescribeSequence(id);
+    if (owner_before[id] == drained) {
+      EXPECT_EQ(info.status().code(), absl::StatusCode::kNotFound) << id << ": " << info.status();
+    } else {
+      EXPECT_TRUE(info.ok()) << id << ": " << info.status();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvpool::integration
