@@ -68,10 +68,11 @@ TEST(MethodPolicyTest, TenantsAndAdminsCallEveryApiMethod) {
   }
 }
 
-TEST(MethodPolicyTest, RoutersOnlyReadStats) {
+TEST(MethodPolicyTest, RoutersOnlyReadStatsAndKvEvents) {
   for (const std::string& m : ApiMethods()) {
     const absl::Status s = AuthorizeMethod(m, v1::ROLE_ROUTER);
-    if (m == "/kvpool.v1.StatsService/GetStats") {
+    if (m == "/kvpool.v1.StatsService/GetStats" ||
+        m == "/kvpool.v1.KvEventService/SubscribeKvEvents") {
       EXPECT_TRUE(s.ok()) << m;
     } else {
       EXPECT_TRUE(absl::IsPermissionDenied(s)) << m << ": " << s;
