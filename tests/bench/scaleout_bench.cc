@@ -4,10 +4,6 @@
 // the placement arithmetic alone is timed in process. Writes bench-results/scaleout.json.
 // On a 2-core machine the daemons and the client share the cores: the numbers compare the two
 // paths under the same contention, they do not measure scaling.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <iostream>
 #include <memory>
@@ -24,6 +20,7 @@
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
 #include "tests/support/api_requests.h"
+#include "tests/support/loopback_hosts.h"
 
 namespace kvpool::bench {
 namespace {
@@ -32,39 +29,14 @@ using client::KvpoolClient;
 using client::LocalDaemon;
 using client::RoutingClient;
 
-const char* const kHosts[] = {"127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"};
+using ::kvpool::testing::FreePortOnAllHosts;
+constexpr auto& kHosts = ::kvpool::testing::kLoopbackHosts;
 struct Shape {
   int num_layers = 1, q_heads = 2, kv_heads = 1, head_dim = 64;
 };
 
-int FreePortOnAllHosts() {
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    int fds[4] = {-1, -1, -1, -1};
-    int port = 0;
-    bool ok = true;
-    for (int i = 0; i < 4 && ok; ++i) {
-      fds[i] = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_port = htons(static_cast<uint16_t>(port));
-      inet_pton(AF_INET, kHosts[i], &addr.sin_addr);
-      ok = bind(fds[i], reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-      if (ok && i == 0) {
-        socklen_t len = sizeof(addr);
-        getsockname(fds[0], reinterpret_cast<sockaddr*>(&addr), &len);
-        port = ntohs(addr.sin_port);
-      }
-    }
-    for (int fd : fds) {
-      if (fd >= 0) close(fd);
-    }
-    if (ok) return port;
-  }
-  return 0;
-}
-
 absl::Status Run(const std::string& out, const std::string& kvpoold, int calls) {
-  const int port = FreePortOnAllHosts();
+  const int port = FreePortOnAllHosts(kHosts);
   if (port == 0) return absl::UnavailableError("no port free on 127.0.0.2-5");
   std::vector<std::string> endpoints;
   for (const char* h : kHosts) endpoints.push_back(absl::StrCat(h, ":", port));

@@ -3,11 +3,7 @@
 // daemon is listed from the start but only started by the membership-change test; the daemons'
 // probes add it. Tests run in order and share the daemons (spread, co-location and fan-out, a
 // fourth daemon and a stale client, a SIGKILLed daemon).
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -27,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "proto/member_probe.h"
 #include "tests/integration/integration_util.h"
+#include "tests/support/loopback_hosts.h"
 
 namespace kvpool::integration {
 namespace {
@@ -37,34 +34,8 @@ using client::RoutingOptions;
 constexpr Shape kShape{/*num_layers=*/1, /*q_heads=*/2, /*kv_heads=*/1, /*head_dim=*/64};
 constexpr int kSink = 64, kBlock = 16, kRecent = 256;
 constexpr int kSpreadSequences = 3000;
-const char* const kHosts[] = {"127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"};
-
-// A port free on all four addresses (bound and released: the daemons bind it next).
-int FreePortOnAllHosts() {
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    int fds[4] = {-1, -1, -1, -1};
-    int port = 0;
-    bool ok = true;
-    for (int i = 0; i < 4 && ok; ++i) {
-      fds[i] = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_port = htons(static_cast<uint16_t>(port));
-      inet_pton(AF_INET, kHosts[i], &addr.sin_addr);
-      ok = bind(fds[i], reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-      if (ok && i == 0) {
-        socklen_t len = sizeof(addr);
-        getsockname(fds[0], reinterpret_cast<sockaddr*>(&addr), &len);
-        port = ntohs(addr.sin_port);
-      }
-    }
-    for (int fd : fds) {
-      if (fd >= 0) close(fd);
-    }
-    if (ok) return port;
-  }
-  return 0;
-}
+using ::kvpool::testing::FreePortOnAllHosts;
+constexpr auto& kHosts = ::kvpool::testing::kLoopbackHosts;
 
 std::vector<uint32_t> Prompt(int n, uint32_t salt) {
   std::vector<uint32_t> ids(n);
@@ -75,7 +46,7 @@ std::vector<uint32_t> Prompt(int n, uint32_t salt) {
 class ScaleOutTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    port_ = FreePortOnAllHosts();
+    port_ = FreePortOnAllHosts(kHosts);
     ASSERT_GT(port_, 0) << "no port free on 127.0.0.2-5";
     std::vector<std::string> peers;
     for (const char* h : kHosts) peers.push_back(Endpoint(h));
