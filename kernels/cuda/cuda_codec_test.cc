@@ -165,8 +165,8 @@ std::vector<float> InputRows(const Case& c, int rows, uint64_t seed) {
   return v;
 }
 
-void RunCase(const Case& c) {
-  SCOPED_TRACE(Name(c));
+// The case's quant config (16-token blocks, demoted 16 at a time).
+QuantConfig ConfigOf(const Case& c) {
   QuantConfig cfg;
   cfg.bits = c.bits;
   cfg.group_size = c.group_size;
@@ -174,6 +174,12 @@ void RunCase(const Case& c) {
   cfg.scale_dtype = c.scale;
   cfg.block_tokens = 16;
   cfg.demotion_batch = 16;
+  return cfg;
+}
+
+void RunCase(const Case& c) {
+  SCOPED_TRACE(Name(c));
+  const QuantConfig cfg = ConfigOf(c);
   ASSERT_TRUE(cfg.Validate(c.head_dim).ok());
   auto codec_or = RowCodec::Create(cfg, c.head_dim);
   ASSERT_TRUE(codec_or.ok()) << codec_or.status();
@@ -425,13 +431,7 @@ TEST_F(CudaCodecTest, FusedPageChecksumsEqualTheCpuChecksum) {
         Case{256, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kBypass, true, false},
         Case{32, 2, 2, 0, ScaleDtype::kFp16, QuantMethod::kUniform, true, true}}) {
     SCOPED_TRACE(Name(c));
-    QuantConfig cfg;
-    cfg.bits = c.bits;
-    cfg.group_size = c.group_size;
-    cfg.method = c.method;
-    cfg.scale_dtype = c.scale;
-    cfg.block_tokens = 16;
-    cfg.demotion_batch = 16;
+    const QuantConfig cfg = ConfigOf(c);
     ASSERT_TRUE(cfg.Validate(c.head_dim).ok());
     const BlockLayout layout = BlockLayout::ForModel(cfg, c.kv_heads, c.head_dim);
     const BatchPlan plan = MakePlan(layout.tokens, 13 + c.head_dim, c.long_batch);
