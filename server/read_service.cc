@@ -278,21 +278,21 @@ class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::R
 
 grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadServiceImpl::ReadBlocks(
     grpc::CallbackServerContext* context, const v1::ReadBlocksRequest* request) {
-  if (absl::Status owner =
-          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+  const TenantId tenant = TenantOf(*ctx_, context);
+  if (absl::Status owner = CheckOwnership(*ctx_, context, tenant, {request->sequence_id()});
       !owner.ok()) {
     return new ErrorReactor<v1::ReadBlocksResponse>(owner);
   }
   const std::vector<int> layers = RequestedLayers(request->layers());
-  auto snap = ctx_->store->Snapshot(TenantOf(*ctx_, context), request->sequence_id(), layers);
+  auto snap = ctx_->store->Snapshot(tenant, request->sequence_id(), layers);
   if (!snap.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(snap.status());
   return new ReadBlocksReactor(ctx_, context, *std::move(snap));
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(
     grpc::CallbackServerContext* context, const v1::ReadKvRequest* request) {
-  if (absl::Status owner =
-          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+  const TenantId tenant = TenantOf(*ctx_, context);
+  if (absl::Status owner = CheckOwnership(*ctx_, context, tenant, {request->sequence_id()});
       !owner.ok()) {
     return new ErrorReactor<v1::ReadKvResponse>(owner);
   }
@@ -303,7 +303,7 @@ grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(
         absl::InvalidArgumentError("ReadKv dtype must be DTYPE_BF16 or DTYPE_FP32"));
   }
   const std::vector<int> layers = RequestedLayers(request->layers());
-  auto snap = ctx_->store->Snapshot(TenantOf(*ctx_, context), request->sequence_id(), layers);
+  auto snap = ctx_->store->Snapshot(tenant, request->sequence_id(), layers);
   if (!snap.ok()) return new ErrorReactor<v1::ReadKvResponse>(snap.status());
   const int total = (*snap)->total();
   const uint64_t start = request->token_start();

@@ -122,13 +122,12 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::AppendDecode(grpc::CallbackServer
 grpc::ServerUnaryReactor* SequenceServiceImpl::SealSequence(grpc::CallbackServerContext* context,
                                                             const v1::SealSequenceRequest* request,
                                                             v1::SealSequenceResponse* response) {
-  if (absl::Status owner =
-          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+  const TenantId tenant = TenantOf(*ctx_, context);
+  if (absl::Status owner = CheckOwnership(*ctx_, context, tenant, {request->sequence_id()});
       !owner.ok()) {
     return FinishNow(context, owner);
   }
-  absl::StatusOr<SequenceInfo> info =
-      ctx_->store->Seal(TenantOf(*ctx_, context), request->sequence_id());
+  absl::StatusOr<SequenceInfo> info = ctx_->store->Seal(tenant, request->sequence_id());
   if (info.ok()) FillSequenceInfo(*info, response->mutable_sequence());
   return FinishNow(context, info.status());
 }
@@ -136,13 +135,12 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::SealSequence(grpc::CallbackServer
 grpc::ServerUnaryReactor* SequenceServiceImpl::ReleaseSequence(
     grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* response) {
-  if (absl::Status owner =
-          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+  const TenantId tenant = TenantOf(*ctx_, context);
+  if (absl::Status owner = CheckOwnership(*ctx_, context, tenant, {request->sequence_id()});
       !owner.ok()) {
     return FinishNow(context, owner);
   }
-  absl::StatusOr<size_t> freed =
-      ctx_->store->Release(TenantOf(*ctx_, context), request->sequence_id());
+  absl::StatusOr<size_t> freed = ctx_->store->Release(tenant, request->sequence_id());
   if (freed.ok()) response->set_freed_bytes(*freed);
   return FinishNow(context, freed.status());
 }
@@ -150,13 +148,12 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::ReleaseSequence(
 grpc::ServerUnaryReactor* SequenceServiceImpl::DescribeSequence(
     grpc::CallbackServerContext* context, const v1::DescribeSequenceRequest* request,
     v1::SequenceInfo* response) {
-  if (absl::Status owner =
-          CheckOwnership(*ctx_, context, TenantOf(*ctx_, context), {request->sequence_id()});
+  const TenantId tenant = TenantOf(*ctx_, context);
+  if (absl::Status owner = CheckOwnership(*ctx_, context, tenant, {request->sequence_id()});
       !owner.ok()) {
     return FinishNow(context, owner);
   }
-  absl::StatusOr<SequenceInfo> info =
-      ctx_->store->Describe(TenantOf(*ctx_, context), request->sequence_id());
+  absl::StatusOr<SequenceInfo> info = ctx_->store->Describe(tenant, request->sequence_id());
   if (info.ok()) FillSequenceInfo(*info, response);
   return FinishNow(context, info.status());
 }
