@@ -73,7 +73,9 @@ absl::StatusOr<std::unique_ptr<LocalDaemon>> LocalDaemon::Start(const LocalDaemo
   if (!dir.ok()) return dir.status();
   daemon->dir_ = *dir;
   const std::string port_file = daemon->dir_ + "/port";
-  daemon->log_path_ = options.inherit_output ? "" : daemon->dir_ + "/kvpoold.log";
+  daemon->log_path_ = options.inherit_output     ? ""
+                      : options.log_file.empty() ? daemon->dir_ + "/kvpoold.log"
+                                                 : options.log_file;
 
   // Everything the child needs is prepared before fork: after it only async-signal-safe calls.
   daemon->host_ = options.listen_host;

@@ -46,6 +46,9 @@ struct LocalDaemonOptions {
   absl::Duration startup_timeout = absl::Seconds(120);
   // Echo the daemon's log to this process's stderr instead of a file.
   bool inherit_output = false;
+  // Where the log goes when not inherited: empty for log_path() in the private directory; a
+  // path given here outlives the daemon (a test harness prints it after a failure).
+  std::string log_file;
   // When positive, the daemon's soft and hard descriptor limits (RLIMIT_NOFILE), as
   // `prlimit --nofile=N:N` would set them.
   uint64_t max_open_files = 0;

@@ -1,16 +1,73 @@
 #include "tests/integration/integration_util.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "tests/support/api_requests.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::integration {
+namespace {
+
+// The logs of the daemons this process started, printed after a failed test (and removed when
+// the program ends): a failure in CI is then diagnosed from what the daemon said.
+class DaemonLogs : public ::testing::EmptyTestEventListener {
+ public:
+  static DaemonLogs& Get() {
+    static DaemonLogs* logs = [] {
+      auto* l = new DaemonLogs();
+      ::testing::UnitTest::GetInstance()->listeners().Append(l);  // gtest owns it
+      return l;
+    }();
+    return *logs;
+  }
+
+  std::string NewPath() {
+    absl::MutexLock lock(&mu_);
+    const char* tmp = std::getenv("TMPDIR");
+    std::string path = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/kvpoold-test-",
+                                    getpid(), "-", paths_.size(), ".log");
+    paths_.push_back(path);
+    return path;
+  }
+
+  void OnTestEnd(const ::testing::TestInfo& test) override {
+    if (!test.result()->Failed()) return;
+    absl::MutexLock lock(&mu_);
+    for (const std::string& path : paths_) {
+      std::ifstream in(path);
+      if (!in) continue;
+      std::stringstream text;
+      text << in.rdbuf();
+      const std::string all = text.str();
+      constexpr size_t kTail = 6000;
+      std::fprintf(stderr, "---- %s (%s, the last %zu bytes) ----\n%s\n---- end ----\n",
+                   path.c_str(), test.name(), std::min(all.size(), kTail),
+                   all.size() <= kTail ? all.c_str() : all.c_str() + all.size() - kTail);
+    }
+  }
+
+  void OnTestProgramEnd(const ::testing::UnitTest&) override {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& path : paths_) std::remove(path.c_str());
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> paths_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
 
 std::unique_ptr<LocalDaemon> DaemonTest::daemon_;
 
@@ -54,6 +111,7 @@ absl::StatusOr<std::unique_ptr<LocalDaemon>> StartDaemonBinary(
   }
   options.flags = std::move(flags);
   options.startup_timeout = absl::Seconds(180);
+  options.log_file = DaemonLogs::Get().NewPath();
   return LocalDaemon::Start(options);
 }
 
@@ -171,6 +229,9 @@ absl::StatusOr<v1::AppendKvResponse> CreateAndAppend(const KvpoolClient& c,
 std::unique_ptr<KvpoolClient> ConnectClient(const std::string& target, absl::Duration deadline) {
   client::ClientOptions options;
   options.deadline = deadline;
+  // Many clients connect at once on a loaded machine: a connection attempt that fails
+  // transiently waits for the next one instead of failing the call.
+  options.wait_for_ready = true;
   absl::StatusOr<std::unique_ptr<KvpoolClient>> c = KvpoolClient::Connect(target, options);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;

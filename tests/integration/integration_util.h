@@ -133,8 +133,8 @@ absl::StatusOr<v1::AppendKvResponse> AppendSequence(const KvpoolClient& c, const
                                                     bool end_of_prefill = false,
                                                     const std::vector<uint32_t>& token_ids = {});
 
-// A client on its own connection whose calls have `deadline` (a failure is a test failure and
-// answers null).
+// A client on its own connection whose calls have `deadline` and wait for the connection (a
+// failure is a test failure and answers null).
 std::unique_ptr<KvpoolClient> ConnectClient(const std::string& target, absl::Duration deadline);
 
 // Creates `id` and appends `kv` in one AppendKv stream (layer by layer), with `token_ids` when

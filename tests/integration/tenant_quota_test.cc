@@ -60,6 +60,9 @@ std::unique_ptr<KvpoolClient> As(const std::string& target, const std::string& t
   client::ClientOptions o;
   o.deadline = absl::Seconds(300);
   o.security.token = token;
+  // Sixteen channels connect at once on a loaded machine: a connection attempt that fails
+  // transiently must not count as a refusal (the test is about quotas, not connecting).
+  o.wait_for_ready = true;
   auto c = KvpoolClient::Connect(target, o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;
