@@ -118,6 +118,22 @@ class ServerTest : public ::testing::Test {
     return s;
   }
 
+  // One decode step of sequence `id` at `token_start`: Gaussian FP32 K (V the same) of every
+  // layer, seeded by `seed`.
+  grpc::Status DecodeStep(const std::string& id, uint32_t token_start, int seed,
+                          v1::AppendDecodeResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::AppendDecodeRequest req;
+    req.set_sequence_id(id);
+    req.set_token_start(token_start);
+    req.set_num_tokens(1);
+    req.set_dtype(v1::DTYPE_FP32);
+    std::vector<float> k = kvpool::testing::GaussianValues(kLayers * kRow, seed);
+    req.set_k(reinterpret_cast<const char*>(k.data()), k.size() * 4);
+    req.set_v(reinterpret_cast<const char*>(k.data()), k.size() * 4);
+    return stubs_->sequences->AppendDecode(&ctx, req, resp);
+  }
+
   uint64_t UsedBytes() {
     grpc::ClientContext ctx;
     v1::GetStatsResponse resp;
@@ -504,17 +520,8 @@ TEST_F(ServerTest, DecodeAppendsAndDeleteModel) {
   ASSERT_TRUE(Append("s", 0, 20, kv.k, kv.v, true).ok());
   uint32_t demoted = 0;
   for (int step = 0; step < 12; ++step) {
-    grpc::ClientContext ctx;
-    v1::AppendDecodeRequest req;
-    req.set_sequence_id("s");
-    req.set_token_start(20 + step);
-    req.set_num_tokens(1);
-    req.set_dtype(v1::DTYPE_FP32);
-    std::vector<float> k = kvpool::testing::GaussianValues(kLayers * kRow, step);
-    req.set_k(reinterpret_cast<const char*>(k.data()), k.size() * 4);
-    req.set_v(reinterpret_cast<const char*>(k.data()), k.size() * 4);
     v1::AppendDecodeResponse resp;
-    grpc::Status s = stubs_->sequences->AppendDecode(&ctx, req, &resp);
+    grpc::Status s = DecodeStep("s", 20 + step, step, &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
     demoted += resp.demoted_tokens();
     EXPECT_EQ(resp.sequence().total_tokens(), 21u + step);
@@ -614,17 +621,8 @@ TEST_F(ServerTest, QuotasRefuseWithReasonAndGetStatsShowsTheTenantsRow) {
   int length = 40;
   bool refused = false;
   for (int step = 0; step < 24 && !refused; ++step) {
-    grpc::ClientContext ctx;
-    v1::AppendDecodeRequest req;
-    req.set_sequence_id("s1");
-    req.set_token_start(length);
-    req.set_num_tokens(1);
-    req.set_dtype(v1::DTYPE_FP32);
-    std::vector<float> k = kvpool::testing::GaussianValues(kLayers * kRow, step);
-    req.set_k(reinterpret_cast<const char*>(k.data()), k.size() * 4);
-    req.set_v(reinterpret_cast<const char*>(k.data()), k.size() * 4);
     v1::AppendDecodeResponse resp;
-    absl::Status d = FromGrpcStatus(stubs_->sequences->AppendDecode(&ctx, req, &resp), "decode");
+    absl::Status d = FromGrpcStatus(DecodeStep("s1", length, step, &resp), "decode");
     refused = !d.ok();
     if (refused) {
       EXPECT_EQ(ReasonOf(d), ErrorReason::kQuota) << d;

@@ -11,6 +11,17 @@
 namespace kvpool::server {
 namespace {
 
+// Keeps the pool's one worker busy (with tenant "x"'s task) until `release` is notified, so
+// that what is submitted meanwhile queues.
+void HoldTheWorker(WorkerPool& pool, absl::Notification& release) {
+  absl::Notification started;
+  ASSERT_TRUE(pool.TrySubmit("x", 1, [&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+}
+
 TEST(WorkerPoolTest, RunsEverythingSubmitted) {
   std::atomic<int> count{0};
   {
@@ -23,12 +34,8 @@ TEST(WorkerPoolTest, RunsEverythingSubmitted) {
 
 TEST(WorkerPoolTest, FullQueueRefusesWork) {
   WorkerPool pool(1, 2);
-  absl::Notification release, started;
-  ASSERT_TRUE(pool.TrySubmit([&] {
-    started.Notify();
-    release.WaitForNotification();
-  }));
-  started.WaitForNotification();  // the worker is busy; the queue is empty
+  absl::Notification release;
+  HoldTheWorker(pool, release);  // the worker is busy; the queue is empty
   EXPECT_TRUE(pool.TrySubmit([] {}));
   EXPECT_TRUE(pool.TrySubmit([] {}));
   EXPECT_FALSE(pool.TrySubmit([] {}));  // bound reached: backpressure
@@ -54,12 +61,8 @@ TEST(WorkerPoolTest, SubmitAfterShutdownRunsInline) {
 // With one worker held busy, the queue's order and bound across tenants are deterministic.
 TEST(WorkerPoolTest, FullQueueStillAdmitsATenantBelowItsShareAndRunsItFirst) {
   WorkerPool pool(1, 4);
-  absl::Notification release, started;
-  ASSERT_TRUE(pool.TrySubmit("x", 1, [&] {
-    started.Notify();
-    release.WaitForNotification();
-  }));
-  started.WaitForNotification();
+  absl::Notification release;
+  HoldTheWorker(pool, release);
   absl::Mutex mu;
   std::vector<std::string> order;
   auto record = [&](std::string name) {
@@ -87,12 +90,8 @@ TEST(WorkerPoolTest, FullQueueStillAdmitsATenantBelowItsShareAndRunsItFirst) {
 TEST(WorkerPoolTest, FifoModeRunsInArrivalOrder) {
   WorkerPool pool(1, 16);
   pool.SetFairness(false);
-  absl::Notification release, started;
-  ASSERT_TRUE(pool.TrySubmit("x", 1, [&] {
-    started.Notify();
-    release.WaitForNotification();
-  }));
-  started.WaitForNotification();
+  absl::Notification release;
+  HoldTheWorker(pool, release);
   absl::Mutex mu;
   std::vector<std::string> order;
   for (const char* name : {"big0", "big1", "small0"}) {
