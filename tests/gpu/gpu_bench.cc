@@ -16,6 +16,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -24,6 +26,8 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -93,6 +97,37 @@ double TimeUs(cudaStream_t stream, int warmup, int iters, Fn fn) {
   for (auto& e : ev) cudaEventDestroy(e);
   return Median(us);
 }
+
+// Medians of `a` and `b` timed in alternation (a, b, a, b, ...), so that clock and thermal drift
+// over the run falls on both alike: the form for a with/without pair whose ratio is the result.
+template <typename FnA, typename FnB>
+std::pair<double, double> TimeInterleavedUs(cudaStream_t stream, int warmup, int iters, FnA a,
+                                            FnB b) {
+  for (int i = 0; i < warmup; ++i) a(i), b(i);
+  std::vector<cudaEvent_t> ev(4 * iters);
+  for (auto& e : ev) Check(cudaEventCreate(&e), "event");
+  for (int i = 0; i < iters; ++i) {
+    Check(cudaEventRecord(ev[4 * i], stream), "record");
+    a(warmup + i);
+    Check(cudaEventRecord(ev[4 * i + 1], stream), "record");
+    b(warmup + i);
+    Check(cudaEventRecord(ev[4 * i + 2], stream), "record");
+  }
+  Check(cudaStreamSynchronize(stream), "sync");
+  std::vector<double> us_a(iters), us_b(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    Check(cudaEventElapsedTime(&ms, ev[4 * i], ev[4 * i + 1]), "elapsed");
+    us_a[i] = 1000.0 * ms;
+    Check(cudaEventElapsedTime(&ms, ev[4 * i + 1], ev[4 * i + 2]), "elapsed");
+    us_b[i] = 1000.0 * ms;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  return {Median(us_a), Median(us_b)};
+}
+
+// The daemon's --scrub_max_bytes_per_second default.
+constexpr double kDefaultScrubBytesPerSecond = 128.0 * (1 << 20);
 
 struct Result {
   std::string name;
@@ -194,20 +229,23 @@ void BenchCodec(cudaStream_t stream, double copy_gbs, const ArrivalTuning& base)
     uint32_t* d_sums = DeviceAlloc<uint32_t>(ranges.size());
     uint32_t* d_pass = DeviceAlloc<uint32_t>(ranges.size());
     const PageChecksumGeometry geo = PageChecksumGeometry::Of(layout);
-    auto arrival = [&](int i, bool checksum) {
+    // The timed calls leave the sums unzeroed: the CUDA backend zeroes them in the upload of the
+    // batch's tables that it makes anyway, so a memset launch here would be the benchmark's cost,
+    // not the checksums'. One untimed round with zeroed sums then feeds the comparison below.
+    auto arrival = [&](int i, bool checksum, bool zero) {
       const int s = i % kSets;
       uint32_t* sums = checksum ? d_sums + static_cast<size_t>(s) * blocks : nullptr;
-      if (checksum) {
-        Check(cudaMemsetAsync(sums, 0, blocks * sizeof(uint32_t), stream), "memset");
-      }
+      if (zero) Check(cudaMemsetAsync(sums, 0, blocks * sizeof(uint32_t), stream), "memset");
       for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
         ArrivalRows in{rows + s * rows_per_set, rotation, nullptr};
         in.page_checksums = sums;
         Check(QuantizeOnArrival(cfg, kv, batch_for(s), t, in, err, stream, base), "quantize");
       }
     };
-    const double without_us = TimeUs(stream, 5, 40, [&](int i) { arrival(i, false); });
-    const double with_us = TimeUs(stream, 5, 40, [&](int i) { arrival(i, true); });
+    const auto [without_us, with_us] = TimeInterleavedUs(
+        stream, 5, 60, [&](int i) { arrival(i, false, false); },
+        [&](int i) { arrival(i, true, false); });
+    for (int s = 0; s < kSets; ++s) arrival(s, true, true);
     g_results.push_back({"arrival_kv_with_checksums_us",
                          "{\"Hkv\": 8, \"D\": 128, \"tokens\": 65536, \"bits\": 2}", with_us, "us",
                          "arrival_kv_without_checksums_us", without_us, without_us / with_us});
@@ -304,15 +342,17 @@ void BenchDemotion(cudaStream_t stream, double copy_gbs, const ArrivalTuning& tu
           "fill pages");
   }
   const PagedRows from{page_view, d_first, d_src, 1};
-  const double fused_us = TimeUs(stream, 5, 40, [&](int) {
-    Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning), "demote");
-  });
-  // The same launch with the page checksums fused in (zeroed first, as the CUDA backend does).
+  // Without and with the page checksums fused in, in alternation (the sums are not zeroed in
+  // the timed calls: the CUDA backend zeroes them in a table upload it makes anyway).
   uint32_t* sums = DeviceAlloc<uint32_t>(kRuns);
-  const double checksums_us = TimeUs(stream, 5, 40, [&](int) {
-    Check(cudaMemsetAsync(sums, 0, kRuns * sizeof(uint32_t), stream), "memset");
-    Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning, sums), "demote");
-  });
+  const auto [fused_us, checksums_us] = TimeInterleavedUs(
+      stream, 5, 60,
+      [&](int) {
+        Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning), "demote");
+      },
+      [&](int) {
+        Check(DemoteToHistory(cfg, hist_view, to_batch, from, err, stream, tuning, sums), "demote");
+      });
   const double staged_us = TimeUs(stream, 5, 40, [&](int) {
     for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
       Check(DequantizeToBf16(bypass, page_view, from_batch, t, staging, err, stream), "dequant");
@@ -358,6 +398,78 @@ struct Model {
 // instead of the tail merge, which runs from as many KV head groups as SMs) at batch 32, and,
 // with `ab`, at batch 1 x 8K and batch 32 x 128K: "no_pdl" (no programmatic dependent launch)
 // and "ordinary_loads" (the INT2 history kernel without asynchronous copies).
+// Decode attention alone and while a scrubber checks the pool's pages from its own thread and
+// stream, as the daemon's does: at `bytes_per_second` (the daemon's default pace), or flat out
+// when 0. Rounds of launches of `graphs` (at least 40 ms each) alternate between the two; the
+// result is the mean time per launch of each.
+std::pair<double, double> AttentionWhileScrubbing(cudaStream_t stream,
+                                                  const std::vector<cudaGraphExec_t>& graphs,
+                                                  double us_per_launch, const uint8_t* pool,
+                                                  const BlockLayout& layout, int64_t blocks,
+                                                  double bytes_per_second) {
+  constexpr int kChunkBlocks = 256;
+  std::vector<ChecksumRange> ranges(blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    ranges[b] = {static_cast<int32_t>(b * layout.block_bytes() / 16), 0, layout.tokens, 1};
+  }
+  ChecksumRange* d_ranges = Upload(ranges);
+  uint32_t* d_out = DeviceAlloc<uint32_t>(kChunkBlocks);
+  const PageChecksumGeometry geo = PageChecksumGeometry::Of(layout);
+  cudaStream_t scrub_stream;
+  Check(cudaStreamCreateWithFlags(&scrub_stream, cudaStreamNonBlocking), "stream");
+  std::atomic<bool> active{false}, stop{false};
+  std::atomic<int64_t> chunks{0};
+  std::thread scrubber([&] {
+    const auto period = std::chrono::duration<double>(
+        bytes_per_second > 0 ? kChunkBlocks * layout.block_bytes() / bytes_per_second : 0.0);
+    int64_t next = 0;
+    while (!stop.load()) {
+      if (!active.load()) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        continue;
+      }
+      const auto start = std::chrono::steady_clock::now();
+      Check(PageChecksums(pool, geo, geo, d_ranges + next, kChunkBlocks, d_out, scrub_stream),
+            "scrub");
+      Check(cudaStreamSynchronize(scrub_stream), "scrub sync");
+      next = (next + kChunkBlocks) % (blocks - kChunkBlocks);
+      ++chunks;
+      std::this_thread::sleep_until(start + period);
+    }
+  });
+  const int launches = std::max(20, static_cast<int>(40000 / us_per_launch));
+  double total_ms[2] = {0, 0};
+  cudaEvent_t begin, end;
+  Check(cudaEventCreate(&begin), "event");
+  Check(cudaEventCreate(&end), "event");
+  for (int round = 0; round < 12; ++round) {
+    const int on = round % 2;
+    active = on == 1;
+    if (on == 1) {  // the scrubber is running before the round starts
+      const int64_t seen = chunks.load();
+      while (chunks.load() == seen) std::this_thread::yield();
+    }
+    Check(cudaEventRecord(begin, stream), "record");
+    for (int i = 0; i < launches; ++i) {
+      Check(cudaGraphLaunch(graphs[i % graphs.size()], stream), "graph launch");
+    }
+    Check(cudaEventRecord(end, stream), "record");
+    Check(cudaEventSynchronize(end), "sync");
+    float ms = 0;
+    Check(cudaEventElapsedTime(&ms, begin, end), "elapsed");
+    total_ms[on] += ms;
+  }
+  stop = true;
+  scrubber.join();
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  cudaStreamDestroy(scrub_stream);
+  cudaFree(d_ranges);
+  cudaFree(d_out);
+  const double per = 1000.0 / (6.0 * launches);
+  return {total_ms[0] * per, total_ms[1] * per};
+}
+
 void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
                     const std::vector<int>& batches, const std::vector<int>& contexts,
                     const AttentionTuning& base, bool ab) {
@@ -473,6 +585,17 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       }
       if (b == 32) variants.push_back("merge_kernel");
       if (b == 1 || (b == 8 && ctx == 32768)) variants.push_back("tiers_in_sequence");
+      // Every variant's graphs are captured first and then timed in alternation (default,
+      // variant, default, ...): a row measured later in the same process ran up to 15 % slower
+      // than the same configuration measured first (kernels/cuda/NOTES.md, run 10), so rows
+      // timed one after the other would compare the order, not the variants.
+      struct VariantGraphs {
+        std::string name;
+        uint8_t* ws = nullptr;
+        std::vector<cudaGraphExec_t> graphs;
+        std::vector<double> us;
+      };
+      std::vector<VariantGraphs> runs;
       for (const std::string& variant : variants) {
         shape.tuning = base;
         if (variant == "no_pdl") shape.tuning.programmatic_launch = false;
@@ -481,8 +604,8 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         if (variant == "tiers_in_sequence") shape.tuning.tiers_beside_history = false;
         auto ws_bytes = DecodeAttentionWorkspaceBytes(shape, pools);
         Check(ws_bytes.status(), "workspace");
-        uint8_t* ws = DeviceAlloc<uint8_t>(*ws_bytes);
-        std::vector<cudaGraphExec_t> graphs(sets);
+        VariantGraphs run{
+            variant, DeviceAlloc<uint8_t>(*ws_bytes), std::vector<cudaGraphExec_t>(sets), {}};
         for (int s = 0; s < sets; ++s) {
           const size_t off = static_cast<size_t>(s) * b;
           PagedKvBatch batch = pools;
@@ -492,15 +615,36 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
           const DecodeIo io{q + s * qn, mk, mv, out, lse};
           cudaGraph_t graph;
           Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-          Check(DecodeAttention(shape, batch, io, ws, *ws_bytes, stream), "attention");
+          Check(DecodeAttention(shape, batch, io, run.ws, *ws_bytes, stream), "attention");
           Check(cudaStreamEndCapture(stream, &graph), "capture end");
-          Check(cudaGraphInstantiate(&graphs[s], graph, 0), "instantiate");
+          Check(cudaGraphInstantiate(&run.graphs[s], graph, 0), "instantiate");
           cudaGraphDestroy(graph);
         }
-        const int iters = set_bytes > 1e9 ? 30 : 100;
-        const double us = TimeUs(stream, 10, iters, [&](int i) {
-          Check(cudaGraphLaunch(graphs[i % sets], stream), "graph launch");
-        });
+        runs.push_back(std::move(run));
+      }
+      const int iters = set_bytes > 1e9 ? 30 : 100;
+      for (int i = 0; i < 10; ++i) {
+        for (VariantGraphs& r : runs) Check(cudaGraphLaunch(r.graphs[i % sets], stream), "warm");
+      }
+      std::vector<cudaEvent_t> ev(runs.size() * iters + 1);
+      for (auto& e : ev) Check(cudaEventCreate(&e), "event");
+      Check(cudaEventRecord(ev[0], stream), "record");
+      for (int i = 0, k = 1; i < iters; ++i) {
+        for (VariantGraphs& r : runs) {
+          Check(cudaGraphLaunch(r.graphs[(10 + i) % sets], stream), "graph launch");
+          Check(cudaEventRecord(ev[k++], stream), "record");
+        }
+      }
+      Check(cudaStreamSynchronize(stream), "sync");
+      for (size_t k = 1; k < ev.size(); ++k) {
+        float ms = 0;
+        Check(cudaEventElapsedTime(&ms, ev[k - 1], ev[k]), "elapsed");
+        runs[(k - 1) % runs.size()].us.push_back(1000.0 * ms);
+      }
+      for (auto& e : ev) cudaEventDestroy(e);
+      for (VariantGraphs& run : runs) {
+        const std::string& variant = run.name;
+        const double us = Median(run.us);
         const double bytes =
             set_bytes + 2.0 * qn * sizeof(float) + 2.0 * m.head_dim * m.head_dim * sizeof(float);
         const double floor_us = bytes / (copy_gbs * 1e9) * 1e6;
@@ -519,8 +663,26 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
             m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, us, floor_us, us / floor_us,
             variant.c_str());
         std::fflush(stdout);
-        for (auto g : graphs) cudaGraphExecDestroy(g);
-        cudaFree(ws);
+        // What the scrubber costs attention (the bound: at most 1 % at the default pace).
+        if (variant.empty() && ((b == 8 && ctx == 32768) || (b == 32 && ctx == 131072))) {
+          for (const double pace : {kDefaultScrubBytesPerSecond, 0.0}) {
+            const auto [alone, scrubbing] =
+                AttentionWhileScrubbing(stream, run.graphs, us, int2_pool, int2, int2_blocks, pace);
+            g_results.push_back({pace > 0 ? "int2_decode_attention_while_scrubbing"
+                                          : "int2_decode_attention_while_scrubbing_flat_out",
+                                 params, scrubbing, "us", "int2_decode_attention_alone_us", alone,
+                                 alone / scrubbing});
+            std::printf(
+                "%-10s B=%-2d ctx=%-6d while scrubbing (%s): %.1f us vs %.1f us alone "
+                "(%.2f%% more)\n",
+                m.name, b, ctx, pace > 0 ? "default pace" : "flat out", scrubbing, alone,
+                (scrubbing / alone - 1) * 100);
+          }
+        }
+      }
+      for (VariantGraphs& run : runs) {
+        for (auto g : run.graphs) cudaGraphExecDestroy(g);
+        cudaFree(run.ws);
       }
       for (void* p : std::vector<void*>{d_hist, d_sink, d_recent, d_zero, d_hist_n, d_sink_n,
                                         d_recent_n, q, out, lse}) {
