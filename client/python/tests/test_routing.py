@@ -165,6 +165,16 @@ def test_nothing_answers_is_unavailable():
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_get_stats_reports_the_membership(cluster):
+    three = cluster.members([0, 1, 2])
+    for i in range(3):
+        m = cluster.direct[i].get_stats().membership
+        assert m.advertise == cluster.endpoints[i]
+        assert m.weight == 134217728  # its pool bytes
+        assert m.epoch == three.epoch_hex
+        assert [x.endpoint for x in m.members] == cluster.endpoints[:3]
+
+
 def test_sequences_go_to_their_owners(cluster, stale):
     assert stale.membership.endpoints == cluster.endpoints[:3]
     assert stale.membership.epoch == epoch_of(cluster.endpoints[:3])
@@ -252,12 +262,22 @@ def test_a_joining_daemon_redirects_the_stale_client(cluster, stale):
     for n in range(40):
         sid = f"join-{n}"
         key = placement_key_of_sequence("default", "m", sid)
-        stale.create_sequence("m", sid)
+        give_up = time.monotonic() + 60
+        while True:
+            try:
+                stale.create_sequence("m", sid)
+                break
+            except KvpoolError as e:
+                # The client's refresh may not see the new daemon yet (its connection to it is
+                # in reconnect backoff): the redirect reaches the caller, who retries later.
+                if e.reason != "WRONG_OWNER" or time.monotonic() > give_up:
+                    raise
+                time.sleep(0.1)
         assert stale.owner_of(sid) == four.owner_of(key)
         moved += four.owner_of(key) == cluster.endpoints[3]
-    # The first new key owned by the fourth daemon was redirected once; then the client knew.
+    # A new key owned by the fourth daemon was redirected; after the refresh the client knew.
     assert moved > 0
-    assert stale.redirects == 1
+    assert stale.redirects >= 1
     assert stale.membership.epoch_hex == four.epoch_hex
     # Keys whose owner did not change are found where they were.
     three = cluster.members([0, 1, 2])
