@@ -158,6 +158,19 @@ def test_target_syntax_is_checked():
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, bad
 
 
+def test_a_dns_target_resolves_to_every_address(daemon):
+    """dns:///NAME:PORT through the system resolver: localhost names the session's daemon
+    (which runs without --advertise and serves routed calls as before)."""
+    port = daemon.target.rpartition(":")[2]
+    with RoutingClient(f"dns:///localhost:{port}") as r:
+        assert r.membership.endpoints == [f"127.0.0.1:{port}"]
+        r.client_for(r.membership.endpoints[0]).register_model(
+            "dns-m", q_heads=HQ, kv_heads=HKV, num_layers=1, head_dim=D, data_free="hadamard")
+        r.create_sequence("dns-m", "dns-seq")
+        assert r.describe_sequence("dns-seq").sequence_id == "dns-seq"
+        r.release_sequence("dns-seq")
+
+
 def test_nothing_answers_is_unavailable():
     port = free_port_on_all_hosts()
     with pytest.raises(KvpoolError) as e:
