@@ -302,6 +302,23 @@ TEST_F(ScaleOutTest, TheCliRoutesAMultiDaemonTargetByPlacement) {
   for (int i = 0; i < 3; ++i) {
     EXPECT_TRUE(absl::StrContains(out, "== " + Endpoint(kHosts[i]))) << out;
   }
+  // A target that disagrees with the daemons (it lists two of the three): the key's owner among
+  // the three answers nothing, the daemon asked redirects, the CLI refreshes (still two) and
+  // reports the redirect after its one retry instead of hanging.
+  std::string elsewhere;
+  for (int n = 0;; ++n) {
+    elsewhere = absl::StrCat("cli-elsewhere-", n);
+    if (three.OwnerOf(PlacementKeyOfSequence("default", "m", elsewhere)).endpoint ==
+        Endpoint(kHosts[2])) {
+      break;
+    }
+  }
+  std::tie(code, out) =
+      RunCli({"--target=" + Target(2), "create", "--model=m", "--sequence=" + elsewhere});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_TRUE(absl::StrContains(out, "FAILED_PRECONDITION")) << out;
+  EXPECT_TRUE(absl::StrContains(out, Endpoint(kHosts[2]))) << out;
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(direct_[i]->DescribeSequence(elsewhere).ok());
   // A sequence command without the model cannot be placed: a usage error, nothing sent.
   std::tie(code, out) = RunCli({target, "sequence", "--sequence=cli-0"});
   EXPECT_EQ(code, 1) << out;

@@ -226,7 +226,12 @@ def test_shared_first_block_colocates_dedups_and_attend_fans_out(cluster):
             r.create_sequence("m", first, first_block_tokens=ids[:SINK])
             k = rng.standard_normal((1, tokens, HKV, D)).astype(np.float32)
             v = rng.standard_normal((1, tokens, HKV, D)).astype(np.float32)
-            r.append_kv(first, k, v, dtype=DType.BF16, token_ids=ids, end_of_prefill=True)
+            if p == 1:  # the layer-wise stream goes to the owner too
+                with r.open_append(first, tokens, dtype=DType.BF16, token_ids=ids,
+                                   end_of_prefill=True) as stream:
+                    stream.write_layer(0, k[0], v[0])
+            else:
+                r.append_kv(first, k, v, dtype=DType.BF16, token_ids=ids, end_of_prefill=True)
             owner = r.owner_of(first)
             # Same first block: same daemon, and the cached prefix is attached there.
             created = r.create_sequence("m", f"pfx-{p}-b", prefix_token_ids=ids)
