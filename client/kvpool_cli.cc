@@ -1,8 +1,10 @@
 // kvpool: the command-line tool for kvpoold.
 //
 //   kvpool [--target=HOST:PORT] COMMAND [flags]
+//   kvpool --target=HOST:PORT,HOST:PORT,... | dns:///NAME:PORT  COMMAND [flags]   (scale-out)
 //
-// Run `kvpool help` for the commands. Errors are printed as one plain line,
+// Run `kvpool help` for the commands. A multi-daemon target routes as the RoutingClient does
+// (docs/scale-out.md). Errors are printed as one plain line,
 // "kvpool: <command>: <STATUS_CODE>: <message>", and the exit status is 1 (2 for usage
 // errors).
 #include <chrono>
@@ -17,6 +19,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -25,10 +28,16 @@
 #include "client/kv_files.h"
 #include "client/kvpool_client.h"
 #include "client/npy.h"
+#include "client/routing_client.h"
 #include "common/status_macros.h"
 #include "kernels/safetensors.h"
+#include "proto/status.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvpoold address (host:port)");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "kvpoold address (host:port), or several daemons: host:port,host:port,... or "
+          "dns:///NAME:PORT (every address of NAME; routed by placement, docs/scale-out.md)");
+ABSL_FLAG(std::string, tenant, "default",
+          "multi-daemon --target: the tenant name in placement keys (as the engines' clients)");
 ABSL_FLAG(int32_t, timeout_s, 300, "Deadline of each call in seconds");
 ABSL_FLAG(std::string, token_file, "",
           "File whose first line is the bearer token (the environment variable KVPOOL_TOKEN, "
@@ -138,7 +147,15 @@ constexpr char kUsage[] =
     "                                                  [--out=O.npy]\n"
     "  stats         pool and service statistics       [--sequences]\n"
     "\n"
+    "With several daemons (--target=A:P,B:P or dns:///NAME:PORT) each sequence's command goes\n"
+    "to its owner: the placement key is --model with the first 64 of --token_ids, or --model\n"
+    "with --sequence when no --token_ids are given (name a sequence the same way every time).\n"
+    "register, delete-model and stats run on every daemon; health lists the live ones.\n"
+    "\n"
     "Run `kvpool --help` for every flag.";
+
+// Tokens of the first block that place a sequence (RoutingOptions::placement_prefix_tokens).
+constexpr size_t kPlacementPrefixTokens = 64;
 
 std::string Bytes(uint64_t b) {
   if (b >= (uint64_t{1} << 30)) return absl::StrFormat("%.2f GiB", b / double(1 << 30));
@@ -253,6 +270,14 @@ absl::StatusOr<std::vector<uint32_t>> TokenIdsFlag() {
 
 // ---------------------------------------------------------------------------------------------
 // Commands
+
+// The placement key a multi-daemon command uses for a sequence (see kUsage): the first block
+// of its token ids, else its id.
+PlacementKey PlacementKeyOf(const RoutingClient& pool, const std::string& model,
+                            const std::string& sequence, absl::Span<const uint32_t> token_ids) {
+  if (token_ids.empty()) return pool.KeyOfSequence(model, sequence);
+  return pool.KeyOfTokens(model, token_ids.subspan(0, kPlacementPrefixTokens));
+}
 
 absl::Status Health(const KvpoolClient& c) {
   KVPOOL_ASSIGN_OR_RETURN(KvpoolClient::ServingStatus s, c.Health(absl::GetFlag(FLAGS_service)));
@@ -557,7 +582,9 @@ absl::Status Blocks(const KvpoolClient& c) {
   return absl::OkStatus();
 }
 
-absl::Status Attend(const KvpoolClient& c) {
+// `pool`: a multi-daemon target; the sequences are placed by PlacementKeyOf and the batch fanned
+// out to their owners.
+absl::Status Attend(const KvpoolClient& c, RoutingClient* pool) {
   const std::string model = absl::GetFlag(FLAGS_model);
   KVPOOL_RETURN_IF_ERROR(Required(model, "model"));
   KVPOOL_RETURN_IF_ERROR(Required(absl::GetFlag(FLAGS_sequence), "sequence"));
@@ -596,12 +623,27 @@ absl::Status Attend(const KvpoolClient& c) {
     sq->set_q(reinterpret_cast<const char*>(q.data()), q.size() * sizeof(float));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  KVPOOL_ASSIGN_OR_RETURN(v1::AttendResponse r, c.Attend(request));
+  std::vector<absl::StatusOr<v1::SequenceAttention>> results;
+  if (pool == nullptr) {
+    KVPOOL_ASSIGN_OR_RETURN(v1::AttendResponse r, c.Attend(request));
+    for (v1::SequenceAttention& a : *r.mutable_results()) results.push_back(std::move(a));
+  } else {
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<uint32_t> token_ids, TokenIdsFlag());
+    for (const std::string& id : ids) pool->Place(id, PlacementKeyOf(*pool, model, id, token_ids));
+    results = pool->Attend(request);
+  }
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::printf("attended layer %d of %zu sequences in %.2f ms\n", request.layer(), ids.size(), ms);
   std::string all;
-  for (const v1::SequenceAttention& a : r.results()) {
+  absl::Status failed;
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (!results[i].ok()) {
+      std::printf("  %-24s %s\n", ids[i].c_str(), results[i].status().ToString().c_str());
+      failed.Update(results[i].status());
+      continue;
+    }
+    const v1::SequenceAttention& a = *results[i];
     double lo = INFINITY, hi = -INFINITY;
     for (float l : a.lse()) {
       lo = std::min<double>(lo, l);
@@ -611,12 +653,12 @@ absl::Status Attend(const KvpoolClient& c) {
                 a.attended_tokens(), lo, hi);
     all += a.out();
   }
+  KVPOOL_RETURN_IF_ERROR(failed);
   const std::string out = absl::GetFlag(FLAGS_out);
+  const int n = static_cast<int>(results.size());
   if (!out.empty()) {
-    KVPOOL_RETURN_IF_ERROR(
-        WriteNpyFile(out, NpyDtype::kF32, {r.results_size(), num_queries, hq, dim}, all));
-    std::printf("wrote the output [%d, %d, %d, %d] to %s\n", r.results_size(), num_queries, hq, dim,
-                out.c_str());
+    KVPOOL_RETURN_IF_ERROR(WriteNpyFile(out, NpyDtype::kF32, {n, num_queries, hq, dim}, all));
+    std::printf("wrote the output [%d, %d, %d, %d] to %s\n", n, num_queries, hq, dim, out.c_str());
   }
   return absl::OkStatus();
 }
@@ -682,6 +724,79 @@ absl::Status Stats(const KvpoolClient& c) {
   return absl::OkStatus();
 }
 
+constexpr const char* kCommands[] = {"health", "register", "models",   "describe", "delete-model",
+                                     "create", "put",      "sequence", "seal",     "release",
+                                     "lookup", "read",     "blocks",   "attend",   "stats"};
+
+bool IsKnownCommand(const std::string& cmd) {
+  for (const char* c : kCommands) {
+    if (cmd == c) return true;
+  }
+  return false;
+}
+
+// A target naming several daemons (docs/scale-out.md), as opposed to one gRPC target.
+bool IsMultiDaemonTarget(const std::string& target) {
+  return absl::StrContains(target, ',') || absl::StartsWith(target, "dns:///");
+}
+
+// One command on one daemon (`cmd` is known).
+absl::Status RunCommand(KvpoolClient& c, const std::string& cmd, RoutingClient* pool = nullptr) {
+  if (cmd == "put" || cmd == "register") KVPOOL_RETURN_IF_ERROR(c.FitToServerLimits());
+  if (cmd == "health") return Health(c);
+  if (cmd == "register") return Register(c);
+  if (cmd == "models") return Models(c);
+  if (cmd == "describe") return Describe(c);
+  if (cmd == "delete-model") return DeleteModel(c);
+  if (cmd == "create") return Create(c);
+  if (cmd == "put") return Put(c);
+  if (cmd == "sequence" || cmd == "seal" || cmd == "release") return SequenceCmd(c, cmd);
+  if (cmd == "lookup") return Lookup(c);
+  if (cmd == "read") return Read(c);
+  if (cmd == "blocks") return Blocks(c);
+  if (cmd == "attend") return Attend(c, pool);
+  return Stats(c);
+}
+
+// One command on the daemons of a multi-daemon target: model and stats commands on every
+// member (or the first, for reads of what every member holds), sequence commands on the
+// sequence's owner (one retry after a WRONG_OWNER answer and a refresh), attend fanned out.
+absl::Status RunOnPool(RoutingClient& pool, const std::string& cmd) {
+  const std::shared_ptr<const Membership> members = pool.membership();
+  if (cmd == "health") {
+    for (const Member& m : members->members()) std::printf("%s SERVING\n", m.endpoint.c_str());
+    std::printf("%zu daemons, membership epoch %s\n", members->members().size(),
+                members->epoch_hex().c_str());
+    return absl::OkStatus();
+  }
+  if (cmd == "register" || cmd == "delete-model" || cmd == "stats") {
+    return pool.ForEachMember([&](const KvpoolClient& member) {
+      std::printf("== %s\n", member.target().c_str());
+      return RunCommand(*member.WithCallMetadata({}), cmd);
+    });
+  }
+  if (cmd == "models" || cmd == "describe" || cmd == "attend") {
+    KVPOOL_ASSIGN_OR_RETURN(const KvpoolClient* first,
+                            pool.ClientFor(members->members().front().endpoint));
+    return RunCommand(*first->WithCallMetadata({}), cmd, &pool);
+  }
+  const std::string model = absl::GetFlag(FLAGS_model);
+  if (model.empty()) {
+    return absl::InvalidArgumentError(
+        "--model is required with a multi-daemon --target (it is part of the placement key)");
+  }
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<uint32_t> token_ids, TokenIdsFlag());
+  const std::string sequence = absl::GetFlag(FLAGS_sequence);
+  if (cmd != "lookup") KVPOOL_RETURN_IF_ERROR(Required(sequence, "sequence"));
+  const PlacementKey key = PlacementKeyOf(pool, model, sequence, token_ids);
+  for (int attempt = 0;; ++attempt) {
+    KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> owner, pool.OwnerClient(key));
+    absl::Status s = RunCommand(*owner, cmd);
+    if (ReasonOf(s) != ErrorReason::kWrongOwner || attempt > 0) return s;
+    KVPOOL_RETURN_IF_ERROR(pool.Refresh());
+  }
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -708,46 +823,22 @@ int Main(int argc, char** argv) {
   options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.security.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
-  absl::StatusOr<std::unique_ptr<KvpoolClient>> client =
-      KvpoolClient::Connect(absl::GetFlag(FLAGS_target), options);
+  if (!IsKnownCommand(cmd)) {
+    std::fprintf(stderr, "kvpool: unknown command '%s'\n\n%s\n", cmd.c_str(), kUsage);
+    return 2;
+  }
+  const std::string target = absl::GetFlag(FLAGS_target);
   absl::Status status;
-  if (!client.ok()) {
-    status = client.status();
+  if (IsMultiDaemonTarget(target)) {
+    RoutingOptions routing;
+    routing.client = options;
+    routing.tenant = absl::GetFlag(FLAGS_tenant);
+    routing.placement_prefix_tokens = kPlacementPrefixTokens;
+    absl::StatusOr<std::unique_ptr<RoutingClient>> pool = RoutingClient::Connect(target, routing);
+    status = pool.ok() ? RunOnPool(**pool, cmd) : pool.status();
   } else {
-    KvpoolClient& c = **client;
-    if (cmd == "put" || cmd == "register") status = c.FitToServerLimits();
-    if (!status.ok()) {
-      // reported below
-    } else if (cmd == "health") {
-      status = Health(c);
-    } else if (cmd == "register") {
-      status = Register(c);
-    } else if (cmd == "models") {
-      status = Models(c);
-    } else if (cmd == "describe") {
-      status = Describe(c);
-    } else if (cmd == "delete-model") {
-      status = DeleteModel(c);
-    } else if (cmd == "create") {
-      status = Create(c);
-    } else if (cmd == "put") {
-      status = Put(c);
-    } else if (cmd == "sequence" || cmd == "seal" || cmd == "release") {
-      status = SequenceCmd(c, cmd);
-    } else if (cmd == "lookup") {
-      status = Lookup(c);
-    } else if (cmd == "read") {
-      status = Read(c);
-    } else if (cmd == "blocks") {
-      status = Blocks(c);
-    } else if (cmd == "attend") {
-      status = Attend(c);
-    } else if (cmd == "stats") {
-      status = Stats(c);
-    } else {
-      std::fprintf(stderr, "kvpool: unknown command '%s'\n\n%s\n", cmd.c_str(), kUsage);
-      return 2;
-    }
+    absl::StatusOr<std::unique_ptr<KvpoolClient>> client = KvpoolClient::Connect(target, options);
+    status = client.ok() ? RunCommand(**client, cmd) : client.status();
   }
   if (!status.ok()) {
     std::fprintf(stderr, "kvpool: %s: %s: %s\n", cmd.c_str(),

@@ -128,25 +128,28 @@ absl::StatusOr<std::string> RoutingClient::OwnerOf(const std::string& sequence_i
   return members->OwnerOf(key).endpoint;
 }
 
+absl::StatusOr<std::unique_ptr<KvpoolClient>> RoutingClient::OwnerClient(const PlacementKey& key) {
+  std::shared_ptr<const Membership> members = membership();
+  if (members->empty()) {
+    (void)Refresh();
+    members = membership();
+    if (members->empty()) return absl::UnavailableError("no live daemon");
+  }
+  absl::StatusOr<const KvpoolClient*> client = Connected(members->OwnerOf(key).endpoint);
+  if (!client.ok()) {
+    (void)Refresh();  // the dead daemon leaves the membership
+    return client.status();
+  }
+  return (*client)->WithCallMetadata(
+      {{kEpochMetadata, members->epoch_hex()}, {kPlacementKeyMetadata, key.Hex()}});
+}
+
 template <typename T>
 absl::StatusOr<T> RoutingClient::Routed(
     const PlacementKey& key, const std::function<absl::StatusOr<T>(const KvpoolClient&)>& call) {
   absl::Status last;
   for (int attempt = 0; attempt < 2; ++attempt) {
-    std::shared_ptr<const Membership> members = membership();
-    if (members->empty()) {
-      (void)Refresh();
-      members = membership();
-      if (members->empty()) return absl::UnavailableError("no live daemon");
-    }
-    const std::string owner = members->OwnerOf(key).endpoint;
-    absl::StatusOr<const KvpoolClient*> client = Connected(owner);
-    if (!client.ok()) {
-      (void)Refresh();  // the dead daemon leaves the membership
-      return client.status();
-    }
-    std::unique_ptr<KvpoolClient> placed = (*client)->WithCallMetadata(
-        {{kEpochMetadata, members->epoch_hex()}, {kPlacementKeyMetadata, key.Hex()}});
+    KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> placed, OwnerClient(key));
     absl::StatusOr<T> result = call(*placed);
     if (result.ok()) return result;
     last = result.status();

@@ -77,6 +77,12 @@ class RoutingClient {
   // The owner of `sequence_id` under the current membership; NotFound if never placed.
   [[nodiscard]] absl::StatusOr<std::string> OwnerOf(const std::string& sequence_id) const;
 
+  // The owner of `key` under the current membership, connected, as a client whose calls carry
+  // the routing metadata (epoch and key): for callers that make their own calls (the CLI).
+  // UNAVAILABLE when no member is live or the owner is unreachable (then refreshed); a
+  // WRONG_OWNER answer is the caller's to handle (Refresh, then ask again once).
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<KvpoolClient>> OwnerClient(const PlacementKey& key);
+
   // --- routed calls (as KvpoolClient's, on the sequence's owner) ---
   // Places the sequence by `first_block_tokens`, else by the first placement_prefix_tokens of
   // request.prefix_token_ids, else by its id.

@@ -6,6 +6,7 @@
 
 #include "server/connection_listener.h"
 #include "server/ingest/ingest_engine.h"
+#include "server/scaleout/ownership_guard.h"
 #include "server/transport/transport.h"
 
 namespace kvpool::server {
@@ -31,6 +32,18 @@ void FillSecurityStats(const ServiceContext& ctx, const Caller& caller, v1::Secu
     v1::TenantStats* ts = out->add_tenants();
     ts->set_name(t.name);
     ts->set_role(t.role);
+  }
+}
+
+void FillMembershipStats(const OwnershipGuard& guard, v1::MembershipStats* out) {
+  const std::shared_ptr<const Membership> members = guard.membership();
+  out->set_advertise(guard.advertise());
+  out->set_epoch(members->epoch_hex());
+  for (const Member& m : members->members()) {
+    if (m.endpoint == guard.advertise()) out->set_weight(m.weight);
+    v1::MemberStats* row = out->add_members();
+    row->set_endpoint(m.endpoint);
+    row->set_weight(m.weight);
   }
 }
 
@@ -168,6 +181,10 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
   device->set_healthy(health.ok());
   device->set_error(std::string(health.message()));
   device->set_calls_refused(ctx_->backend->calls_refused());
+
+  if (ctx_->ownership != nullptr && ctx_->ownership->enabled()) {
+    FillMembershipStats(*ctx_->ownership, response->mutable_membership());
+  }
 
   v1::ServerLimits* l = response->mutable_limits();
   l->set_max_message_bytes(cfg.max_message_bytes);

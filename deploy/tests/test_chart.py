@@ -124,6 +124,30 @@ def test_probes_services_and_selectors_use_the_real_ports(example):
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
+def test_daemons_advertise_the_pod_ip_and_peer_through_the_headless_service(example):
+    """docs/scale-out.md: --advertise is the pod IP (downward API) on the gRPC port; --peers is
+    the headless Service's DNS name, in the target syntax kvpoold and the clients parse."""
+    from kvpool.membership import parse_target
+
+    objects = render(load_values(example), name="pool", namespace="ml")
+    pod, c = daemon_container(objects)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    (advertise,) = [a for a in c["args"] if a.startswith("--advertise=")]
+    assert advertise == f"--advertise=$(POD_IP):{ports['grpc']}"
+    (pod_ip,) = [e for e in c["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    (peers,) = [a for a in c["args"] if a.startswith("--peers=")]
+    target = parse_target(peers[len("--peers="):])
+    sts = only(objects, "StatefulSet")
+    headless = objects[("Service", sts["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is False  # only ready pods are members
+    assert target.dns_host == f"{headless['metadata']['name']}.ml.svc"
+    assert target.dns_port == ports["grpc"]
+    assert [p["port"] for p in headless["spec"]["ports"] if p["name"] == "grpc"] == [ports["grpc"]]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=os.path.basename)
 def test_pods_are_least_privilege_and_sized(example):
     values = load_values(example)
     objects = render(values)

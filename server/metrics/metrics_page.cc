@@ -41,6 +41,16 @@ void One(PrometheusText& out, absl::string_view name, absl::string_view type,
   out.Sample(name, {}, value);
 }
 
+// Scale-out (docs/scale-out.md): how many members this daemon sees and under which epoch.
+void RenderMembership(const v1::MembershipStats& m, PrometheusText& out) {
+  One(out, "kvpool_scaleout_members", "gauge",
+      "Live members of the scale-out membership this daemon sees, itself included.",
+      static_cast<uint64_t>(m.members_size()));
+  out.Family("kvpool_scaleout_epoch_info", "gauge",
+             "The membership epoch this daemon checks ownership under (always 1).");
+  out.Sample("kvpool_scaleout_epoch_info", {{"epoch", m.epoch()}}, uint64_t{1});
+}
+
 void RenderPool(const v1::GetStatsResponse& r, absl::string_view tier, PrometheusText& out) {
   const v1::PoolStats& p = r.pool();
   out.Family("kvpool_pool_capacity_bytes", "gauge",
@@ -351,6 +361,7 @@ std::string RenderMetricsPage(const MetricsSources& sources, bool tenant_labels)
   RenderPool(daemon, tier, out);
   RenderModels(per_tenant, tenant_labels, out);
   RenderService(daemon, out);
+  if (!daemon.membership().advertise().empty()) RenderMembership(daemon.membership(), out);
   RenderTransports(*sources.ctx, out);
   if (sources.kv_events != nullptr) {
     One(out, "kvpool_kv_event_subscribers", "gauge", "KvEventService subscribers fed now.",

@@ -48,6 +48,8 @@ class OwnershipGuard {
   ~OwnershipGuard();
 
   bool enabled() const { return !config_.advertise.empty(); }
+  // This daemon's endpoint (--advertise).
+  const std::string& advertise() const { return config_.advertise; }
   // The membership in force now.
   std::shared_ptr<const Membership> membership() const;
 

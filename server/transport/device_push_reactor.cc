@@ -9,6 +9,7 @@
 #include "server/ingest/append_checks.h"
 #include "server/ingest/ingest_engine.h"
 #include "server/ingest_stream_reactor.h"
+#include "server/scaleout/ownership_check.h"
 #include "server/transport/device_push.h"
 #include "server/transport/session_routing.h"
 #include "server/transport/transport_proto.h"
@@ -33,6 +34,9 @@ class DevicePushReactor final : public IngestStreamReactor<v1::DevicePushRequest
       return absl::InvalidArgumentError("PushKv: the first message must be a header");
     }
     const v1::DevicePushHeader& h = first.header();
+    // Before the transport acts on the push: a push for a sequence owned elsewhere is
+    // redirected like AppendKv (docs/scale-out.md).
+    KVPOOL_RETURN_IF_ERROR(CheckOwnership(*ctx_, call(), tenant_, {h.append().sequence_id()}));
     const uint64_t id = h.session_id();
     std::function<bool()> cancelled = options.cancelled;
     KVPOOL_ASSIGN_OR_RETURN(

@@ -4,6 +4,7 @@
 // probes add it. Tests run in order and share the daemons (spread, co-location and fan-out, a
 // fourth daemon and a stale client, a SIGKILLed daemon).
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,13 +15,16 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/routing_client.h"
 #include "common/placement.h"
 #include "gtest/gtest.h"
+#include "kvpool/v1/transport_service.grpc.pb.h"
 #include "proto/member_probe.h"
 #include "tests/integration/integration_util.h"
 #include "tests/support/loopback_hosts.h"
@@ -176,6 +180,20 @@ TEST_F(ScaleOutTest, SequencesSpreadEvenlyOverTheDaemons) {
   EXPECT_LE(cv, 0.10);
 }
 
+TEST_F(ScaleOutTest, GetStatsReportsTheMembershipTheDaemonSees) {
+  const Membership three = MembersOf({0, 1, 2});
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<v1::GetStatsResponse> s = direct_[i]->GetStats();
+    ASSERT_TRUE(s.ok()) << s.status();
+    const v1::MembershipStats& m = s->membership();
+    EXPECT_EQ(m.advertise(), Endpoint(kHosts[i]));
+    EXPECT_EQ(m.weight(), 134217728u);  // its own pool bytes
+    EXPECT_EQ(m.epoch(), three.epoch_hex());
+    ASSERT_EQ(m.members_size(), 3);
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(m.members(j).endpoint(), Endpoint(kHosts[j]));
+  }
+}
+
 TEST_F(ScaleOutTest, TheOwnershipCheckAnswersWrongOwnerAndRejectsMalformedMetadata) {
   const Membership three = MembersOf({0, 1, 2});
   // A key daemon 0 does not own: WRONG_OWNER naming the owner and the daemon's epoch, and
@@ -197,6 +215,26 @@ TEST_F(ScaleOutTest, TheOwnershipCheckAnswersWrongOwnerAndRejectsMalformedMetada
   EXPECT_EQ(ReasonMetadata(s)[kWrongOwnerOwnerKey], three.OwnerOf(key).endpoint);
   EXPECT_EQ(direct_[0]->DescribeSequence("check-wrong-owner").status().code(),
             absl::StatusCode::kNotFound);
+  // PushKv (the GPU data plane) is checked before the transport is asked: the same redirect
+  // even on a daemon without a device.
+  {
+    grpc::ClientContext call;
+    call.AddMetadata(kEpochMetadata, three.epoch_hex());
+    call.AddMetadata(kPlacementKeyMetadata, key.Hex());
+    call.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::AppendKvResponse response;
+    auto push = v1::TransportService::NewStub(direct_[0]->channel())->PushKv(&call, &response);
+    v1::DevicePushRequest header;
+    header.mutable_header()->set_session_id(1);
+    header.mutable_header()->mutable_append()->set_sequence_id("check-wrong-owner");
+    header.mutable_header()->mutable_append()->set_num_tokens(1);
+    header.mutable_header()->mutable_append()->set_dtype(v1::DTYPE_BF16);
+    push->Write(header);
+    push->WritesDone();
+    const absl::Status pushed = FromGrpcStatus(push->Finish(), "PushKv");
+    EXPECT_EQ(ReasonOf(pushed), ErrorReason::kWrongOwner) << pushed;
+    EXPECT_EQ(ReasonMetadata(pushed)[kWrongOwnerOwnerKey], three.OwnerOf(key).endpoint);
+  }
   // Malformed metadata: INVALID_ARGUMENT, nothing created.
   const std::vector<std::vector<std::pair<std::string, std::string>>> malformed = {
       {{kPlacementKeyMetadata, "abc"}},
@@ -215,6 +253,76 @@ TEST_F(ScaleOutTest, TheOwnershipCheckAnswersWrongOwnerAndRejectsMalformedMetada
   ASSERT_TRUE(direct_[0]->CreateSequence("m", "check-wrong-owner").ok());
   EXPECT_TRUE(placed->DescribeSequence("check-wrong-owner").ok());
   EXPECT_TRUE(direct_[0]->ReleaseSequence("check-wrong-owner").ok());
+}
+
+// The `kvpool` CLI with `args`: exit status and output (stdout and stderr).
+std::pair<int, std::string> RunCli(const std::vector<std::string>& args) {
+  std::string cmd = BinaryPath("KVPOOL_CLI", KVPOOL_CLI_PATH);
+  for (const std::string& a : args) absl::StrAppend(&cmd, " '", a, "'");
+  absl::StrAppend(&cmd, " 2>&1");
+  std::string output;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return {-1, "popen failed"};
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+TEST_F(ScaleOutTest, TheCliRoutesAMultiDaemonTargetByPlacement) {
+  const std::string target = "--target=" + peer_list_;  // lists the fourth, not running yet
+  auto [code, out] = RunCli({target, "health"});
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(absl::StrContains(
+      out, absl::StrCat("3 daemons, membership epoch ", MembersOf({0, 1, 2}).epoch_hex())))
+      << out;
+  const Membership three = MembersOf({0, 1, 2});
+  std::set<std::string> owners;
+  for (int n = 0; n < 6; ++n) {
+    const std::string id = absl::StrCat("cli-", n);
+    std::tie(code, out) = RunCli({target, "create", "--model=m", "--sequence=" + id});
+    ASSERT_EQ(code, 0) << out;
+    // Created on its owner only, and found there by the next command.
+    const std::string owner = three.OwnerOf(PlacementKeyOfSequence("default", "m", id)).endpoint;
+    owners.insert(owner);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(direct_[i]->DescribeSequence(id).ok(), Endpoint(kHosts[i]) == owner) << id;
+    }
+    std::tie(code, out) = RunCli({target, "seal", "--model=m", "--sequence=" + id});
+    EXPECT_EQ(code, 0) << out;
+    std::tie(code, out) = RunCli({target, "release", "--model=m", "--sequence=" + id});
+    EXPECT_EQ(code, 0) << out;
+    EXPECT_FALSE(direct_[0]->DescribeSequence(id).ok());
+  }
+  EXPECT_GE(owners.size(), 2u);
+  // stats asks every daemon.
+  std::tie(code, out) = RunCli({target, "stats"});
+  EXPECT_EQ(code, 0) << out;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(absl::StrContains(out, "== " + Endpoint(kHosts[i]))) << out;
+  }
+  // A target that disagrees with the daemons (it lists two of the three): the key's owner among
+  // the three answers nothing, the daemon asked redirects, the CLI refreshes (still two) and
+  // reports the redirect after its one retry instead of hanging.
+  std::string elsewhere;
+  for (int n = 0;; ++n) {
+    elsewhere = absl::StrCat("cli-elsewhere-", n);
+    if (three.OwnerOf(PlacementKeyOfSequence("default", "m", elsewhere)).endpoint ==
+        Endpoint(kHosts[2])) {
+      break;
+    }
+  }
+  std::tie(code, out) =
+      RunCli({"--target=" + Target(2), "create", "--model=m", "--sequence=" + elsewhere});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_TRUE(absl::StrContains(out, "FAILED_PRECONDITION")) << out;
+  EXPECT_TRUE(absl::StrContains(out, Endpoint(kHosts[2]))) << out;
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(direct_[i]->DescribeSequence(elsewhere).ok());
+  // A sequence command without the model cannot be placed: a usage error, nothing sent.
+  std::tie(code, out) = RunCli({target, "sequence", "--sequence=cli-0"});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_TRUE(absl::StrContains(out, "--model is required")) << out;
 }
 
 TEST_F(ScaleOutTest, SharedFirstBlockCoLocatesAndDeduplicatesAndAttendFansOut) {

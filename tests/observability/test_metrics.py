@@ -192,6 +192,24 @@ def test_tenant_labels_only_with_the_flag():
         assert m.value("kvpool_tenant_quota_bytes", tenant=stats.tenant) == stats.quota_bytes
 
 
+def test_scaleout_membership_is_exported_only_with_advertise():
+    """docs/scale-out.md: the members this daemon sees and its epoch, as GetStats has them."""
+    from kvpool.placement import epoch_of
+
+    with ObservedDaemon() as d, d.client() as client:
+        assert not client.get_stats().membership.advertise
+        m = d.scrape()
+        assert not m.labelled("kvpool_scaleout_members")
+        assert not m.labelled("kvpool_scaleout_epoch_info")
+    # Alone (no --peers): itself is the only member.
+    with ObservedDaemon(["--advertise=127.0.0.1:1"]) as d, d.client() as client:
+        stats = client.get_stats().membership
+        assert stats.epoch == epoch_of(["127.0.0.1:1"]).hex()
+        m = d.scrape()
+        assert m.value("kvpool_scaleout_members") == len(stats.members) == 1
+        assert m.value("kvpool_scaleout_epoch_info", epoch=stats.epoch) == 1
+
+
 def test_only_metrics_is_served():
     with ObservedDaemon() as d:
         assert d.get("/")[0] == 404

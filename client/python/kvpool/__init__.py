@@ -9,6 +9,8 @@
 - kvpool.errors.KvpoolError: the one exception type (gRPC code, RPC, reason);
 - kvpool.options: deadlines, retries, TLS and token credentials;
 - kvpool.placement: scale-out placement (membership epoch, placement keys, owners), as in C++;
+- kvpool.routing.RoutingClient: one client over many daemons (placement, redirects, fan-out);
+- kvpool.membership: membership targets (list or dns:///NAME:PORT) and the health probe;
 - kvpool.attention: LSE merge of partial attentions, dense reference attention;
 - kvpool.local_daemon.LocalDaemon: a kvpoold process on loopback;
 - kvpool.connectors: vLLM KV connector, SGLang HiCache storage backend, remote attention.
@@ -18,6 +20,7 @@ from kvpool.attention import dense_attention, merge_attention
 from kvpool.client import Attention, BlocksRead, Client, KvRead, ModelDescription
 from kvpool.errors import RETRYABLE_CODES, KvpoolError
 from kvpool.options import NO_RETRY, ClientOptions, RetryPolicy, TlsOptions
+from kvpool.routing import RoutingClient, RoutingOptions
 from kvpool.stream import AppendStream
 from kvpool.tensors import DType
 
@@ -26,5 +29,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AppendStream", "Attention", "BlocksRead", "Client", "ClientOptions", "DType", "KvRead",
     "KvpoolError", "ModelDescription", "NO_RETRY", "RETRYABLE_CODES", "RetryPolicy",
-    "TlsOptions", "dense_attention", "merge_attention",
+    "RoutingClient", "RoutingOptions", "TlsOptions", "dense_attention", "merge_attention",
 ]

@@ -22,6 +22,7 @@ AppendStream belongs to one thread.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -180,6 +181,14 @@ class Client:
 
     # -- call plumbing --------------------------------------------------------------------------
 
+    def with_call_metadata(self, metadata: Sequence[Tuple[str, str]]) -> "Client":
+        """A view of this client (same channel) that also sends `metadata` with every call;
+        as the C++ KvpoolClient::WithCallMetadata. Close the original, not the view."""
+        view = copy.copy(self)
+        view.options = dataclasses.replace(
+            self.options, metadata=tuple(self.options.metadata) + tuple(metadata))
+        return view
+
     def call_kwargs(self) -> Dict[str, Any]:
         """timeout, metadata and wait_for_ready of one call (for the raw stubs too)."""
         return {"timeout": self.options.deadline_s, "metadata": self.options.call_metadata(),
@@ -204,6 +213,17 @@ class Client:
     def health(self, service: str = "") -> str:
         """The serving status of `service` ("" = the whole daemon): "SERVING", ..."""
         return _SERVING_STATUS.get(self._call("Health", self._health, service), "UNKNOWN")
+
+    def health_probe(self, timeout_s: float) -> str:
+        """One health call that does not wait for the connection: a refused connection fails
+        at once, an unanswered one after timeout_s (KvpoolError UNAVAILABLE or
+        DEADLINE_EXCEEDED); no retries."""
+        try:
+            status = self._health("", timeout=timeout_s, metadata=self.options.call_metadata(),
+                                   wait_for_ready=False)
+        except grpc.RpcError as e:
+            raise KvpoolError.from_rpc_error(e, "Health") from None
+        return _SERVING_STATUS.get(status, "UNKNOWN")
 
     def wait_for_serving(self, timeout_s: float = 60.0) -> None:
         """Polls health until SERVING; KvpoolError DEADLINE_EXCEEDED after timeout_s."""
@@ -494,9 +514,15 @@ class Client:
         (unrotated, the engine's basis). Returns sequence id -> Attention, with out shaped
         [num_queries, q_heads, head_dim] and lse [num_queries, q_heads]."""
         items = list(queries.items()) if isinstance(queries, Mapping) else list(queries)
+        return {a.sequence_id: a for a in self.attend_in_order(model_id, layer, items, dtype)}
+
+    def attend_in_order(self, model_id: str, layer: int,
+                        queries: Sequence[Tuple[str, ArrayLike]],
+                        dtype: DType = DType.FP32) -> List[Attention]:
+        """As attend, one Attention per (sequence id, q) pair in the order given."""
         request = attention_pb2.AttendRequest(model_id=model_id, layer=layer, dtype=int(dtype))
         shapes = []
-        for sequence_id, q in items:
+        for sequence_id, q in queries:
             q = as_numpy(q)
             if q.ndim == 2:
                 q = q[None]
@@ -508,13 +534,16 @@ class Client:
             request.queries.add(sequence_id=sequence_id, num_queries=q.shape[0],
                                 q=to_bytes(q, DType(dtype)))
         response = self._call("Attend", self.attention.Attend, request)
-        out: Dict[str, Attention] = {}
+        if len(response.results) != len(shapes):
+            raise KvpoolError(grpc.StatusCode.DATA_LOSS,
+                              "the daemon answered a different number of results", "Attend")
+        out: List[Attention] = []
         for shape, result in zip(shapes, response.results):
             n, hq, d = shape
-            out[result.sequence_id] = Attention(
+            out.append(Attention(
                 result.sequence_id, from_bytes(result.out, DType.FP32, (n, hq, d)),
                 np.asarray(result.lse, dtype=np.float32).reshape(n, hq),
-                int(result.attended_tokens))
+                int(result.attended_tokens)))
         return out
 
     # -- StatsService ---------------------------------------------------------------------------

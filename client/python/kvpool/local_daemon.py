@@ -1,10 +1,12 @@
 """LocalDaemon: runs a real kvpoold process on a loopback port (tests, demos, notebooks).
 
-Like client/local_daemon.h: the daemon gets --listen=127.0.0.1:0 (the kernel picks a free port)
-and --port_file in a private temporary directory; start() waits for the port file and then for
+Like client/local_daemon.h: the daemon gets --listen=127.0.0.1:0 (the kernel picks a free port;
+`listen` names another address or a fixed port, as scale-out tests on 127.0.0.2-5 need) and
+--port_file in a private temporary directory; start() waits for the port file and then for
 the gRPC health status SERVING. Its output goes to a log file in that directory, quoted in
-errors. stop() sends SIGTERM and expects a clean exit (status 0). On Linux the daemon is also
-killed when the process that started it dies, so a crashed test leaves no daemon behind.
+errors. stop() sends SIGTERM and expects a clean exit (status 0). On Linux (with util-linux's
+setpriv) the daemon is also killed when the process that started it dies, so a crashed test
+leaves no daemon behind.
 
     with LocalDaemon("build/bin/kvpoold", ["--pool_bytes=268435456"]) as daemon:
         client = Client(daemon.target)
@@ -12,7 +14,6 @@ killed when the process that started it dies, so a crashed test leaves no daemon
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -44,30 +45,36 @@ def find_kvpoold() -> str:
     raise FileNotFoundError("no kvpoold: set KVPOOL_KVPOOLD or build it (make build)")
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _exit_with_parent() -> List[str]:
+    """A command prefix that has the daemon killed when the process that started it dies
+    (util-linux `setpriv --pdeathsig`, which sets it and execs the daemon), or none without
+    setpriv. Not a preexec_fn: Python code between fork and exec is unsafe once gRPC threads
+    run in this process, and it aborted daemons started beside live channels."""
+    if os.name != "posix":
+        return []
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
 class LocalDaemon:
     def __init__(self, binary: Optional[str] = None, flags: Sequence[str] = (),
                  startup_timeout_s: float = 120.0,
-                 client_options: Optional[ClientOptions] = None) -> None:
+                 client_options: Optional[ClientOptions] = None,
+                 listen: str = "127.0.0.1:0") -> None:
         self.binary = binary or find_kvpoold()
         # How the startup health check connects (TLS when the flags turn it on).
         self.client_options = client_options
         self.flags: List[str] = list(flags)
         self.startup_timeout_s = startup_timeout_s
+        self.listen_host, _, port = listen.rpartition(":")
+        self.listen_port = int(port)
         self.dir = ""
         self.port = 0
         self.process: Optional[subprocess.Popen] = None
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.listen_host}:{self.port}"
 
     @property
     def log_path(self) -> str:
@@ -89,9 +96,10 @@ class LocalDaemon:
         port_file = os.path.join(self.dir, "port")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [self.binary, "--listen=127.0.0.1:0", f"--port_file={port_file}", *self.flags],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent if os.name == "posix" else None)
+                [*_exit_with_parent(), self.binary,
+                 f"--listen={self.listen_host}:{self.listen_port}", f"--port_file={port_file}",
+                 *self.flags],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         give_up = time.monotonic() + self.startup_timeout_s
         while True:
             try:
