@@ -113,6 +113,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                                               config.sequence_ttl, &s->quotas_);
   s->reaper_ = std::make_unique<SequenceReaper>(s->store_.get(), SequenceReaper::kCheckPeriod);
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
+  s->workers_->SetFairness(config.fair_compute);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
   s->admission_ = std::make_unique<Admission>(AdmissionLimitsOf(config));
