@@ -94,10 +94,12 @@ bench-tenancy: build
 	$(BUILD)/bin/kvpool-bench-tenancy --out bench-results/tenancy_tls.json
 
 # A small tenant's remote-attention p50/p99 alone, under a large tenant's flood with weighted
-# fair queueing and with it off (FIFO), against the bound (alone p99 + two large work units).
+# fair queueing and with it off (FIFO), against the bound (alone p99 + two large work units):
+# at the engine, then through kvpoold with a tenants file (--fair_compute on and off).
 bench-tenant-fairness: build
 	@mkdir -p bench-results
 	$(BUILD)/bin/kvpool-bench-tenant-fairness --out bench-results/tenant_fairness.json
+	$(BUILD)/bin/kvpool-bench-tenant-fairness-daemon --out bench-results/tenant_fairness_daemon.json
 
 # Four kvpoold on 127.0.0.2-5: a routed call's latency beside a direct call to the owner.
 bench-scaleout: build

@@ -54,6 +54,9 @@ ABSL_FLAG(uint64_t, slab_bytes, uint64_t{4} << 20,
 ABSL_FLAG(int32_t, worker_threads, 0, "Worker threads for codec math; 0 = CPU count");
 ABSL_FLAG(uint64_t, worker_queue, 1024,
           "Tasks that may wait for a worker; more are refused with RESOURCE_EXHAUSTED");
+ABSL_FLAG(bool, fair_compute, true,
+          "Weighted fair queueing of codec and attention work across tenants; false: arrival "
+          "order (for comparison)");
 ABSL_FLAG(std::string, model_dir, "",
           "Directory rotation files may be registered from by server path ('' = disabled)");
 ABSL_FLAG(uint64_t, max_message_bytes, uint64_t{16} << 20, "Largest gRPC message accepted");
@@ -432,6 +435,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
     c.worker_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   }
   c.worker_queue = absl::GetFlag(FLAGS_worker_queue);
+  c.fair_compute = absl::GetFlag(FLAGS_fair_compute);
   c.model_dir = absl::GetFlag(FLAGS_model_dir);
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   c.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);

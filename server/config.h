@@ -36,6 +36,7 @@ struct ServerConfig {
   size_t slab_bytes = 4u << 20;
   int worker_threads = 0;  // resolved: >= 1
   size_t worker_queue = 1024;
+  bool fair_compute = true;  // weighted fair queueing across tenants; false: arrival order
   std::string model_dir;
   size_t max_message_bytes = 16u << 20;
   size_t max_chunk_bytes = 8u << 20;

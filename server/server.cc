@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -17,6 +18,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/attention_service.h"
+#include "server/auth/call_identity.h"
 #include "server/auth/server_credentials.h"
 #include "server/connection_listener.h"
 #include "server/events/kv_event_hub.h"
@@ -111,6 +113,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                                               config.sequence_ttl, &s->quotas_);
   s->reaper_ = std::make_unique<SequenceReaper>(s->store_.get(), SequenceReaper::kCheckPeriod);
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
+  s->workers_->SetFairness(config.fair_compute);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
   s->admission_ = std::make_unique<Admission>(AdmissionLimitsOf(config));
@@ -227,6 +230,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   interceptors.push_back(
       NewRpcLatencyInterceptorFactory(s->rpc_latency_.get(), s->attend_latency_.get()));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  // Each call keeps the caller its first lookup resolved (server/auth/call_identity.h).
+  if (ctx.tenants != nullptr) builder.SetContextAllocator(std::make_unique<CallContextAllocator>());
   builder.RegisterService(s->model_service_.get());
   builder.RegisterService(s->sequence_service_.get());
   builder.RegisterService(s->read_service_.get());

@@ -100,6 +100,23 @@ class SessionRegistry {
   // Lookups of a live session by a tenant other than its own (refused as NotFound), since start.
   uint64_t foreign_attempts() const { return foreign_attempts_.load(std::memory_order_relaxed); }
 
+  // The live session `id` whatever its tenant, for the transport's own lookups (a data-plane
+  // message on a connection already bound to the session); null when there is none.
+  std::shared_ptr<T> FindAny(uint64_t id) const {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(id);
+    return it == entries_.end() ? nullptr : it->second.session;
+  }
+
+  // Every live session, for the transport's own sweeps (timeouts, shutdown).
+  std::vector<std::shared_ptr<T>> All() const {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::shared_ptr<T>> all;
+    all.reserve(entries_.size());
+    for (const auto& [id, e] : entries_) all.push_back(e.session);
+    return all;
+  }
+
   // Ends the session `id` whatever its tenant (the transport's own reasons: its peer failed);
   // null when it is gone already.
   std::shared_ptr<T> EndAny(uint64_t id, const absl::Status& why) {

@@ -33,6 +33,26 @@ TEST(SessionRegistryTest, SessionsBelongToTheirTenant) {
   EXPECT_EQ(r.foreign_attempts(), 3u);
 }
 
+// The transport's own lookups (a message on a connection bound to the session, its sweeps) see
+// every tenant's sessions and count nothing as foreign.
+TEST(SessionRegistryTest, TransportLookupsSeeEveryTenant) {
+  SessionRegistry<Channel> r(8);
+  auto a = r.Add("team-a", std::make_shared<Channel>(Channel{"a"}), false);
+  auto b = r.Add("team-b", std::make_shared<Channel>(Channel{"b"}), false);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_NE(r.FindAny(*a), nullptr);
+  EXPECT_EQ(r.FindAny(*a)->name, "a");
+  EXPECT_EQ(r.FindAny(*b)->name, "b");
+  EXPECT_EQ(r.FindAny(*a ^ *b), nullptr);
+  std::set<std::string> names;
+  for (const std::shared_ptr<Channel>& c : r.All()) names.insert(c->name);
+  EXPECT_EQ(names, (std::set<std::string>{"a", "b"}));
+  EXPECT_EQ(r.foreign_attempts(), 0u);
+  ASSERT_NE(r.EndAny(*a, absl::OkStatus()), nullptr);
+  EXPECT_EQ(r.FindAny(*a), nullptr);
+  EXPECT_EQ(r.All().size(), 1u);
+}
+
 TEST(SessionRegistryTest, IdsDoNotFollowEachOther) {
   SessionRegistry<Channel> r(64);
   std::vector<uint64_t> ids;

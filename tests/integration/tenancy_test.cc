@@ -633,13 +633,31 @@ TEST_F(TenancyTest, UcxSessionsAreBoundToTheNegotiatingTenant) {
   auto described = b->DescribeSequence("u-b");
   ASSERT_TRUE(described.ok());
   EXPECT_EQ(described->total_tokens(), 0u);
-  // B cannot close or watch A's session: NOT_FOUND, as for a session that does not exist.
+  // B cannot close or watch A's session: NOT_FOUND, as for a session that does not exist, and
+  // each attempt is counted (a session that does not exist is no attempt on anyone's).
+  auto security = [&] {
+    auto stats = a->GetStats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? stats->security() : v1::SecurityStats();
+  };
+  const uint64_t attempts = security().foreign_session_attempts();
   EXPECT_EQ(Transport(*b, "CloseSession", session).code(), C::kNotFound);
   EXPECT_EQ(Transport(*b, "WatchSession", session).code(), C::kNotFound);
+  EXPECT_EQ(security().foreign_session_attempts(), attempts + 2);
   EXPECT_EQ(Transport(*a, "CloseSession", session ^ 1).code(), C::kNotFound);
+  EXPECT_EQ(Transport(*b, "WatchSession", session ^ 1).code(), C::kNotFound);
+  EXPECT_EQ(security().foreign_session_attempts(), attempts + 2);
   // A's session is intact.
   ASSERT_TRUE(a->CreateSequence("m-u", "u-a2").ok());
   KV_ASSERT_OK(push("u-a2"));
+  // A's own watch holds (its first message), and the session ends with the watch (a lease).
+  EXPECT_EQ(Transport(*a, "WatchSession", session).code(), C::kCancelled);
+  EXPECT_TRUE(Eventually([&] {
+    auto stats = a->GetStats();
+    return stats.ok() && stats->transport().sessions() == 0;
+  }));
+  EXPECT_EQ(Transport(*a, "CloseSession", session).code(), C::kNotFound);
+  EXPECT_EQ(security().foreign_session_attempts(), attempts + 2);
   ch->reset();
   EXPECT_TRUE((*d)->Stop().ok());
 }

@@ -230,6 +230,12 @@ class CudaIpcTransport final : public Transport {
     sessions_.EndAll(absl::UnavailableError("kvpoold is shutting down"));
   }
 
+  // An optional lease: the session ends when its watch does.
+  absl::Status WatchSession(const TenantId& tenant, uint64_t session_id,
+                            std::function<void(absl::Status)> on_end) override {
+    return sessions_.Watch(tenant, session_id, std::move(on_end));
+  }
+
   absl::StatusOr<std::shared_ptr<DevicePush>> OpenDevicePush(
       const TenantId& tenant, uint64_t session_id, std::function<bool()> cancelled) override {
     KVPOOL_RETURN_IF_ERROR(sessions_.Find(tenant, session_id).status());

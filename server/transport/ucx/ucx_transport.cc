@@ -152,7 +152,7 @@ UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config) {
 }
 
 UcxTransport::UcxTransport(ServiceContext* ctx, const UcxTransportOptions& options)
-    : ctx_(ctx), options_(options) {}
+    : ctx_(ctx), options_(options), sessions_(static_cast<size_t>(options.max_sessions)) {}
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(
     ServiceContext* ctx, const UcxTransportOptions& options) {
@@ -256,13 +256,7 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
       result = absl::UnavailableError("kvpoold is shutting down");
       return;
     }
-    if (sessions_.size() >= static_cast<size_t>(options_.max_sessions)) {
-      result = absl::ResourceExhaustedError(
-          absl::StrCat("too many UCX sessions (", options_.max_sessions, ")"));
-      return;
-    }
     auto session = std::make_shared<Session>();
-    session->id = (SecureRandomSessionId() & ~uint64_t{0xffff}) | (next_session_++ & 0xffff);
     session->tenant = tenant;
     session->secret = *secret;
     session->created = absl::Now();
@@ -275,8 +269,12 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
           "shared-memory UCX needs a client on this host whose process the daemon can watch");
       return;
     }
-    sessions_[session->id] = session;
-    ++sessions_count_;
+    absl::StatusOr<uint64_t> id = sessions_.Add(tenant, session, /*must_watch=*/false);
+    if (!id.ok()) {
+      result = id.status();
+      return;
+    }
+    session->id = *id;
     TransportSession ts;
     ts.kind = TransportKind::kUcx;
     ts.session_id = session->id;
@@ -301,22 +299,32 @@ absl::StatusOr<TransportSession> UcxTransport::Accept(const TenantId& tenant,
 }
 
 absl::StatusOr<int> UcxTransport::Close(const TenantId& tenant, uint64_t session_id) {
-  absl::StatusOr<int> result = absl::NotFoundError(absl::StrCat("no UCX session ", session_id));
+  absl::StatusOr<int> result = absl::InternalError("not run");
   absl::Status run = rt_->RunSync([&] {
-    std::shared_ptr<Session> s = FindSession(session_id);
-    if (s == nullptr || s->tenant != tenant) return;
+    // Another tenant's session answers as none, and is counted.
+    absl::StatusOr<std::shared_ptr<Session>> s = sessions_.Find(tenant, session_id);
+    if (!s.ok()) {
+      result = s.status();
+      return;
+    }
     int open = 0;
-    for (const auto& [id, p] : s->pushes) open += p->finished ? 0 : 1;
-    EndSession(s, absl::CancelledError("UCX session closed"), /*force=*/false);
+    for (const auto& [id, p] : (*s)->pushes) open += p->finished ? 0 : 1;
+    EndSession(*s, absl::CancelledError("UCX session closed"), /*force=*/false,
+               /*peer_gone=*/false, /*closed=*/true);
     result = open;
   });
   if (!run.ok()) return run;
   return result;
 }
 
+absl::Status UcxTransport::WatchSession(const TenantId& tenant, uint64_t session_id,
+                                        std::function<void(absl::Status)> on_end) {
+  return sessions_.Watch(tenant, session_id, std::move(on_end));
+}
+
 TransportStats UcxTransport::Stats() const {
   TransportStats s;
-  s.sessions = sessions_count_.load();
+  s.sessions = static_cast<uint32_t>(sessions_.size());
   s.open_pushes = open_pushes_.load();
   s.staging_bytes_in_use = static_cast<size_t>(slots_in_use_.load()) * slot_bytes_;
   s.staging_capacity_bytes = slot_bytes_ * num_slots_;
@@ -327,7 +335,8 @@ TransportStats UcxTransport::Stats() const {
   s.timeouts = timeouts_.load();
   s.bytes_received = bytes_received_.load();
   s.attention_calls = attention_calls_.load();
-  s.connections_refused = connections_refused_.load();
+  // Connections refused, and calls that named another tenant's session.
+  s.connections_refused = connections_refused_.load() + sessions_.foreign_attempts();
   s.transports = rt_ != nullptr ? rt_->transports() : "";
   return s;
 }
@@ -336,9 +345,7 @@ void UcxTransport::Shutdown() {
   if (shut_down_.exchange(true) || rt_ == nullptr) return;
   // Before Start (a failed Create) RunSync runs inline: there are no sessions then.
   (void)rt_->RunSync([this] {
-    std::vector<std::shared_ptr<Session>> all;
-    for (auto& [id, s] : sessions_) all.push_back(s);
-    for (auto& s : all) {
+    for (const std::shared_ptr<Session>& s : sessions_.All()) {
       EndSession(s, absl::UnavailableError("kvpoold is shutting down"), /*force=*/false);
     }
     std::vector<std::shared_ptr<Connection>> unbound;
@@ -357,9 +364,9 @@ absl::StatusOr<std::unique_ptr<RegisteredMemory>> UcxTransport::RegisterMemory(s
 }
 
 std::shared_ptr<UcxTransport::Session> UcxTransport::FindSession(uint64_t id) {
-  auto it = sessions_.find(id);
-  if (it == sessions_.end() || it->second->dead) return nullptr;
-  return it->second;
+  std::shared_ptr<Session> s = sessions_.FindAny(id);
+  if (s == nullptr || s->dead) return nullptr;
+  return s;
 }
 
 // --- Connections ---
@@ -422,8 +429,7 @@ ucs_status_t UcxTransport::OnHello(const void* header, size_t header_length, siz
   if (h->wire_version != wire::kWireVersion) {
     return refuse(absl::StrCat("HELLO of wire version ", h->wire_version));
   }
-  auto s = sessions_.find(h->session_id);
-  const std::shared_ptr<Session> session = s == sessions_.end() ? nullptr : s->second;
+  const std::shared_ptr<Session> session = sessions_.FindAny(h->session_id);
   const absl::string_view secret(reinterpret_cast<const char*>(h->secret), sizeof(h->secret));
   // One answer for an unknown session and a wrong secret: a refusal tells nothing about which.
   if (session == nullptr || session->dead || !SecretsEqual(secret, session->secret)) {
@@ -939,7 +945,7 @@ void UcxTransport::SendAttendError(const std::shared_ptr<Session>& session, uint
 // --- Sessions and time ---
 
 void UcxTransport::EndSession(const std::shared_ptr<Session>& session, const absl::Status& why,
-                              bool force, bool peer_gone) {
+                              bool force, bool peer_gone, bool closed) {
   if (session->dead) return;
   std::vector<std::shared_ptr<Push>> pushes;
   for (auto& [id, p] : session->pushes) pushes.push_back(p);
@@ -976,7 +982,7 @@ void UcxTransport::EndSession(const std::shared_ptr<Session>& session, const abs
   }
   session->ep = nullptr;
   session->ended = absl::Now();
-  if (sessions_.erase(session->id) > 0) --sessions_count_;
+  (void)sessions_.EndAny(session->id, closed ? absl::OkStatus() : why);
   ended_.push_back(session);
   spdlog::info("ucx: session {:x} ended: {}", session->id, why.ToString());
 }
@@ -999,7 +1005,7 @@ void UcxTransport::OnTick() {
   std::vector<std::pair<std::shared_ptr<Session>, std::shared_ptr<Push>>> idle;
   std::vector<std::shared_ptr<Session>> stuck, gone;
   std::vector<std::shared_ptr<Session>> unconnected;
-  for (auto& [sid, s] : sessions_) {
+  for (const std::shared_ptr<Session>& s : sessions_.All()) {
     if (s->watch && ucx::ProcessGone(s->peer)) {
       gone.push_back(s);
       continue;

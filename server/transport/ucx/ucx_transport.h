@@ -21,6 +21,11 @@
 // (Stats().connections_refused); every later message must come on the session's own connection.
 // No peer's packed UCX address ever reaches UCX.
 //
+// Tenants: every session lives in a SessionRegistry bound to the tenant that negotiated it, as on
+// the other planes. CloseSession and WatchSession (an optional lease: the session ends when the
+// watch does) find only the caller's own sessions; another tenant's answers NOT_FOUND and is
+// counted with the refused connections (Stats().connections_refused).
+//
 // Faults: an endpoint error (UCX peer error handling; keepalive notices a killed process within
 // about --transport_keepalive_ms) ends the session; a push with no progress for idle_timeout is
 // rolled back (DEADLINE_EXCEEDED). Either way the transaction is dropped, so no half-written
@@ -40,6 +45,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -53,6 +59,7 @@
 #include "dataplane/ucx_wire.h"
 #include "server/ingest/ingest_append.h"
 #include "server/service_context.h"
+#include "server/transport/session_registry.h"
 #include "server/transport/transport.h"
 
 namespace kvpool::server {
@@ -93,6 +100,8 @@ class UcxTransport final : public Transport {
   absl::StatusOr<TransportSession> Accept(const TenantId& tenant,
                                           const TransportOffer& offer) override;
   absl::StatusOr<int> Close(const TenantId& tenant, uint64_t session_id) override;
+  absl::Status WatchSession(const TenantId& tenant, uint64_t session_id,
+                            std::function<void(absl::Status)> on_end) override;
   TransportStats Stats() const override;
   void Shutdown() override;
   absl::StatusOr<std::unique_ptr<RegisteredMemory>> RegisterMemory(size_t bytes) override;
@@ -164,9 +173,10 @@ class UcxTransport final : public Transport {
                        const absl::Status& status);
   // Ends a session. `force`: the peer failed (no goodbye, forced close). `peer_gone`: its process
   // has exited, so receives still in flight from it can never complete and their staging slots
-  // are reclaimed now (nothing can write into them any more).
+  // are reclaimed now (nothing can write into them any more). Its watchers hear `why`, or OK
+  // when `closed` (CloseSession).
   void EndSession(const std::shared_ptr<Session>& session, const absl::Status& why, bool force,
-                  bool peer_gone = false);
+                  bool peer_gone = false, bool closed = false);
   void OnTick();
   std::shared_ptr<Session> FindSession(uint64_t id);
 
@@ -186,18 +196,17 @@ class UcxTransport final : public Transport {
   int num_slots_ = 0;
   uint32_t max_inflight_ = 0;
 
+  // Live sessions and their tenants (thread-safe); added and ended on the progress thread.
+  SessionRegistry<Session> sessions_;
   // Progress thread only.
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_;
   std::vector<int> free_slots_;
   std::deque<Pending> pending_;
   bool serving_ = false;  // ServePending is running
   bool serve_again_ = false;
   // Ended sessions, kept a while: UCX may still hold their error handlers.
   std::vector<std::shared_ptr<Session>> ended_;
-  uint64_t next_session_ = 1;
 
   std::atomic<bool> shut_down_{false};
-  std::atomic<uint32_t> sessions_count_{0};
   std::atomic<uint32_t> open_pushes_{0};
   std::atomic<uint32_t> slots_in_use_{0};
   std::atomic<uint32_t> pending_count_{0};
