@@ -11,7 +11,8 @@ CALIB ?= $(BUILD)/calibration
 CALIB_TOKENS ?= 8192
 
 .PHONY: all deps configure build run run-synthetic gpu-replay-capture check-connectors test sanitize bench-cpu \
-	bench-service bench-scaleout bench-tenancy bench-tenant-fairness bench-transport format clean venv fidelity fuzz image-cpu
+	bench-service bench-scaleout bench-tenancy bench-tenant-fairness bench-transport format clean venv fidelity fuzz image-cpu \
+	wire-baseline
 
 all: build
 
@@ -65,6 +66,11 @@ venv: deps
 
 test: build venv
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+# At release time: the protos as released become the baseline that later protos must stay
+# wire-compatible with (tests/wire_compat/, docs/operations.md "Versions and wire compatibility").
+wire-baseline:
+	./scripts/wire-compat-baseline.sh
 
 # ASan + UBSan (build-asan), then TSan (build-tsan): unit and integration tests, then kvpool-soak
 # (16 clients; SANITIZE_SOAK_SECONDS under ASan, SANITIZE_TSAN_SOAK_SECONDS under TSan). Any

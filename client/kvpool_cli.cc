@@ -17,6 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
@@ -29,8 +30,10 @@
 #include "client/kvpool_client.h"
 #include "client/npy.h"
 #include "client/routing_client.h"
+#include "common/build_info.h"
 #include "common/status_macros.h"
 #include "kernels/safetensors.h"
+#include "proto/api_version.h"
 #include "proto/status.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
@@ -77,6 +80,9 @@ ABSL_FLAG(int32_t, recent, -1, "register (data-free): BF16 recent window (-1 = 2
 ABSL_FLAG(int32_t, demotion_batch, -1, "register (data-free): demotion batch (-1 = 16)");
 ABSL_FLAG(bool, v_prerotated, false, "register (data-free): V arrives rotated by M_V");
 ABSL_FLAG(std::string, expect_codec, "", "register: expected codec version (64 hex digits)");
+
+ABSL_FLAG(std::string, request_id, "",
+          "x-request-id of the calls (the daemon's log lines carry it; default: it makes one)");
 
 // describe / delete-model
 ABSL_FLAG(std::string, rotation_out, "",
@@ -671,6 +677,10 @@ absl::Status Stats(const KvpoolClient& c) {
               svc.version().c_str(), svc.backend().c_str(), svc.uptime_seconds(),
               svc.worker_threads(), svc.worker_queue_depth(), svc.worker_queue_capacity(),
               static_cast<unsigned long long>(svc.rejected_busy()));
+  const v1::BuildInfo& b = s.build();
+  std::printf("build: commit %s, %s, CUDA %s; API %s revision %u\n",
+              b.git_commit().empty() ? "unknown" : b.git_commit().c_str(), b.build_type().c_str(),
+              b.cuda() ? "on" : "off", b.api_package().c_str(), b.api_revision());
   std::printf(
       "pool: %s used of %s (%s free), %s cached, %s shared, %llu prefix units, %llu "
       "evicted\n",
@@ -799,6 +809,12 @@ absl::Status RunOnPool(RoutingClient& pool, const std::string& cmd) {
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] {
+    return absl::StrCat(BuildDescription("kvpool"), "\nAPI ", kApiPackage, " revision ",
+                        kApiRevision, "\n");
+  };
+  absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", kUsage);
@@ -812,6 +828,7 @@ int Main(int argc, char** argv) {
   ClientOptions options;
   options.deadline = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
   options.chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes));
+  options.request_id = absl::GetFlag(FLAGS_request_id);
   absl::StatusOr<std::string> token =
       client::TokenFromEnvironmentOrFile("KVPOOL_TOKEN", absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {
@@ -841,9 +858,12 @@ int Main(int argc, char** argv) {
     status = client.ok() ? RunCommand(**client, cmd) : client.status();
   }
   if (!status.ok()) {
-    std::fprintf(stderr, "kvpool: %s: %s: %s\n", cmd.c_str(),
+    // One line; the daemon's request id of the call, when it answered one, names its log lines.
+    const std::optional<std::string> id = RequestIdOf(status);
+    const std::string id_note = id.has_value() ? absl::StrCat(" (request id ", *id, ")") : "";
+    std::fprintf(stderr, "kvpool: %s: %s: %s%s\n", cmd.c_str(),
                  absl::StatusCodeToString(status.code()).c_str(),
-                 std::string(status.message()).c_str());
+                 std::string(status.message()).c_str(), id_note.c_str());
     return 1;
   }
   return 0;

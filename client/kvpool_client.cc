@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
@@ -70,6 +71,23 @@ grpc::ByteBuffer SerializeChunk(int layer, uint32_t token_offset, uint32_t num_t
   return grpc::ByteBuffer(&owned, 1);
 }
 
+// A failed call's status (FromGrpcStatus) with the request id the server answered (it sends
+// one in the trailing metadata of a failure and in the initial metadata of every call).
+absl::Status CallFailure(const grpc::Status& status, const grpc::ClientContext& context,
+                         absl::string_view rpc) {
+  absl::Status failure = FromGrpcStatus(status, rpc);
+  for (const auto* metadata :
+       {&context.GetServerTrailingMetadata(), &context.GetServerInitialMetadata()}) {
+    const auto it = metadata->find(kRequestIdKey);
+    if (it != metadata->end()) {
+      failure.SetPayload(kRequestIdPayloadUrl,
+                         absl::Cord(absl::string_view(it->second.data(), it->second.size())));
+      break;
+    }
+  }
+  return failure;
+}
+
 }  // namespace
 
 std::vector<TokenChunk> PlanTokenChunks(uint32_t num_tokens, size_t token_bytes, size_t max_bytes) {
@@ -84,6 +102,12 @@ std::vector<TokenChunk> PlanTokenChunks(uint32_t num_tokens, size_t token_bytes,
   return chunks;
 }
 
+std::optional<std::string> RequestIdOf(const absl::Status& status) {
+  const auto id = status.GetPayload(kRequestIdPayloadUrl);
+  if (!id.has_value()) return std::nullopt;
+  return std::string(*id);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AppendStream
 
@@ -94,7 +118,7 @@ AppendStream::~AppendStream() {
 absl::Status AppendStream::Fail() {
   // A failed write means the server has finished the call: collect its status.
   if (!finished_) {
-    final_status_ = FromGrpcStatus(writer_->Finish(), "AppendKv");
+    final_status_ = CallFailure(writer_->Finish(), *context_, "AppendKv");
     if (final_status_.ok()) {
       final_status_ = absl::InternalError("AppendKv: the server ended the stream early");
     }
@@ -143,7 +167,7 @@ absl::Status AppendStream::WriteRaw(const v1::AppendKvRequest& request) {
 absl::StatusOr<v1::AppendKvResponse> AppendStream::Finish() {
   if (!finished_) {
     writer_->WritesDone();
-    final_status_ = FromGrpcStatus(writer_->Finish(), "AppendKv");
+    final_status_ = CallFailure(writer_->Finish(), *context_, "AppendKv");
     if (final_status_.ok() &&
         !grpc::SerializationTraits<v1::AppendKvResponse>::Deserialize(&response_bytes_, &response_)
              .ok()) {
@@ -158,7 +182,7 @@ absl::StatusOr<v1::AppendKvResponse> AppendStream::Finish() {
 void AppendStream::Cancel() {
   if (finished_) return;
   context_->TryCancel();
-  final_status_ = FromGrpcStatus(writer_->Finish(), "AppendKv");
+  final_status_ = CallFailure(writer_->Finish(), *context_, "AppendKv");
   if (final_status_.ok()) final_status_ = absl::CancelledError("AppendKv: cancelled");
   finished_ = true;
 }
@@ -197,7 +221,7 @@ absl::StatusOr<Response> CallUnary(
     std::unique_ptr<grpc::ClientContext> context, const Request& request, absl::string_view rpc) {
   Response response;
   const grpc::Status s = (stub.*method)(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, rpc);
+  if (!s.ok()) return CallFailure(s, *context, rpc);
   return response;
 }
 
@@ -206,6 +230,7 @@ std::unique_ptr<grpc::ClientContext> KvpoolClient::NewContext() const {
   context->set_deadline(DeadlineAfter(options_.deadline));
   context->set_wait_for_ready(options_.wait_for_ready);
   for (const auto& [key, value] : options_.call_metadata) context->AddMetadata(key, value);
+  if (!options_.request_id.empty()) context->AddMetadata(kRequestIdKey, options_.request_id);
   return context;
 }
 
@@ -221,6 +246,12 @@ std::unique_ptr<KvpoolClient> KvpoolClient::WithCallMetadata(
   client->health_ = health_;
   client->stubs_ = stubs_;
   client->append_kv_ = append_kv_;
+  return client;
+}
+
+std::unique_ptr<KvpoolClient> KvpoolClient::WithRequestId(std::string request_id) const {
+  std::unique_ptr<KvpoolClient> client = WithCallMetadata(options_.call_metadata);
+  client->options_.request_id = std::move(request_id);
   return client;
 }
 
@@ -245,7 +276,7 @@ absl::StatusOr<KvpoolClient::ServingStatus> KvpoolClient::Health(const std::stri
   grpc::health::v1::HealthCheckResponse response;
   auto context = NewContext();
   const grpc::Status s = health_->Check(context.get(), request, &response);
-  if (!s.ok()) return FromGrpcStatus(s, "Health");
+  if (!s.ok()) return CallFailure(s, *context, "Health");
   return response.status();
 }
 
@@ -297,7 +328,7 @@ absl::StatusOr<v1::RegisterModelResponse> KvpoolClient::RegisterModel(
   }
   if (ok) writer->WritesDone();
   const grpc::Status s = writer->Finish();
-  if (!s.ok()) return FromGrpcStatus(s, "RegisterModel");
+  if (!s.ok()) return CallFailure(s, *context, "RegisterModel");
   return response;
 }
 
@@ -306,7 +337,7 @@ absl::StatusOr<std::vector<v1::ModelInfo>> KvpoolClient::ListModels() const {
   v1::ListModelsResponse response;
   const grpc::Status s =
       stubs_->models->ListModels(context.get(), v1::ListModelsRequest(), &response);
-  if (!s.ok()) return FromGrpcStatus(s, "ListModels");
+  if (!s.ok()) return CallFailure(s, *context, "ListModels");
   return std::vector<v1::ModelInfo>(response.models().begin(), response.models().end());
 }
 
@@ -336,7 +367,7 @@ absl::StatusOr<ModelDescription> KvpoolClient::DescribeModel(const std::string& 
     }
   }
   const grpc::Status s = reader->Finish();
-  if (!s.ok()) return FromGrpcStatus(s, "DescribeModel");
+  if (!s.ok()) return CallFailure(s, *context, "DescribeModel");
   if (!order.ok()) return order;
   if (!have_model) return StreamOrderError("DescribeModel", "no model message");
   return out;
@@ -517,7 +548,7 @@ absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest&
     }
   }
   const grpc::Status s = reader->Finish();
-  if (!s.ok()) return FromGrpcStatus(s, kRpc);
+  if (!s.ok()) return CallFailure(s, *context, kRpc);
   if (!order.ok()) return order;
   if (!have_header) return StreamOrderError(kRpc, "no header");
   const uint32_t bt = out.header.block_layout().tokens();
@@ -584,7 +615,7 @@ absl::StatusOr<KvRead> KvpoolClient::ReadKv(const v1::ReadKvRequest& request) co
     l.v += rows.v();
   }
   const grpc::Status s = reader->Finish();
-  if (!s.ok()) return FromGrpcStatus(s, kRpc);
+  if (!s.ok()) return CallFailure(s, *context, kRpc);
   if (!order.ok()) return order;
   if (!have_header) return StreamOrderError(kRpc, "no header");
   for (const LayerRows& l : out.layers) {

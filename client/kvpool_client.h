@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,7 +78,20 @@ struct ClientOptions {
   ChannelSecurity security;
   // Metadata added to every call (e.g. the scale-out placement, client/routing_client.h).
   std::vector<std::pair<std::string, std::string>> call_metadata;
+  // Sent as "x-request-id" on every call, so the daemon's log lines of the call carry it
+  // (printable ASCII without spaces, at most 128 bytes; the daemon replaces any other). Empty:
+  // the daemon makes one. WithRequestId gives a client with another id on the same channel.
+  std::string request_id;
 };
+
+// The call metadata key of request ids, and the absl::Status payload holding the id the daemon
+// answered for a failed call.
+inline constexpr char kRequestIdKey[] = "x-request-id";
+inline constexpr char kRequestIdPayloadUrl[] = "kvpool/request-id";
+
+// The request id the daemon answered for the failed call `status` came from (its log lines of
+// that call carry it); nullopt when it sent none (e.g. it was not reached).
+std::optional<std::string> RequestIdOf(const absl::Status& status);
 
 // The server's gRPC status as an absl::Status (proto/status.h): the same code, the message
 // prefixed with the RPC ("AppendKv: ..."). OK stays OK.
@@ -201,6 +215,8 @@ class KvpoolClient {
   // A client on the same channel (no new connection) whose calls carry `call_metadata` instead.
   std::unique_ptr<KvpoolClient> WithCallMetadata(
       std::vector<std::pair<std::string, std::string>> call_metadata) const;
+  // A client on the same channel whose calls carry the request id `request_id`.
+  std::unique_ptr<KvpoolClient> WithRequestId(std::string request_id) const;
 
   // Asks the server for its limits (GetStats) and lowers the AppendKv and rotation-file chunk
   // size so that every message fits them: k and v each at most limits.max_chunk_bytes, the

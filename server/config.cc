@@ -108,6 +108,9 @@ ABSL_FLAG(uint32_t, codec_health_sample_every, 64,
           "Codec health metrics: re-encode a few rows of every Nth arriving chunk on the side to "
           "measure clip and quantization error per model and layer; 0 = off");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+ABSL_FLAG(std::string, log_format, "text",
+          "text (one line per event) or json (one JSON object per line: time, level, "
+          "request_id, msg)");
 ABSL_FLAG(int32_t, shutdown_grace_ms, 5000,
           "On SIGTERM/SIGINT, how long in-flight calls may finish before being cancelled");
 ABSL_FLAG(uint64_t, malloc_retain_bytes, uint64_t{64} << 20,
@@ -324,6 +327,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "--log_level must be trace, debug, info, warn or error, got '", log_level, "'"));
   }
+  if (log_format != "text" && log_format != "json") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--log_format must be text or json, got '", log_format, "'"));
+  }
   return absl::OkStatus();
 }
 
@@ -458,6 +465,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.kv_events_max_subscribers = absl::GetFlag(FLAGS_kv_events_max_subscribers);
   c.codec_health_sample_every = absl::GetFlag(FLAGS_codec_health_sample_every);
   c.log_level = absl::GetFlag(FLAGS_log_level);
+  c.log_format = absl::GetFlag(FLAGS_log_format);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
   c.malloc_retain_bytes = absl::GetFlag(FLAGS_malloc_retain_bytes);
   c.transports = absl::GetFlag(FLAGS_transports);

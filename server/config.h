@@ -69,6 +69,7 @@ struct ServerConfig {
   uint32_t kv_events_max_subscribers = 64;
   uint32_t codec_health_sample_every = 64;  // server/codec_health.h; 0 = off
   std::string log_level = "info";
+  std::string log_format = "text";  // or "json" (server/logging/log_format.h)
   int shutdown_grace_ms = 5000;
   // Freed heap memory kept for reuse rather than returned to the OS (glibc's trim threshold;
   // allocations below min(this, 32 MiB) come from the heap); 0 = glibc's defaults.

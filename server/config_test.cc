@@ -144,6 +144,19 @@ TEST(ConfigTest, NonLoopbackNeedsTenantsAndTlsOrInsecure) {
   EXPECT_TRUE(c.Validate().ok());  // tokens over loopback
 }
 
+TEST(ConfigTest, LogFormatIsTextOrJson) {
+  ServerConfig c;
+  c.pool_bytes = 64u << 20;
+  c.worker_threads = 1;
+  EXPECT_EQ(c.log_format, "text");
+  c.log_format = "json";
+  EXPECT_TRUE(c.Validate().ok());
+  c.log_format = "xml";
+  const absl::Status s = c.Validate();
+  EXPECT_TRUE(absl::IsInvalidArgument(s));
+  EXPECT_NE(s.message().find("--log_format"), std::string::npos) << s;
+}
+
 TEST(ConfigTest, CudaFlagsSetTheKernelTuningAndDefaultToTheMeasuredOnes) {
   auto c = ServerConfigFromFlags();
   ASSERT_TRUE(c.ok()) << c.status();

@@ -17,7 +17,12 @@
 #include <thread>
 
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
+#include "common/build_info.h"
+#include "proto/api_version.h"
 #include "server/config.h"
+#include "server/logging/log_format.h"
 #include "server/server.h"
 #include "server/stats_service.h"
 #include "spdlog/spdlog.h"
@@ -58,6 +63,12 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvpoold: KV-cache daemon storing LLM K/V as 2-bit OSCAR codes, served over gRPC.\n"
       "Usage: kvpoold [--config=FILE] [--listen=HOST:PORT] [--pool_bytes=N] [flags...]");
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] {
+    return absl::StrCat(kvpool::BuildDescription("kvpoold"), "\nAPI ", kvpool::kApiPackage,
+                        " revision ", kvpool::kApiRevision, "\n");
+  };
+  absl::SetFlagsUsageConfig(usage_config);
   if (absl::Status s = kvpool::server::ParseServerFlags(argc, argv); !s.ok()) {
     std::fprintf(stderr, "kvpoold: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -67,7 +78,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvpoold: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ kvpoold: %v");
+  const absl::StatusOr<kvpool::server::LogFormat> log_format =
+      kvpool::server::ParseLogFormat(config->log_format);
+  if (!log_format.ok()) {
+    std::fprintf(stderr, "kvpoold: %s\n", std::string(log_format.status().message()).c_str());
+    return 2;
+  }
+  kvpool::server::InstallLogFormat(*log_format, "kvpoold");
   spdlog::set_level(spdlog::level::from_str(config->log_level));
 
 #if defined(KVPOOL_FAULT_INJECTION)
@@ -88,8 +105,11 @@ int main(int argc, char** argv) {
                kvpool::server::KvpoolVersion(), host, port, config->device,
                (*server)->config().pool_bytes >> 20, config->slab_bytes >> 10,
                config->worker_threads);
-  std::printf("kvpoold listening on %s:%d\n", host.c_str(), port);
-  std::fflush(stdout);
+  // The readiness line of the text log; a JSON log holds log objects only (the line above).
+  if (*log_format == kvpool::server::LogFormat::kText) {
+    std::printf("kvpoold listening on %s:%d\n", host.c_str(), port);
+    std::fflush(stdout);
+  }
   // Before --port_file: whoever waits for that one finds this one written.
   if (!config->metrics_port_file.empty() &&
       !WritePortFile(config->metrics_port_file, (*server)->metrics_port())) {

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "kernels/rotation_file.h"
 #include "server/grpc_reactor_order.h"
+#include "server/logging/request_context.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
 
@@ -35,6 +36,9 @@ class RegisterReactor final
 
   void OnReadDone(bool ok) override {
     AcquireFromGrpc(this);
+    // gRPC runs reactions outside the interceptor's scope: the log lines of the registration
+    // (and of its work on the worker pool) carry the call's request id from here.
+    ScopedRequestId scope(request_id_);
     if (!ok) {  // the client half-closed (or the call ended)
       if (!have_spec_)
         return Finish(ToGrpcStatus(
@@ -160,6 +164,8 @@ class RegisterReactor final
 
   ServiceContext* const ctx_;
   const TenantId tenant_;
+  // Set by the request id interceptor while gRPC constructs this reactor in the handler.
+  const std::string request_id_{CurrentRequestId()};
   v1::RegisterModelResponse* const response_;
   v1::RegisterModelRequest request_;
   v1::ModelSpec spec_;

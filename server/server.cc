@@ -24,6 +24,7 @@
 #include "server/events/kv_event_hub.h"
 #include "server/events/kv_event_service.h"
 #include "server/ingest/ingest_engine.h"
+#include "server/logging/request_id_interceptor.h"
 #include "server/metrics/metrics_http_server.h"
 #include "server/metrics/metrics_page.h"
 #include "server/metrics/rpc_latency.h"
@@ -227,6 +228,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->rpc_latency_ = std::make_unique<RpcLatency>();
   s->attend_latency_ = std::make_unique<RpcLatency>();
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  // First: the request id is set while the other interceptors and the handler run.
+  interceptors.push_back(NewRequestIdInterceptorFactory());
   interceptors.push_back(
       NewRpcLatencyInterceptorFactory(s->rpc_latency_.get(), s->attend_latency_.get()));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));

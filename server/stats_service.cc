@@ -4,6 +4,9 @@
 #include <chrono>
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "common/build_info.h"
+#include "proto/api_version.h"
 #include "server/connection_listener.h"
 #include "server/ingest/ingest_engine.h"
 #include "server/scaleout/ownership_guard.h"
@@ -11,7 +14,20 @@
 
 namespace kvpool::server {
 
-const char* KvpoolVersion() { return "kvpoold 0.1.0"; }
+const char* KvpoolVersion() {
+  static const std::string kVersion = absl::StrCat("kvpoold ", ThisBuild().version);
+  return kVersion.c_str();
+}
+
+void FillBuildInfo(v1::BuildInfo* out) {
+  const BuildInfo& b = ThisBuild();
+  out->set_version(std::string(b.version));
+  out->set_git_commit(std::string(b.git_commit));
+  out->set_build_type(std::string(b.build_type));
+  out->set_cuda(b.cuda);
+  out->set_api_package(kApiPackage);
+  out->set_api_revision(kApiRevision);
+}
 
 namespace {
 
@@ -155,6 +171,7 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
   s->set_attention_calls(ctx_->counters.attention_calls.load());
   s->set_attention_sequences(ctx_->counters.attention_sequences.load());
   s->set_version(KvpoolVersion());
+  FillBuildInfo(response->mutable_build());
   const BackendTimes times = ctx_->backend->times();
   s->set_arrival_device_seconds(times.arrival_seconds);
   s->set_attention_device_seconds(times.attention_seconds);

@@ -31,8 +31,11 @@ class StatsServiceImpl final : public ::kvpool::v1::StatsService::CallbackServic
   ServiceContext* const ctx_;
 };
 
-// The daemon's version string.
+// The daemon's version string: "kvpoold 0.1.0".
 const char* KvpoolVersion();
+
+// This build and the API version (GetStatsResponse.build).
+void FillBuildInfo(::kvpool::v1::BuildInfo* out);
 
 // The tenants whose usage rows (GetStatsResponse.tenants) `caller` is shown: this function alone
 // decides. A tenant sees its own row; an admin or a router every tenant in `known` (those with

@@ -3,7 +3,22 @@
 #include <algorithm>
 #include <utility>
 
+#include "server/logging/request_context.h"
+
 namespace kvpool::server {
+namespace {
+
+// `task` running under the submitting thread's request id, so its log lines name the call.
+std::function<void()> WithCallersRequestId(std::function<void()> task) {
+  const absl::string_view id = CurrentRequestId();
+  if (id.empty()) return task;
+  return [id = std::string(id), task = std::move(task)] {
+    ScopedRequestId scope(id);
+    task();
+  };
+}
+
+}  // namespace
 
 WorkerPool::WorkerPool(int threads, size_t queue_capacity)
     : capacity_(std::max<size_t>(1, queue_capacity)), num_threads_(std::max(1, threads)) {
@@ -15,6 +30,7 @@ WorkerPool::WorkerPool(int threads, size_t queue_capacity)
 WorkerPool::~WorkerPool() { Shutdown(); }
 
 bool WorkerPool::TrySubmit(const TenantId& tenant, uint64_t cost, std::function<void()> task) {
+  task = WithCallersRequestId(std::move(task));
   absl::MutexLock lock(&mu_);
   if (stopping_) {
     ++rejected_;
@@ -33,6 +49,7 @@ bool WorkerPool::TrySubmit(const TenantId& tenant, uint64_t cost, std::function<
 }
 
 void WorkerPool::Submit(const TenantId& tenant, uint64_t cost, std::function<void()> task) {
+  task = WithCallersRequestId(std::move(task));
   {
     absl::MutexLock lock(&mu_);
     if (!stopping_) {

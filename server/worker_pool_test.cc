@@ -7,6 +7,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "server/logging/request_context.h"
 
 namespace kvpool::server {
 namespace {
@@ -30,6 +31,34 @@ TEST(WorkerPoolTest, RunsEverythingSubmitted) {
     pool.Shutdown();
   }
   EXPECT_EQ(count.load(), 500);
+}
+
+TEST(WorkerPoolTest, TasksRunUnderTheRequestIdOfTheirSubmitter) {
+  WorkerPool pool(2, 16);
+  std::string in_call, continuation, outside = "unset";
+  absl::Notification done;
+  {
+    ScopedRequestId scope("req-9");
+    ASSERT_TRUE(pool.TrySubmit([&] {
+      in_call = std::string(CurrentRequestId());
+      // A continuation submitted from the worker keeps the id too.
+      pool.Submit([&] {
+        continuation = std::string(CurrentRequestId());
+        done.Notify();
+      });
+    }));
+  }
+  done.WaitForNotification();
+  absl::Notification plain;
+  ASSERT_TRUE(pool.TrySubmit([&] {
+    outside = std::string(CurrentRequestId());
+    plain.Notify();
+  }));
+  plain.WaitForNotification();
+  pool.Shutdown();
+  EXPECT_EQ(in_call, "req-9");
+  EXPECT_EQ(continuation, "req-9");
+  EXPECT_EQ(outside, "");  // the worker thread does not keep a finished task's id
 }
 
 TEST(WorkerPoolTest, FullQueueRefusesWork) {

@@ -144,8 +144,17 @@ void RenderModels(const std::vector<std::pair<TenantId, v1::GetStatsResponse>>& 
 
 void RenderService(const v1::GetStatsResponse& r, PrometheusText& out) {
   const v1::ServiceStats& s = r.service();
-  out.Family("kvpool_build_info", "gauge", "The daemon's version and compute backend.");
-  out.Sample("kvpool_build_info", {{"version", s.version()}, {"backend", s.backend()}},
+  const v1::BuildInfo& b = r.build();
+  const std::string api = absl::StrCat(b.api_package(), ".", b.api_revision());
+  out.Family("kvpool_build_info", "gauge",
+             "The daemon's version, build, API version and compute backend.");
+  out.Sample("kvpool_build_info",
+             {{"version", s.version()},
+              {"backend", s.backend()},
+              {"git_commit", b.git_commit()},
+              {"build_type", b.build_type()},
+              {"cuda", b.cuda() ? "true" : "false"},
+              {"api", api}},
              uint64_t{1});
   out.Family("kvpool_uptime_seconds", "gauge", "Seconds since the daemon started.");
   out.Sample("kvpool_uptime_seconds", {}, s.uptime_seconds());

@@ -11,26 +11,6 @@
 namespace kvpool::server {
 namespace {
 
-// "/pkg.Service/Method" -> "pkg.Service/Method" when the generated descriptor pool or gRPC's
-// own services know it; "unknown" otherwise.
-std::string MethodLabel(absl::string_view path) {
-  static constexpr absl::string_view kGrpcOwn[] = {
-      "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
-      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"};
-  for (absl::string_view own : kGrpcOwn) {
-    if (path == own) return std::string(path.substr(1));
-  }
-  if (path.size() < 4 || path.size() > 256 || path[0] != '/') return "unknown";
-  const size_t slash = path.rfind('/');
-  if (slash == 0) return "unknown";
-  std::string full(path.substr(1));
-  full[slash - 1] = '.';
-  if (google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(full) == nullptr) {
-    return "unknown";
-  }
-  return std::string(path.substr(1));
-}
-
 constexpr absl::string_view kAttendMethod = "kvpool.v1.AttentionService/Attend";
 
 class RpcLatencyInterceptor final : public grpc::experimental::Interceptor {
@@ -79,9 +59,7 @@ class RpcLatencyInterceptorFactory final
       : latency_(latency), attend_by_batch_(attend_by_batch) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
-    return new RpcLatencyInterceptor(
-        latency_, attend_by_batch_,
-        info->method() == nullptr ? std::string("unknown") : MethodLabel(info->method()));
+    return new RpcLatencyInterceptor(latency_, attend_by_batch_, RpcMethodLabel(info->method()));
   }
 
  private:
@@ -90,6 +68,26 @@ class RpcLatencyInterceptorFactory final
 };
 
 }  // namespace
+
+std::string RpcMethodLabel(const char* method) {
+  if (method == nullptr) return "unknown";
+  const absl::string_view path = method;
+  static constexpr absl::string_view kGrpcOwn[] = {
+      "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"};
+  for (absl::string_view own : kGrpcOwn) {
+    if (path == own) return std::string(path.substr(1));
+  }
+  if (path.size() < 4 || path.size() > 256 || path[0] != '/') return "unknown";
+  const size_t slash = path.rfind('/');
+  if (slash == 0) return "unknown";
+  std::string full(path.substr(1));
+  full[slash - 1] = '.';
+  if (google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(full) == nullptr) {
+    return "unknown";
+  }
+  return std::string(path.substr(1));
+}
 
 const char* GrpcCodeName(int code) {
   static constexpr const char* kNames[] = {"OK",

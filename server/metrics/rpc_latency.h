@@ -55,6 +55,10 @@ class RpcLatency {
   std::map<std::pair<std::string, int>, RpcLatencySeries> series_ ABSL_GUARDED_BY(mu_);
 };
 
+// gRPC's path of a call ("/pkg.Service/Method") as a label, "pkg.Service/Method", when the
+// generated descriptor pool or gRPC's own services know it; "unknown" otherwise (also for null).
+std::string RpcMethodLabel(const char* method);
+
 // The name of a status code as gRPC spells it ("OK", "DEADLINE_EXCEEDED"); "UNKNOWN" when out
 // of range.
 const char* GrpcCodeName(int code);

@@ -193,6 +193,9 @@ TEST_F(CliTest, EveryCommandWorksAndErrorsArePlain) {
   r = Run({"describe", "--model=missing"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(absl::StrContains(r.output, "kvpool: describe: NOT_FOUND: ")) << r.output;
+  r = Run({"describe", "--model=missing", "--request_id=cli-req-1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.output, "'missing' (request id cli-req-1)\n")) << r.output;
   r = Run({"put", "--sequence=cli-3"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(absl::StrContains(r.output, "kvpool: put: INVALID_ARGUMENT: ")) << r.output;

@@ -96,7 +96,12 @@ def test_counters_equal_get_stats_exactly():
         assert m.value("kvpool_worker_queue_depth") == s.worker_queue_depth
         assert m.value("kvpool_worker_queue_capacity") == s.worker_queue_capacity
         assert m.value("kvpool_rejected_busy_total") == s.rejected_busy
-        assert m.value("kvpool_build_info", version=s.version, backend="cpu") == 1
+        b = stats.build
+        assert b.api_package == "kvpool.v1" and b.api_revision >= 1
+        assert m.value("kvpool_build_info", version=s.version, backend="cpu",
+                       git_commit=b.git_commit, build_type=b.build_type,
+                       cuda="true" if b.cuda else "false",
+                       api=f"{b.api_package}.{b.api_revision}") == 1
         a = stats.admission
         assert m.value("kvpool_admission_open_streams") == a.open_streams
         assert m.value("kvpool_admission_refused_total") == a.refused

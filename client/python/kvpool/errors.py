@@ -28,6 +28,10 @@ RETRYABLE_CODES = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
 
+# Call metadata of request ids: sent by the client (ClientOptions.request_id), answered by the
+# daemon in the initial metadata of every call and the trailing metadata of a failed one.
+REQUEST_ID_KEY = "x-request-id"
+
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
 
@@ -43,12 +47,16 @@ class KvpoolError(Exception):
         else None.
       domain: ErrorInfo.domain ("kvpool"), else None.
       metadata: ErrorInfo.metadata (e.g. the owner of a sequence), else empty.
+      request_id: the request id the daemon answered for the call (its log lines of the call
+        carry it), else None (e.g. when it was not reached).
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, rpc: str = "",
                  reason: Optional[str] = None, domain: Optional[str] = None,
-                 metadata: Optional[Mapping[str, str]] = None) -> None:
+                 metadata: Optional[Mapping[str, str]] = None,
+                 request_id: Optional[str] = None) -> None:
         self.code = code
+        self.request_id = request_id
         self.message = message
         self.rpc = rpc
         self.reason = reason
@@ -69,15 +77,21 @@ class KvpoolError(Exception):
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = error.details() if hasattr(error, "details") else str(error)
         trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-        reason = domain = None
+        reason = domain = request_id = None
         meta: dict = {}
         for key, value in trailers or ():
             if key == _STATUS_DETAILS_KEY and isinstance(value, bytes):
                 info = parse_error_info(value)
                 if info is not None:
                     reason, domain, meta = info
+            elif key == REQUEST_ID_KEY and isinstance(value, str):
+                request_id = value
+        if request_id is None and hasattr(error, "initial_metadata"):
+            for key, value in error.initial_metadata() or ():
+                if key == REQUEST_ID_KEY and isinstance(value, str):
+                    request_id = value
         return KvpoolError(code or grpc.StatusCode.UNKNOWN, message or "", rpc, reason, domain,
-                           meta)
+                           meta, request_id)
 
     @staticmethod
     def invalid_argument(message: str, rpc: str = "") -> "KvpoolError":

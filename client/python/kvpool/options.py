@@ -16,7 +16,7 @@ from typing import FrozenSet, Optional, Sequence, Tuple
 
 import grpc
 
-from kvpool.errors import RETRYABLE_CODES
+from kvpool.errors import REQUEST_ID_KEY, RETRYABLE_CODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +78,19 @@ class ClientOptions:
     tls: Optional[TlsOptions] = None
     # Sent as "authorization: Bearer <token>" on every call.
     token: Optional[str] = None
-    # Further call metadata, e.g. (("x-request-id", "..."),).
+    # Sent as "x-request-id" on every call: the daemon's log lines of the call carry it, and it
+    # answers it back (KvpoolError.request_id). Printable ASCII without spaces, at most 128
+    # characters (the daemon replaces any other). None: the daemon makes one per call.
+    request_id: Optional[str] = None
+    # Further call metadata.
     metadata: Tuple[Tuple[str, str], ...] = ()
     # Further channel arguments, e.g. (("grpc.keepalive_time_ms", 10000),).
     channel_args: Sequence[Tuple[str, object]] = ()
 
     def call_metadata(self) -> Tuple[Tuple[str, str], ...]:
         meta = tuple(self.metadata)
+        if self.request_id:
+            meta += ((REQUEST_ID_KEY, self.request_id),)
         if self.token:
             meta += (("authorization", f"Bearer {self.token}"),)
         return meta
