@@ -245,7 +245,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->listener_->Start(s->acceptor_.get(), max_connections);
   s->scrubber_ = std::make_unique<Scrubber>(
       s->store_.get(), s->backend_.get(), s->pool_.get(),
-      ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second});
+      ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second}, s->index_.get(),
+      s->registry_.get());
   s->scrubber_->Start();
   if (s->tenants_ != nullptr) s->tenants_->Start();
   if (!config.metrics_listen.empty()) {

@@ -160,6 +160,8 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
   integrity->set_pages_scrubbed(ic.pages_scrubbed.load());
   integrity->set_bytes_scrubbed(ic.bytes_scrubbed.load());
   integrity->set_sweeps_completed(ic.sweeps_completed.load());
+  integrity->set_corrupt_prefix_units(ic.corrupt_prefix_units.load());
+  integrity->set_prefix_units_dropped(ic.prefix_units_dropped.load());
   integrity->set_scrub_period_seconds(absl::ToDoubleSeconds(cfg.scrub_period));
   integrity->set_scrub_max_bytes_per_second(cfg.scrub_max_bytes_per_second);
 

@@ -191,6 +191,12 @@ void RenderService(const v1::GetStatsResponse& r, PrometheusText& out) {
   One(out, "kvpool_scrubbed_bytes_total", "counter", "Bytes the scrubber read.",
       i.bytes_scrubbed());
   One(out, "kvpool_scrub_sweeps_total", "counter", "Full scrubber sweeps.", i.sweeps_completed());
+  One(out, "kvpool_corrupt_prefix_units_total", "counter",
+      "Prefix-cache units the scrubber found with a page that failed its checksum.",
+      i.corrupt_prefix_units());
+  One(out, "kvpool_corrupt_prefix_units_dropped_total", "counter",
+      "Prefix-cache units dropped for a failed checksum (with the units chained after them).",
+      i.prefix_units_dropped());
 
   const v1::LifecycleStats& l = r.lifecycle();
   One(out, "kvpool_cancelled_calls_total", "counter",
