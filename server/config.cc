@@ -135,8 +135,9 @@ ABSL_FLAG(uint64_t, transport_staging_bytes, uint64_t{64} << 20,
           "Registered staging memory for UCX pushes, shared by all sessions");
 ABSL_FLAG(uint64_t, transport_message_bytes, uint64_t{4} << 20,
           "Largest K+V payload of one UCX LAYER_DATA message (one staging slot)");
-ABSL_FLAG(int32_t, transport_idle_timeout_ms, 30000,
-          "A UCX push with no progress for this long is rolled back");
+ABSL_FLAG(int32_t, transport_idle_timeout_ms, 0,
+          "Deprecated alias of --stream_idle_timeout_ms (one idle limit covers every stream and "
+          "push, gRPC or UCX); when set (> 0) it replaces that flag's value");
 ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
           "UCX keepalive interval: how fast a vanished peer is noticed");
 ABSL_FLAG(absl::Duration, scrub_period, absl::Minutes(5),
@@ -287,11 +288,13 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "--transport_message_bytes must be >= 4096 and at most --transport_staging_bytes");
   }
-  if (transport_idle_timeout_ms < 1 || transport_keepalive_ms < 1 ||
-      transport_hello_timeout_ms < 1) {
+  if (transport_keepalive_ms < 1 || transport_hello_timeout_ms < 1) {
     return absl::InvalidArgumentError(
-        "--transport_idle_timeout_ms, --transport_keepalive_ms and --transport_hello_timeout_ms "
-        "must be >= 1");
+        "--transport_keepalive_ms and --transport_hello_timeout_ms must be >= 1");
+  }
+  if (transport_idle_timeout_ms < 0) {
+    return absl::InvalidArgumentError(
+        "--transport_idle_timeout_ms (deprecated: use --stream_idle_timeout_ms) must be >= 0");
   }
   if (!ucx_listen.empty()) {
     if (absl::StatusOr<HostPort> a = ParseHostPort(ucx_listen); !a.ok()) {
@@ -464,6 +467,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);
+  if (c.transport_idle_timeout_ms > 0) c.stream_idle_timeout_ms = c.transport_idle_timeout_ms;
   c.scrub_period = absl::GetFlag(FLAGS_scrub_period);
   c.scrub_max_bytes_per_second = absl::GetFlag(FLAGS_scrub_max_bytes_per_second);
   c.device_check_period = absl::GetFlag(FLAGS_device_check_period);

@@ -80,7 +80,9 @@ struct ServerConfig {
   std::string ucx_listen;  // host:port of the UCX listener; "" = --listen's host, port 0
   size_t transport_staging_bytes = 64u << 20;
   size_t transport_message_bytes = 4u << 20;
-  int transport_idle_timeout_ms = 30000;
+  // Deprecated alias of stream_idle_timeout_ms, which UCX pushes and sessions use too: when
+  // given (> 0), ServerConfigFromFlags copies it there. 0 = not given.
+  int transport_idle_timeout_ms = 0;
   int transport_keepalive_ms = 1000;
   int transport_hello_timeout_ms = 10000;
   // Integrity (server/scrubber.h): one full checksum sweep of the stored pages per period

@@ -113,6 +113,12 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->workers_ = std::make_unique<WorkerPool>(config.worker_threads, config.worker_queue);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
+  if (config.transport_idle_timeout_ms > 0) {
+    spdlog::warn(
+        "--transport_idle_timeout_ms is deprecated: use --stream_idle_timeout_ms ({} ms "
+        "now applies to every stream and push, gRPC or UCX)",
+        config.stream_idle_timeout_ms);
+  }
   s->admission_ = std::make_unique<Admission>(AdmissionLimitsOf(config));
   s->ingest_ =
       std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(), s->workers_.get(),
