@@ -79,12 +79,22 @@ ABSL_FLAG(uint64_t, max_reserved_bytes_per_connection, 0,
           "0 = no cap");
 ABSL_FLAG(uint64_t, max_reserved_bytes_per_tenant, 0,
           "Most pool bytes reserved at once by the in-flight appends of one tenant; 0 = no cap");
+ABSL_FLAG(int32_t, max_reads_per_connection, 64,
+          "Most ReadKv/ReadBlocks/Attend calls at once on one client connection; 0 = no cap");
+ABSL_FLAG(int32_t, max_reads_per_tenant, 1024,
+          "Most ReadKv/ReadBlocks/Attend calls at once for one tenant; 0 = no cap");
+ABSL_FLAG(uint64_t, max_read_bytes_per_connection, uint64_t{256} << 20,
+          "Most response bytes (and decoded Attend queries) the reads of one client connection "
+          "hold in flight; 0 = no cap");
+ABSL_FLAG(uint64_t, max_read_bytes_per_tenant, uint64_t{1} << 30,
+          "Most response bytes (and decoded Attend queries) the reads of one tenant hold in "
+          "flight; 0 = no cap");
 ABSL_FLAG(int32_t, stream_idle_timeout_ms, 30000,
-          "A stream or push with no progress for this long is ended (DEADLINE_EXCEEDED, reason "
-          "LIMIT) and its append rolled back");
+          "A stream, push (gRPC or UCX), read or Attend with no progress for this long is ended "
+          "(DEADLINE_EXCEEDED, reason LIMIT) and its append rolled back");
 ABSL_FLAG(int32_t, stream_total_timeout_ms, 30 * 60 * 1000,
-          "A stream or push open for this long in all is ended (DEADLINE_EXCEEDED, reason LIMIT) "
-          "and its append rolled back");
+          "A stream, push, read or Attend open for this long in all is ended (DEADLINE_EXCEEDED, "
+          "reason LIMIT) and its append rolled back");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file once serving (for tests)");
 ABSL_FLAG(std::string, metrics_listen, "",
@@ -276,6 +286,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "--max_streams_per_connection and --max_streams_per_tenant must be >= 0 (0 = no cap)");
   }
+  if (max_reads_per_connection < 0 || max_reads_per_tenant < 0) {
+    return absl::InvalidArgumentError(
+        "--max_reads_per_connection and --max_reads_per_tenant must be >= 0 (0 = no cap)");
+  }
   if (stream_idle_timeout_ms < 1 || stream_total_timeout_ms < 1) {
     return absl::InvalidArgumentError(
         "--stream_idle_timeout_ms and --stream_total_timeout_ms must be >= 1");
@@ -447,6 +461,10 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.max_streams_per_tenant = absl::GetFlag(FLAGS_max_streams_per_tenant);
   c.max_reserved_bytes_per_connection = absl::GetFlag(FLAGS_max_reserved_bytes_per_connection);
   c.max_reserved_bytes_per_tenant = absl::GetFlag(FLAGS_max_reserved_bytes_per_tenant);
+  c.max_reads_per_connection = absl::GetFlag(FLAGS_max_reads_per_connection);
+  c.max_reads_per_tenant = absl::GetFlag(FLAGS_max_reads_per_tenant);
+  c.max_read_bytes_per_connection = absl::GetFlag(FLAGS_max_read_bytes_per_connection);
+  c.max_read_bytes_per_tenant = absl::GetFlag(FLAGS_max_read_bytes_per_tenant);
   c.stream_idle_timeout_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
   c.stream_total_timeout_ms = absl::GetFlag(FLAGS_stream_total_timeout_ms);
   c.port_file = absl::GetFlag(FLAGS_port_file);

@@ -55,6 +55,12 @@ struct ServerConfig {
   int max_streams_per_tenant = 1024;
   size_t max_reserved_bytes_per_connection = 0;
   size_t max_reserved_bytes_per_tenant = 0;
+  // Read and attention calls at once, and the response bytes they hold in flight, per
+  // connection and per tenant (0 = no cap); they share the streams' deadlines.
+  int max_reads_per_connection = 64;
+  int max_reads_per_tenant = 1024;
+  size_t max_read_bytes_per_connection = size_t{256} << 20;
+  size_t max_read_bytes_per_tenant = size_t{1} << 30;
   int stream_idle_timeout_ms = 30000;
   int stream_total_timeout_ms = 30 * 60 * 1000;
   std::string port_file;

@@ -72,6 +72,10 @@ AdmissionLimits AdmissionLimitsOf(const ServerConfig& config) {
   l.max_streams_per_tenant = config.max_streams_per_tenant;
   l.max_reserved_bytes_per_connection = config.max_reserved_bytes_per_connection;
   l.max_reserved_bytes_per_tenant = config.max_reserved_bytes_per_tenant;
+  l.max_reads_per_connection = config.max_reads_per_connection;
+  l.max_reads_per_tenant = config.max_reads_per_tenant;
+  l.max_read_bytes_per_connection = config.max_read_bytes_per_connection;
+  l.max_read_bytes_per_tenant = config.max_read_bytes_per_tenant;
   l.idle_timeout = absl::Milliseconds(config.stream_idle_timeout_ms);
   l.total_timeout = absl::Milliseconds(config.stream_total_timeout_ms);
   // The reaper looks often enough that a timeout is acted on within a tenth of it.
@@ -139,6 +143,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   ctx.workers = s->workers_.get();
   ctx.attention = s->attention_.get();
   ctx.ingest = s->ingest_.get();
+  ctx.admission = s->admission_.get();
   if (!config.tenants_file.empty()) {
     KVPOOL_ASSIGN_OR_RETURN(
         s->tenants_,

@@ -192,6 +192,13 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
     a->set_refused(ac.refused);
     a->set_expired_idle(ac.expired_idle);
     a->set_expired_total(ac.expired_total);
+    a->set_open_reads(ac.open_reads);
+    a->set_read_bytes(ac.read_bytes);
+    const AdmissionLimits& al = admission->limits();
+    a->set_max_reads_per_connection(static_cast<uint32_t>(al.max_reads_per_connection));
+    a->set_max_reads_per_tenant(static_cast<uint32_t>(al.max_reads_per_tenant));
+    a->set_max_read_bytes_per_connection(al.max_read_bytes_per_connection);
+    a->set_max_read_bytes_per_tenant(al.max_read_bytes_per_tenant);
   }
   if (ctx_->listener != nullptr) {
     const ConnectionStats cs = ctx_->listener->Stats();

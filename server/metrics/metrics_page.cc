@@ -164,6 +164,10 @@ void RenderService(const v1::GetStatsResponse& r, PrometheusText& out) {
       a.open_streams());
   One(out, "kvpool_admission_reserved_bytes", "gauge", "Pool bytes reserved by in-flight appends.",
       a.reserved_bytes());
+  One(out, "kvpool_admission_open_reads", "gauge",
+      "ReadKv/ReadBlocks/Attend calls holding a read ticket.", a.open_reads());
+  One(out, "kvpool_admission_read_bytes", "gauge", "Response bytes those calls hold in flight.",
+      a.read_bytes());
   One(out, "kvpool_admission_refused_total", "counter",
       "Streams or reservations refused over a cap (RESOURCE_EXHAUSTED, reason LIMIT).",
       a.refused());
