@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/proto_convert.h"
+#include "server/read_ticket.h"
 #include "server/scaleout/ownership_check.h"
 
 namespace kvpool::server {
@@ -50,8 +51,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
       }
     }
     // The answer must fit in one message: refused before any work rather than after it.
-    if (const size_t answer = AttendResponseBound(*request, *model);
-        answer > ctx->config->max_message_bytes) {
+    const size_t answer = AttendResponseBound(*request, *model);
+    if (answer > ctx->config->max_message_bytes) {
       return WithReason(
           absl::ResourceExhaustedError(absl::StrCat(
               "Attend: the answer (FP32 outputs and LSE of ", batch,
@@ -73,6 +74,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     for (const v1::SequenceQuery& sq : request->queries()) {
       if (elem > 0) values += sq.q().size() / elem;
     }
+    // Admitted before any decoding: the decoded queries and the answer are what it holds.
+    std::shared_ptr<CallCancellation> cancellation =
+        CancellationOf(context, &ctx->counters.cancellation);
+    KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<ReadTicket> ticket,
+                            ReadTicket::Open(ctx->admission, context, tenant, "Attend",
+                                             values * sizeof(float) + answer, cancellation));
     AttentionRequest queries;
     queries.sequence_ids.reserve(batch);
     queries.num_queries.reserve(batch);
@@ -91,12 +98,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     ctx->counters.attention_calls++;
     ctx->counters.attention_sequences += batch;
     const size_t per_lse = static_cast<size_t>(model->q_heads);
-    std::shared_ptr<CallCancellation> cancellation =
-        CancellationOf(context, &ctx->counters.cancellation);
     return ctx->attention->Start(
         tenant, std::move(model), request->layer(), std::move(queries),
-        [request, response, reactor, per_query, per_lse](absl::StatusOr<AttentionAnswer> answer) {
-          if (!answer.ok()) return reactor->Finish(ToGrpcStatus(answer.status()));
+        [request, response, reactor, per_query, per_lse,
+         ticket](absl::StatusOr<AttentionAnswer> answer) {
+          // The answer's bytes stay held until it is handed to gRPC; the context may go once
+          // the call is finished.
+          if (!answer.ok()) {
+            ticket->Close();
+            return reactor->Finish(ToGrpcStatus(answer.status()));
+          }
           // Built from the buffers the backend wrote (the one copy the message needs).
           size_t row = 0;
           for (int i = 0; i < request->queries_size(); ++i) {
@@ -111,6 +122,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
             out->set_attended_tokens(answer->attended_tokens[i]);
             row += rows;
           }
+          ticket->Close();
           reactor->Finish(grpc::Status::OK);
         },
         std::move(cancellation));

@@ -200,87 +200,98 @@ absl::StatusOr<std::vector<size_t>> BlockPool::AllocateReleasing(
   // Free bytes other accounts' unused guarantees hold: releasing their pages never changes it
   // (a release stops at its owner's guarantee).
   const size_t held_for_others = UnusedGuaranteesLocked(account);
-  // The pool as it would be after releasing groups: whole free slabs, and per class the free
-  // slots of its partly used slabs (Allocate fills those before taking a free slab).
-  size_t free_slabs = free_slabs_.size();
-  std::vector<size_t> free_slots(classes_.size(), 0);
-  for (size_t cls = 0; cls < classes_.size(); ++cls) {
-    for (int s : classes_[cls].slabs_with_free) free_slots[cls] += slabs_[s].free_slots.size();
-  }
-  size_t released_bytes = 0;  // by every release chosen so far
-  absl::flat_hash_map<AccountId, size_t> released_by_owner;
-  auto released_of = [&](AccountId a) {
-    auto it = released_by_owner.find(a);
-    return it == released_by_owner.end() ? size_t{0} : it->second;
+  // The pool as it would be after releasing a set of groups: whole free slabs, and per class
+  // the free slots of its partly used slabs (Allocate fills those before taking a free slab).
+  struct Simulation {
+    size_t free_slabs = 0;
+    std::vector<size_t> free_slots;
+    size_t released_bytes = 0;  // by every release chosen so far
+    absl::flat_hash_map<AccountId, size_t> released_by_owner;
+    absl::flat_hash_map<PageId, uint32_t> drops;   // references dropped per page
+    absl::flat_hash_map<int, size_t> slab_in_use;  // occupancy of touched slabs
+    std::vector<size_t> released;                  // the groups, in order
   };
-  auto pool_fits = [&]() {
-    if (used_bytes_ - released_bytes + request_bytes + held_for_others > capacity_bytes()) {
+  Simulation base;
+  base.free_slabs = free_slabs_.size();
+  base.free_slots.assign(classes_.size(), 0);
+  for (size_t cls = 0; cls < classes_.size(); ++cls) {
+    for (int s : classes_[cls].slabs_with_free) base.free_slots[cls] += slabs_[s].free_slots.size();
+  }
+  auto released_of = [](const Simulation& sim, AccountId a) {
+    auto it = sim.released_by_owner.find(a);
+    return it == sim.released_by_owner.end() ? size_t{0} : it->second;
+  };
+  auto pool_fits = [&](const Simulation& sim) {
+    if (used_bytes_ - sim.released_bytes + request_bytes + held_for_others > capacity_bytes()) {
       return false;
     }
     size_t slabs_needed = 0;
     for (size_t cls = 0; cls < classes_.size(); ++cls) {
-      if (need[cls] <= free_slots[cls]) continue;
+      if (need[cls] <= sim.free_slots[cls]) continue;
       const size_t per_slab = classes_[cls].pages_per_slab;
-      slabs_needed += (need[cls] - free_slots[cls] + per_slab - 1) / per_slab;
+      slabs_needed += (need[cls] - sim.free_slots[cls] + per_slab - 1) / per_slab;
     }
-    return slabs_needed <= free_slabs;
+    return slabs_needed <= sim.free_slabs;
   };
-  auto quota_fits = [&]() {
+  auto quota_fits = [&](const Simulation& sim) {
     return me.limits.max_bytes == 0 ||
-           me.bytes() - released_of(account) + request_bytes <= me.limits.max_bytes;
+           me.bytes() - released_of(sim, account) + request_bytes <= me.limits.max_bytes;
   };
-  std::vector<size_t> released;
-  if (!pool_fits() || !quota_fits()) {
-    // Simulate the releases group by group, in order, until everything fits.
-    absl::flat_hash_map<PageId, uint32_t> drops;   // references dropped per page
-    absl::flat_hash_map<int, size_t> slab_in_use;  // occupancy of touched slabs
-    for (size_t g = 0; g < releasable.size(); ++g) {
-      const bool pool_ok = pool_fits();
-      if (pool_ok && quota_fits()) break;
-      // The pages this group would free, and whose they are.
-      std::vector<PageId> freed;
-      size_t freed_bytes = 0;
-      absl::flat_hash_map<PageId, uint32_t> local;
-      for (PageId p : releasable[g]) {
-        const Slab& slab = slabs_[p >> 16];
-        const size_t slot = p & 0xffffu;
-        if (slab.cls < 0 || slot >= slab.refcounts.size()) continue;
-        const uint32_t dropped = drops[p] + ++local[p];
-        if (dropped == slab.refcounts[slot]) {
-          freed.push_back(p);
-          freed_bytes += slab.page_bytes;
-        }
+  // Adds group `g` to `sim` unless it would free nothing, or it is another account's and may not
+  // be released (the pool fits already, or its owner would fall below its guarantee).
+  auto release = [&](Simulation* sim, size_t g) {
+    const bool pool_ok = pool_fits(*sim);
+    // The pages this group would free, and whose they are.
+    std::vector<PageId> freed;
+    size_t freed_bytes = 0;
+    absl::flat_hash_map<PageId, uint32_t> local;
+    for (PageId p : releasable[g]) {
+      const Slab& slab = slabs_[p >> 16];
+      const size_t slot = p & 0xffffu;
+      if (slab.cls < 0 || slot >= slab.refcounts.size()) continue;
+      auto d = sim->drops.find(p);
+      const uint32_t dropped = (d == sim->drops.end() ? 0 : d->second) + ++local[p];
+      if (dropped == slab.refcounts[slot]) {
+        freed.push_back(p);
+        freed_bytes += slab.page_bytes;
       }
-      if (freed.empty()) continue;
-      const AccountId owner = slabs_[freed.front() >> 16].owners[freed.front() & 0xffffu];
-      if (owner != account) {
-        // Another account's pages help only the pool, and never below its guarantee.
-        if (pool_ok) continue;
-        const AccountState& o = accounts_[owner];
-        if (o.bytes() - released_of(owner) - freed_bytes < o.limits.guaranteed_bytes) continue;
-      }
-      for (const auto& [p, n] : local) drops[p] += n;
-      for (PageId p : freed) {
-        const int s = static_cast<int>(p >> 16);
-        const Slab& slab = slabs_[s];
-        released_by_owner[slab.owners[p & 0xffffu]] += slab.page_bytes;
-        auto [it, inserted] = slab_in_use.try_emplace(s, slab.in_use);
-        if (--it->second > 0) {
-          ++free_slots[slab.cls];
-        } else {
-          // The whole slab comes free: its slots stop counting for its class.
-          free_slots[slab.cls] -= classes_[slab.cls].pages_per_slab - 1;
-          ++free_slabs;
-        }
-      }
-      released_bytes += freed_bytes;
-      released.push_back(g);
     }
-    if (!quota_fits()) {
+    if (freed.empty()) return;
+    const AccountId owner = slabs_[freed.front() >> 16].owners[freed.front() & 0xffffu];
+    if (owner != account) {
+      // Another account's pages help only the pool, and never below its guarantee.
+      if (pool_ok) return;
+      const AccountState& o = accounts_[owner];
+      if (o.bytes() - released_of(*sim, owner) - freed_bytes < o.limits.guaranteed_bytes) return;
+    }
+    for (const auto& [p, n] : local) sim->drops[p] += n;
+    for (PageId p : freed) {
+      const int s = static_cast<int>(p >> 16);
+      const Slab& slab = slabs_[s];
+      sim->released_by_owner[slab.owners[p & 0xffffu]] += slab.page_bytes;
+      auto [it, inserted] = sim->slab_in_use.try_emplace(s, slab.in_use);
+      if (--it->second > 0) {
+        ++sim->free_slots[slab.cls];
+      } else {
+        // The whole slab comes free: its slots stop counting for its class.
+        sim->free_slots[slab.cls] -= classes_[slab.cls].pages_per_slab - 1;
+        ++sim->free_slabs;
+      }
+    }
+    sim->released_bytes += freed_bytes;
+    sim->released.push_back(g);
+  };
+  auto fits = [&](const Simulation& sim) { return pool_fits(sim) && quota_fits(sim); };
+  std::vector<size_t> released;
+  if (!fits(base)) {
+    // Release groups in order until everything fits...
+    Simulation sim = base;
+    for (size_t g = 0; g < releasable.size() && !fits(sim); ++g) release(&sim, g);
+    if (!quota_fits(sim)) {
       return QuotaError(me.name, QuotaKind::kPoolBytes, me.limits.max_bytes, me.bytes(),
                         request_bytes);
     }
-    if (!pool_fits()) {
+    if (!pool_fits(sim)) {
       size_t pages = 0;
       for (const PageRequest& r : requests) pages += r.count;
       return absl::ResourceExhaustedError(
@@ -288,6 +299,21 @@ absl::StatusOr<std::vector<size_t>> BlockPool::AllocateReleasing(
                        " bytes), and evicting every evictable cached unit would not make room (",
                        used_bytes_, " of ", capacity_bytes(), " bytes in use, ", held_for_others,
                        " held for other tenants' guaranteed shares)"));
+    }
+    // ...then keep only the groups the fit needs: one that freed pages of a class the request
+    // does not use, in slabs that stay in use, or bytes a later group's made unnecessary, is
+    // left alone. The latest chosen are dropped first, so what is released stays the earliest
+    // in the given order.
+    released = sim.released;
+    for (size_t i = released.size(); i-- > 0;) {
+      Simulation without = base;
+      for (size_t j = 0; j < released.size(); ++j) {
+        if (j != i) release(&without, released[j]);
+      }
+      if (fits(without)) {
+        released = without.released;
+        i = std::min(i, released.size());
+      }
     }
     for (size_t g : released) {
       for (PageId p : releasable[g]) UnrefLocked(p);

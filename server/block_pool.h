@@ -148,7 +148,10 @@ class BlockPool {
   // `releasable` (pages whose only reference the caller holds), taken in the given order: a
   // group of the account itself whenever something does not fit yet; a group of another account
   // only when the pool (not the limit) is short, and only if its owner stays at or above its
-  // guarantee. Returns the indices of the released groups, ascending. Fails with nothing
+  // guarantee; of those, only the groups the fit needs are released (one whose pages are of a
+  // class the request does not use and whose slab stays in use, or that a later group made
+  // unnecessary, is kept; the latest in the order are left first). Returns the indices of the
+  // released groups, ascending. Fails with nothing
   // released or allocated: RESOURCE_EXHAUSTED with reason QUOTA (limit, usage and request in the
   // message) when the account's limit cannot be met, plain RESOURCE_EXHAUSTED when the pool
   // cannot make room. The fit is worked out under one lock from the slabs' exact occupancy (a

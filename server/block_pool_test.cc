@@ -225,25 +225,80 @@ TEST(BlockPoolTest, AllocateReleasingReleasesOnlyWhatMakesRoomAcrossClasses) {
   const std::vector<PageId> a(slab0.begin(), slab0.begin() + 2);
   const size_t used = pool->used_bytes();
 
-  // One large page: nothing is free; releasing `a` frees two small slots but no whole slab,
-  // releasing `c` frees a whole slab. Groups are released in order until the request fits.
+  // One large page: nothing is free; releasing `a` would free two small slots but no whole
+  // slab, so it does not help; releasing `c` frees a whole slab. Only `c` is released.
   const absl::Span<const PageId> groups[2] = {a, c};
   const PageRequest one_large[1] = {{large, 1}};
   std::vector<std::vector<PageId>> out;
   absl::StatusOr<std::vector<size_t>> released =
       pool->AllocateReleasing(kDefaultAccount, one_large, groups, &out);
   ASSERT_TRUE(released.ok()) << released.status();
-  EXPECT_EQ(*released, (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(*released, (std::vector<size_t>{1}));
   ASSERT_EQ(out.size(), 1u);
   EXPECT_EQ(out[0].size(), 1u);
-  EXPECT_EQ(pool->RefCount(a[0]), 0);
-  EXPECT_EQ(pool->used_bytes(), used - 2 * 16 * 1024 - 2 * 32 * 1024 + 32 * 1024);
+  EXPECT_EQ(pool->RefCount(a[0]), 1);
+  EXPECT_EQ(pool->RefCount(a[1]), 1);
+  EXPECT_EQ(pool->used_bytes(), used - 2 * 32 * 1024 + 32 * 1024);
 
-  // Two small pages now fit in the slots `a` left: nothing is released.
+  // Two small pages: `a`'s slots are what makes room for them now.
   const PageRequest two_small[1] = {{small, 2}};
-  released = pool->AllocateReleasing(kDefaultAccount, two_small, {}, &out);
+  const absl::Span<const PageId> only_a[1] = {a};
+  released = pool->AllocateReleasing(kDefaultAccount, two_small, only_a, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, (std::vector<size_t>{0}));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(std::set<PageId>(out[0].begin(), out[0].end()), std::set<PageId>(a.begin(), a.end()));
+  EXPECT_EQ(pool->used_bytes(), used - 32 * 1024);
+
+  // Nothing to release when the request fits.
+  const PageRequest one_more_large[1] = {{large, 1}};
+  released = pool->AllocateReleasing(kDefaultAccount, one_more_large, {}, &out);
   ASSERT_TRUE(released.ok()) << released.status();
   EXPECT_TRUE(released->empty());
+}
+
+// Groups earlier in the order that do not help the request stay: a group whose pages someone
+// else also holds (it frees nothing), one whose freed pages stay in a used slab of another class,
+// and one made unnecessary by a later group that frees a whole slab. A refused request changes
+// nothing.
+TEST(BlockPoolTest, AllocateReleasingKeepsGroupsThatDoNotHelp) {
+  auto pool = MakePool(4);
+  const PageClassId small = *pool->RegisterClass(16 * 1024);  // 4 per slab
+  const PageClassId large = *pool->RegisterClass(32 * 1024);  // 2 per slab
+  std::vector<PageId> slab0, slab1, slab2, slab3;
+  ASSERT_TRUE(pool->Allocate(small, 4, &slab0).ok());
+  ASSERT_TRUE(pool->Allocate(small, 4, &slab1).ok());
+  ASSERT_TRUE(pool->Allocate(large, 2, &slab2).ok());
+  ASSERT_TRUE(pool->Allocate(large, 2, &slab3).ok());
+  const std::vector<PageId> shared = {slab0[0]};
+  pool->Ref(slab0[0]);                                           // also held elsewhere
+  const std::vector<PageId> other_class = {slab1[0], slab1[1]};  // slab 1 stays in use
+  const std::vector<PageId> half_large = {slab3[0]};             // frees one large slot
+  const std::vector<PageId> whole_slab = slab2;                  // frees slab 2
+  const absl::Span<const PageId> groups[4] = {shared, other_class, half_large, whole_slab};
+  const size_t used = pool->used_bytes();
+
+  // Four large pages cannot fit even after every group: refused, nothing released.
+  const PageRequest four_large[1] = {{large, 4}};
+  std::vector<std::vector<PageId>> out;
+  absl::StatusOr<std::vector<size_t>> released =
+      pool->AllocateReleasing(kDefaultAccount, four_large, groups, &out);
+  EXPECT_TRUE(absl::IsResourceExhausted(released.status())) << released.status();
+  EXPECT_EQ(pool->used_bytes(), used);
+  for (const std::vector<PageId>* g : {&other_class, &half_large, &whole_slab}) {
+    for (PageId p : *g) EXPECT_EQ(pool->RefCount(p), 1);
+  }
+  EXPECT_EQ(pool->RefCount(slab0[0]), 2);
+
+  // Two large pages: the whole slab of the last group is all they need.
+  const PageRequest two_large[1] = {{large, 2}};
+  released = pool->AllocateReleasing(kDefaultAccount, two_large, groups, &out);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, (std::vector<size_t>{3}));
+  EXPECT_EQ(pool->used_bytes(), used);  // two large pages out, two in
+  EXPECT_EQ(pool->RefCount(slab0[0]), 2);
+  for (PageId p : other_class) EXPECT_EQ(pool->RefCount(p), 1);
+  EXPECT_EQ(pool->RefCount(slab3[0]), 1);
 }
 
 TEST(BlockPoolTest, AllocateReleasingRefusesWithoutReleasingWhenGroupsCannotMakeRoom) {

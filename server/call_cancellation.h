@@ -10,6 +10,10 @@
 //     ...one unit...
 //   }
 //
+// A call's admission (server/read_ticket.h) may end it too: Expire makes every later check stop
+// it with the expiry's status, and each check that lets work go on counts as the call's progress
+// (SetProgress), which keeps its idle timeout from running out.
+//
 // Thread-safe: one call's units may check it from several workers at once. A default-constructed
 // one is never cancelled.
 #pragma once
@@ -20,7 +24,9 @@
 #include <functional>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -44,12 +50,18 @@ class CallCancellation {
   CallCancellation(const CallCancellation&) = delete;
   CallCancellation& operator=(const CallCancellation&) = delete;
 
-  // True once the caller cancelled or the deadline passed (and from then on); the first time,
-  // counts the call as cancelled.
+  // Called by every check that lets the work go on; set before the call's work starts.
+  void SetProgress(std::function<void()> progress) { progress_ = std::move(progress); }
+
+  // True once the caller cancelled, the deadline passed or the call expired (and from then on);
+  // the first time, counts the call as cancelled (an expiry is counted by the admission).
   bool Cancelled() {
     if (stopped_.load(std::memory_order_acquire)) return true;
     const bool expired = absl::Now() >= deadline_;
-    if (!expired && !(caller_cancelled_ && caller_cancelled_())) return false;
+    if (!expired && !(caller_cancelled_ && caller_cancelled_())) {
+      if (progress_) progress_();
+      return false;
+    }
     if (!stopped_.exchange(true, std::memory_order_acq_rel)) {
       deadline_passed_.store(expired, std::memory_order_relaxed);
       if (counters_ != nullptr) counters_->calls_cancelled.fetch_add(1);
@@ -65,13 +77,26 @@ class CallCancellation {
     }
   }
 
+  // The call's admission expired: it stops with `why` (DEADLINE_EXCEEDED, reason LIMIT).
+  void Expire(absl::Status why) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (expiry_.ok()) expiry_ = std::move(why);
+    }
+    stopped_.store(true, std::memory_order_release);
+  }
+
   // Counts `units` units of work the call will not do.
   void Skip(size_t units) {
     if (counters_ != nullptr && units > 0) counters_->units_skipped.fetch_add(units);
   }
 
-  // What a call that stopped answers: DEADLINE_EXCEEDED or CANCELLED.
+  // What a call that stopped answers: its expiry's status, DEADLINE_EXCEEDED or CANCELLED.
   absl::Status status() const {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!expiry_.ok()) return expiry_;
+    }
     return deadline_passed_.load(std::memory_order_relaxed)
                ? absl::DeadlineExceededError("the call's deadline passed; its work was stopped")
                : absl::CancelledError("the caller cancelled; the call's work was stopped");
@@ -81,6 +106,9 @@ class CallCancellation {
   const absl::Time deadline_ = absl::InfiniteFuture();
   const std::function<bool()> caller_cancelled_;
   CancellationCounters* const counters_ = nullptr;
+  std::function<void()> progress_;
+  mutable absl::Mutex mu_;
+  absl::Status expiry_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> stopped_{false};
   std::atomic<bool> deadline_passed_{false};
 };

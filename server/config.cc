@@ -82,12 +82,22 @@ ABSL_FLAG(uint64_t, max_reserved_bytes_per_connection, 0,
           "0 = no cap");
 ABSL_FLAG(uint64_t, max_reserved_bytes_per_tenant, 0,
           "Most pool bytes reserved at once by the in-flight appends of one tenant; 0 = no cap");
+ABSL_FLAG(int32_t, max_reads_per_connection, 64,
+          "Most ReadKv/ReadBlocks/Attend calls at once on one client connection; 0 = no cap");
+ABSL_FLAG(int32_t, max_reads_per_tenant, 1024,
+          "Most ReadKv/ReadBlocks/Attend calls at once for one tenant; 0 = no cap");
+ABSL_FLAG(uint64_t, max_read_bytes_per_connection, uint64_t{256} << 20,
+          "Most response bytes (and decoded Attend queries) the reads of one client connection "
+          "hold in flight; 0 = no cap");
+ABSL_FLAG(uint64_t, max_read_bytes_per_tenant, uint64_t{1} << 30,
+          "Most response bytes (and decoded Attend queries) the reads of one tenant hold in "
+          "flight; 0 = no cap");
 ABSL_FLAG(int32_t, stream_idle_timeout_ms, 30000,
-          "A stream or push with no progress for this long is ended (DEADLINE_EXCEEDED, reason "
-          "LIMIT) and its append rolled back");
+          "A stream, push (gRPC or UCX), read or Attend with no progress for this long is ended "
+          "(DEADLINE_EXCEEDED, reason LIMIT) and its append rolled back");
 ABSL_FLAG(int32_t, stream_total_timeout_ms, 30 * 60 * 1000,
-          "A stream or push open for this long in all is ended (DEADLINE_EXCEEDED, reason LIMIT) "
-          "and its append rolled back");
+          "A stream, push, read or Attend open for this long in all is ended (DEADLINE_EXCEEDED, "
+          "reason LIMIT) and its append rolled back");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written to this file once serving (for tests)");
 ABSL_FLAG(std::string, metrics_listen, "",
@@ -141,8 +151,9 @@ ABSL_FLAG(uint64_t, transport_staging_bytes, uint64_t{64} << 20,
           "Registered staging memory for UCX pushes, shared by all sessions");
 ABSL_FLAG(uint64_t, transport_message_bytes, uint64_t{4} << 20,
           "Largest K+V payload of one UCX LAYER_DATA message (one staging slot)");
-ABSL_FLAG(int32_t, transport_idle_timeout_ms, 30000,
-          "A UCX push with no progress for this long is rolled back");
+ABSL_FLAG(int32_t, transport_idle_timeout_ms, 0,
+          "Deprecated alias of --stream_idle_timeout_ms (one idle limit covers every stream and "
+          "push, gRPC or UCX); when set (> 0) it replaces that flag's value");
 ABSL_FLAG(int32_t, transport_keepalive_ms, 1000,
           "UCX keepalive interval: how fast a vanished peer is noticed");
 ABSL_FLAG(absl::Duration, scrub_period, absl::Minutes(5),
@@ -281,6 +292,10 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "--max_streams_per_connection and --max_streams_per_tenant must be >= 0 (0 = no cap)");
   }
+  if (max_reads_per_connection < 0 || max_reads_per_tenant < 0) {
+    return absl::InvalidArgumentError(
+        "--max_reads_per_connection and --max_reads_per_tenant must be >= 0 (0 = no cap)");
+  }
   if (stream_idle_timeout_ms < 1 || stream_total_timeout_ms < 1) {
     return absl::InvalidArgumentError(
         "--stream_idle_timeout_ms and --stream_total_timeout_ms must be >= 1");
@@ -293,11 +308,13 @@ absl::Status ServerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "--transport_message_bytes must be >= 4096 and at most --transport_staging_bytes");
   }
-  if (transport_idle_timeout_ms < 1 || transport_keepalive_ms < 1 ||
-      transport_hello_timeout_ms < 1) {
+  if (transport_keepalive_ms < 1 || transport_hello_timeout_ms < 1) {
     return absl::InvalidArgumentError(
-        "--transport_idle_timeout_ms, --transport_keepalive_ms and --transport_hello_timeout_ms "
-        "must be >= 1");
+        "--transport_keepalive_ms and --transport_hello_timeout_ms must be >= 1");
+  }
+  if (transport_idle_timeout_ms < 0) {
+    return absl::InvalidArgumentError(
+        "--transport_idle_timeout_ms (deprecated: use --stream_idle_timeout_ms) must be >= 0");
   }
   if (!ucx_listen.empty()) {
     if (absl::StatusOr<HostPort> a = ParseHostPort(ucx_listen); !a.ok()) {
@@ -455,6 +472,10 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.max_streams_per_tenant = absl::GetFlag(FLAGS_max_streams_per_tenant);
   c.max_reserved_bytes_per_connection = absl::GetFlag(FLAGS_max_reserved_bytes_per_connection);
   c.max_reserved_bytes_per_tenant = absl::GetFlag(FLAGS_max_reserved_bytes_per_tenant);
+  c.max_reads_per_connection = absl::GetFlag(FLAGS_max_reads_per_connection);
+  c.max_reads_per_tenant = absl::GetFlag(FLAGS_max_reads_per_tenant);
+  c.max_read_bytes_per_connection = absl::GetFlag(FLAGS_max_read_bytes_per_connection);
+  c.max_read_bytes_per_tenant = absl::GetFlag(FLAGS_max_read_bytes_per_tenant);
   c.stream_idle_timeout_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
   c.stream_total_timeout_ms = absl::GetFlag(FLAGS_stream_total_timeout_ms);
   c.port_file = absl::GetFlag(FLAGS_port_file);
@@ -476,6 +497,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);
+  if (c.transport_idle_timeout_ms > 0) c.stream_idle_timeout_ms = c.transport_idle_timeout_ms;
   c.scrub_period = absl::GetFlag(FLAGS_scrub_period);
   c.scrub_max_bytes_per_second = absl::GetFlag(FLAGS_scrub_max_bytes_per_second);
   c.device_check_period = absl::GetFlag(FLAGS_device_check_period);

@@ -56,6 +56,12 @@ struct ServerConfig {
   int max_streams_per_tenant = 1024;
   size_t max_reserved_bytes_per_connection = 0;
   size_t max_reserved_bytes_per_tenant = 0;
+  // Read and attention calls at once, and the response bytes they hold in flight, per
+  // connection and per tenant (0 = no cap); they share the streams' deadlines.
+  int max_reads_per_connection = 64;
+  int max_reads_per_tenant = 1024;
+  size_t max_read_bytes_per_connection = size_t{256} << 20;
+  size_t max_read_bytes_per_tenant = size_t{1} << 30;
   int stream_idle_timeout_ms = 30000;
   int stream_total_timeout_ms = 30 * 60 * 1000;
   std::string port_file;
@@ -82,7 +88,9 @@ struct ServerConfig {
   std::string ucx_listen;  // host:port of the UCX listener; "" = --listen's host, port 0
   size_t transport_staging_bytes = 64u << 20;
   size_t transport_message_bytes = 4u << 20;
-  int transport_idle_timeout_ms = 30000;
+  // Deprecated alias of stream_idle_timeout_ms, which UCX pushes and sessions use too: when
+  // given (> 0), ServerConfigFromFlags copies it there. 0 = not given.
+  int transport_idle_timeout_ms = 0;
   int transport_keepalive_ms = 1000;
   int transport_hello_timeout_ms = 10000;
   // Integrity (server/scrubber.h): one full checksum sweep of the stored pages per period

@@ -66,6 +66,26 @@ TEST(ConfigTest, SequenceTtlIsADurationZeroMeaningNone) {
   absl::SetFlag(&FLAGS_sequence_ttl, absl::ZeroDuration());
 }
 
+// One idle limit: the old UCX-only flag is an alias that replaces it when given.
+TEST(ConfigTest, TransportIdleTimeoutIsADeprecatedAliasOfTheStreamIdleTimeout) {
+  auto c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->stream_idle_timeout_ms, 30000);
+  EXPECT_EQ(c->transport_idle_timeout_ms, 0);
+  ASSERT_TRUE(ApplyConfigText("stream_idle_timeout_ms = 9000", "t").ok());
+  c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->stream_idle_timeout_ms, 9000);
+  ASSERT_TRUE(ApplyConfigText("transport_idle_timeout_ms = 5000", "t").ok());
+  c = ServerConfigFromFlags();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->stream_idle_timeout_ms, 5000);
+  ASSERT_TRUE(ApplyConfigText("transport_idle_timeout_ms = -1", "t").ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(ServerConfigFromFlags().status()));
+  ASSERT_TRUE(
+      ApplyConfigText("transport_idle_timeout_ms = 0\nstream_idle_timeout_ms = 30000", "t").ok());
+}
+
 TEST(ConfigTest, DeviceHealthDurationsHaveDefaultsAndBounds) {
   auto c = ServerConfigFromFlags();
   ASSERT_TRUE(c.ok()) << c.status();

@@ -168,5 +168,53 @@ TEST(IntegrityTest, ScrubberReadsSharedPagesOncePerSweep) {
   EXPECT_EQ(distinct.size(), core.store->integrity().pages_scrubbed.load());
 }
 
+// Units only the prefix cache holds (their sequence released) are swept too: a flipped bit in
+// one drops it and every unit chained after it, so a later lookup stops before it.
+TEST(IntegrityTest, ScrubberDropsACorruptUnitOnlyThePrefixCacheHolds) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
+  std::vector<uint32_t> ids(48);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(i + 5);
+  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "p", {}).ok());
+  ASSERT_TRUE(AppendAll(*core.store, *m, "p", 0, 48, AppendKind::kPrefill, 9, 1 << 30, ids).ok());
+  ASSERT_TRUE(core.store->Release(kDefaultTenant, "p").ok());
+  const PrefixContext ctx = SequenceStore::ContextOf(*m);
+  const std::vector<PrefixUnitKey> chain = ComputePrefixChain(ctx, ids);
+  const std::vector<PrefixMatch> cached = core.index->Match(ctx, chain, /*take_refs=*/false);
+  ASSERT_GE(cached.size(), 3u);  // the sink and at least two blocks
+  ASSERT_EQ(PrefixUnitKind::kBlock, cached[1].key.kind);
+  size_t cached_pages = 0;
+  for (const PrefixMatch& u : cached) cached_pages += u.pages.size();
+
+  Scrubber scrubber(core.store.get(), core.backend.get(), core.pool.get(),
+                    {absl::Milliseconds(1), 0}, core.index.get(), core.registry.get());
+  IntegrityCounters& c = core.store->integrity();
+  ASSERT_TRUE(scrubber.SweepOnce());
+  EXPECT_EQ(cached_pages, c.pages_scrubbed.load());
+  EXPECT_EQ(0u, c.corrupt_prefix_units.load());
+
+  // The first history block of layer 1: a written row of its V codes.
+  const PageId page = cached[1].pages.at(1);
+  core.pool->Data(page)[m->block_layout.CodesOffset(KvTensor::kValue, 1) + 3] ^= 0x10;
+  const size_t used = core.pool->used_bytes();
+  ASSERT_TRUE(scrubber.SweepOnce());
+  EXPECT_EQ(1u, c.corrupt_prefix_units.load());
+  EXPECT_EQ(cached.size() - 1, c.prefix_units_dropped.load());
+  EXPECT_EQ(0u, c.corrupt_sequences.load());
+  EXPECT_EQ(1u, core.index->Stats().units);
+  EXPECT_LT(core.pool->used_bytes(), used);  // the dropped units' pages are free
+  EXPECT_EQ(1u, core.index->Match(ctx, chain, /*take_refs=*/false).size());
+  // A new sequence from the same tokens reuses the sink only.
+  auto created = core.store->Create(kDefaultTenant, m, "q", ids);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(cached[0].key.token_count, created->first.reused_tokens);
+
+  // Nothing corrupt is left: the next sweep reads the sink once (q shares it) and finds nothing.
+  const uint64_t before = c.pages_scrubbed.load();
+  ASSERT_TRUE(scrubber.SweepOnce());
+  EXPECT_EQ(before + cached[0].pages.size(), c.pages_scrubbed.load());
+  EXPECT_EQ(1u, c.corrupt_prefix_units.load());
+}
+
 }  // namespace
 }  // namespace kvpool::server

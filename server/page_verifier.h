@@ -25,10 +25,12 @@ namespace kvpool::server {
 
 // What integrity checking found, since start (GetStats).
 struct IntegrityCounters {
-  std::atomic<uint64_t> corrupt_sequences{0};  // sequences marked corrupt
-  std::atomic<uint64_t> pages_scrubbed{0};     // pages the scrubber verified
-  std::atomic<uint64_t> bytes_scrubbed{0};     // bytes of their written slots
-  std::atomic<uint64_t> sweeps_completed{0};   // full sweeps of every live sequence
+  std::atomic<uint64_t> corrupt_sequences{0};     // sequences marked corrupt
+  std::atomic<uint64_t> pages_scrubbed{0};        // pages the scrubber verified
+  std::atomic<uint64_t> bytes_scrubbed{0};        // bytes of their written slots
+  std::atomic<uint64_t> sweeps_completed{0};      // full sweeps of every live sequence and unit
+  std::atomic<uint64_t> corrupt_prefix_units{0};  // prefix units whose pages failed
+  std::atomic<uint64_t> prefix_units_dropped{0};  // those and the units chained after them
 };
 
 // A page to check: an INT2 history block (`history`) or a BF16 page of `model`.

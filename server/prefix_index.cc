@@ -238,6 +238,40 @@ size_t PrefixIndex::DropModel(const TenantId& tenant, const std::string& model_i
   return freed;
 }
 
+std::vector<PrefixHash> PrefixIndex::UnitHashes() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<PrefixHash> out;
+  out.reserve(entries_.size());
+  for (const auto& [hash, e] : entries_) out.push_back(hash);
+  return out;
+}
+
+bool PrefixIndex::RefUnit(const PrefixHash& hash, PrefixUnitPages* out) const {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(hash);
+  if (it == entries_.end()) return false;
+  const Entry& e = it->second;
+  pool_->RefAll(e.pages);
+  *out = PrefixUnitPages{hash, e.tenant, e.model_id, e.codec_version, e.key.kind, e.pages};
+  return true;
+}
+
+size_t PrefixIndex::DropCorrupt(const PrefixHash& hash) {
+  absl::MutexLock lock(&mu_);
+  if (!entries_.contains(hash)) return 0;
+  // The unit and its descendants: a chain's units come after their parents by token_start.
+  absl::flat_hash_set<PrefixHash, HashHasher> doomed = {hash};
+  std::vector<const Entry*> by_start;
+  for (const auto& [h, e] : entries_) by_start.push_back(&e);
+  std::sort(by_start.begin(), by_start.end(),
+            [](const Entry* a, const Entry* b) { return a->key.token_start < b->key.token_start; });
+  for (const Entry* e : by_start) {
+    if (e->has_parent && doomed.contains(e->parent)) doomed.insert(e->key.hash);
+  }
+  for (const PrefixHash& h : doomed) RemoveLocked(h, PrefixRemoval::kCorrupt);
+  return doomed.size();
+}
+
 PrefixIndexStats PrefixIndex::Stats() const {
   absl::MutexLock lock(&mu_);
   PrefixIndexStats st;

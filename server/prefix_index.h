@@ -98,7 +98,18 @@ struct PrefixUnitView {
   const PrefixHash* parent = nullptr;  // null for a chain's first unit
 };
 
-enum class PrefixRemoval : uint8_t { kEvicted, kModelDropped };
+// kCorrupt: its pages failed their checksum (the scrubber), or its parent's did.
+enum class PrefixRemoval : uint8_t { kEvicted, kModelDropped, kCorrupt };
+
+// A unit's pages as the scrubber verifies them, with one reference taken on each for the caller.
+struct PrefixUnitPages {
+  PrefixHash hash{};
+  TenantId tenant;
+  std::string model_id;
+  CodecVersion codec_version{};
+  PrefixUnitKind kind = PrefixUnitKind::kBlock;  // sink: BF16 pages; block: INT2 blocks
+  std::vector<PageId> pages;
+};
 
 // Told of every unit added to or removed from the index (server/events/ feeds routers from
 // it). Called under the index's lock: it must neither block nor call into the index.
@@ -144,6 +155,16 @@ class PrefixIndex {
                                               std::vector<std::vector<PageId>>* out);
   // Drops every unit of (tenant, model_id); returns the pool bytes freed.
   size_t DropModel(const TenantId& tenant, const std::string& model_id);
+
+  // The hash of every unit, for the scrubber to walk.
+  std::vector<PrefixHash> UnitHashes() const;
+  // Unit `hash` with a reference taken on each of its pages (the caller drops them: a page
+  // cannot be freed and rewritten while it is verified); false when the unit is gone.
+  bool RefUnit(const PrefixHash& hash, PrefixUnitPages* out) const;
+  // Drops unit `hash`, whose pages failed their checksum, and every unit chained after it
+  // (none could be matched without it), so that later lookups miss instead of serving it.
+  // Sequences holding the pages keep them. Returns the units dropped (0 when already gone).
+  size_t DropCorrupt(const PrefixHash& hash);
 
   PrefixIndexStats Stats() const;
 

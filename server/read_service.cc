@@ -6,8 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "proto/status.h"
 #include "server/grpc_reactor_order.h"
 #include "server/proto_convert.h"
+#include "server/read_ticket.h"
 #include "server/scaleout/ownership_check.h"
 
 namespace kvpool::server {
@@ -37,6 +39,29 @@ bool StopIfCancelled(bool write_ok, CallCancellation* cancel, size_t layers_left
   return true;
 }
 
+// The ticket of a read whose largest message takes `message_bytes` (and `work_bytes` more while
+// it is produced): refused before any work when one message could not be sent, or over a cap.
+absl::StatusOr<std::shared_ptr<ReadTicket>> AdmitRead(ServiceContext* ctx,
+                                                      grpc::CallbackServerContext* call,
+                                                      const TenantId& tenant, const char* what,
+                                                      size_t message_bytes, size_t work_bytes,
+                                                      const std::shared_ptr<CallCancellation>& c) {
+  const size_t limit = ctx->config->max_message_bytes;
+  if (message_bytes > limit) {
+    return WithReason(absl::ResourceExhaustedError(
+                          absl::StrCat(what, ": one message of this model's rows or blocks takes ",
+                                       message_bytes, " bytes, over max_message_bytes ", limit)),
+                      ErrorReason::kLimit,
+                      {{"limit", "max_message_bytes"},
+                       {"value", absl::StrCat(limit)},
+                       {"needed", absl::StrCat(message_bytes)}});
+  }
+  return ReadTicket::Open(ctx->admission, call, tenant, what, message_bytes + work_bytes, c);
+}
+
+// Encoded bytes of one message besides its payload (tags, lengths, ids, a header).
+constexpr size_t kMessageOverhead = 4096;
+
 std::vector<int> RequestedLayers(const google::protobuf::RepeatedField<int32_t>& layers) {
   return std::vector<int>(layers.begin(), layers.end());
 }
@@ -47,10 +72,11 @@ std::vector<int> RequestedLayers(const google::protobuf::RepeatedField<int32_t>&
 class ReadBlocksReactor final
     : public OrderedReactor<grpc::ServerWriteReactor<v1::ReadBlocksResponse>> {
  public:
-  ReadBlocksReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
-                    std::unique_ptr<SequenceSnapshot> snap)
+  ReadBlocksReactor(ServiceContext* ctx, std::shared_ptr<CallCancellation> cancel,
+                    std::shared_ptr<ReadTicket> ticket, std::unique_ptr<SequenceSnapshot> snap)
       : ctx_(ctx),
-        cancel_(CancellationOf(call, &ctx->counters.cancellation)),
+        cancel_(std::move(cancel)),
+        ticket_(std::move(ticket)),
         snap_(std::move(snap)),
         target_(TargetMessageBytes(*ctx->config)) {
     const Model& m = snap_->model();
@@ -63,11 +89,17 @@ class ReadBlocksReactor final
     h->set_history_tokens(snap_->history());
     h->set_recent_tokens(snap_->recent());
     for (const auto& l : snap_->layers()) h->add_layers(l.layer);
-    StartWrite(&message_);
+    Write();
+  }
+
+  // The largest message: a batch of rows or of blocks of about `target` bytes, at least one.
+  static size_t MessageBytes(const Model& m, size_t target) {
+    return std::max({target, 2 * m.row_values() * sizeof(Bf16), m.block_bytes}) + kMessageOverhead;
   }
 
   void OnWriteDone(bool ok) override {
     AcquireFromGrpc(this);
+    if (ok) ticket_->EndWrite();
     if (StopIfCancelled(ok, cancel_.get(), snap_->layers().size() - layer_)) {
       snap_.reset();
       return Finish(ToGrpcStatus(cancel_->status()));
@@ -77,11 +109,12 @@ class ReadBlocksReactor final
       snap_.reset();
       return Finish(ToGrpcStatus(error_));
     }
-    StartWrite(&message_);
+    Write();
   }
 
   void OnDone() override {
     AcquireFromGrpc(this);
+    ticket_->Close();
     delete this;
   }
 
@@ -152,8 +185,18 @@ class ReadBlocksReactor final
     return false;
   }
 
+  // Writes message_, unless the call expired meanwhile.
+  void Write() {
+    if (!ticket_->BeginWrite()) {
+      snap_.reset();
+      return Finish(ToGrpcStatus(cancel_->status()));
+    }
+    StartWrite(&message_);
+  }
+
   ServiceContext* const ctx_;
   const std::shared_ptr<CallCancellation> cancel_;
+  const std::shared_ptr<ReadTicket> ticket_;
   std::unique_ptr<SequenceSnapshot> snap_;
   const size_t target_;
   v1::ReadBlocksResponse message_;
@@ -168,18 +211,18 @@ class ReadBlocksReactor final
 
 class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::ReadKvResponse>> {
  public:
-  ReadKvReactor(ServiceContext* ctx, grpc::CallbackServerContext* call,
-                std::unique_ptr<SequenceSnapshot> snap, int start, int count, v1::DType dtype)
+  ReadKvReactor(ServiceContext* ctx, std::shared_ptr<CallCancellation> cancel,
+                std::shared_ptr<ReadTicket> ticket, std::unique_ptr<SequenceSnapshot> snap,
+                int start, int count, v1::DType dtype)
       : ctx_(ctx),
-        cancel_(CancellationOf(call, &ctx->counters.cancellation)),
+        cancel_(std::move(cancel)),
+        ticket_(std::move(ticket)),
         snap_(std::move(snap)),
         start_(start),
         end_(start + count),
         dtype_(dtype) {
     const Model& m = snap_->model();
-    const size_t elem = DTypeSize(dtype_);
-    tokens_per_message_ = std::max<int>(
-        1, static_cast<int>(TargetMessageBytes(*ctx->config) / (2 * m.row_values() * elem)));
+    tokens_per_message_ = TokensPerMessage(m, dtype_, TargetMessageBytes(*ctx->config));
     pos_ = start_;
     v1::ReadKvHeader* h = message_.mutable_header();
     h->set_sequence_id(snap_->sequence_id());
@@ -194,11 +237,24 @@ class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::R
     h->set_token_start(start_);
     h->set_num_tokens(count);
     for (const auto& l : snap_->layers()) h->add_layers(l.layer);
-    StartWrite(&message_);
+    Write();
+  }
+
+  static int TokensPerMessage(const Model& m, v1::DType dtype, size_t target) {
+    return std::max<int>(1, static_cast<int>(target / (2 * m.row_values() * DTypeSize(dtype))));
+  }
+  // The largest message of `tokens` rows, and what producing it holds besides (FP32 K and V,
+  // read and unrotated).
+  static size_t MessageBytes(const Model& m, v1::DType dtype, int tokens) {
+    return static_cast<size_t>(tokens) * 2 * m.row_values() * DTypeSize(dtype) + kMessageOverhead;
+  }
+  static size_t WorkBytes(const Model& m, int tokens) {
+    return static_cast<size_t>(tokens) * 4 * m.row_values() * sizeof(float);
   }
 
   void OnWriteDone(bool ok) override {
     AcquireFromGrpc(this);
+    if (ok) ticket_->EndWrite();
     const size_t layers_left = start_ == end_ ? 0 : snap_->layers().size() - layer_;
     if (StopIfCancelled(ok, cancel_.get(), layers_left)) {
       snap_.reset();
@@ -212,12 +268,13 @@ class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::R
     ctx_->workers->Submit([this] {
       absl::Status s = Produce();
       if (!s.ok()) return Finish(ToGrpcStatus(s));
-      StartWrite(&message_);
+      Write();
     });
   }
 
   void OnDone() override {
     AcquireFromGrpc(this);
+    ticket_->Close();
     delete this;
   }
 
@@ -262,8 +319,18 @@ class ReadKvReactor final : public OrderedReactor<grpc::ServerWriteReactor<v1::R
     return absl::OkStatus();
   }
 
+  // Writes message_, unless the call expired meanwhile.
+  void Write() {
+    if (!ticket_->BeginWrite()) {
+      snap_.reset();
+      return Finish(ToGrpcStatus(cancel_->status()));
+    }
+    StartWrite(&message_);
+  }
+
   ServiceContext* const ctx_;
   const std::shared_ptr<CallCancellation> cancel_;
+  const std::shared_ptr<ReadTicket> ticket_;
   std::unique_ptr<SequenceSnapshot> snap_;
   const int start_;
   const int end_;
@@ -286,7 +353,13 @@ grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadServiceImpl::ReadBlocks(
   const std::vector<int> layers = RequestedLayers(request->layers());
   auto snap = ctx_->store->Snapshot(tenant, request->sequence_id(), layers);
   if (!snap.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(snap.status());
-  return new ReadBlocksReactor(ctx_, context, *std::move(snap));
+  std::shared_ptr<CallCancellation> cancel = CancellationOf(context, &ctx_->counters.cancellation);
+  absl::StatusOr<std::shared_ptr<ReadTicket>> ticket = AdmitRead(
+      ctx_, context, tenant, "ReadBlocks",
+      ReadBlocksReactor::MessageBytes((*snap)->model(), TargetMessageBytes(*ctx_->config)), 0,
+      cancel);
+  if (!ticket.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(ticket.status());
+  return new ReadBlocksReactor(ctx_, std::move(cancel), *std::move(ticket), *std::move(snap));
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(
@@ -315,8 +388,17 @@ grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(
         absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", start + count,
                                            ") are outside the sequence's ", total, " tokens")));
   }
-  return new ReadKvReactor(ctx_, context, *std::move(snap), static_cast<int>(start),
-                           static_cast<int>(count), dtype);
+  const Model& m = (*snap)->model();
+  const int tokens =
+      std::min<int>(static_cast<int>(std::max<uint64_t>(count, 1)),
+                    ReadKvReactor::TokensPerMessage(m, dtype, TargetMessageBytes(*ctx_->config)));
+  std::shared_ptr<CallCancellation> cancel = CancellationOf(context, &ctx_->counters.cancellation);
+  absl::StatusOr<std::shared_ptr<ReadTicket>> ticket =
+      AdmitRead(ctx_, context, tenant, "ReadKv", ReadKvReactor::MessageBytes(m, dtype, tokens),
+                ReadKvReactor::WorkBytes(m, tokens), cancel);
+  if (!ticket.ok()) return new ErrorReactor<v1::ReadKvResponse>(ticket.status());
+  return new ReadKvReactor(ctx_, std::move(cancel), *std::move(ticket), *std::move(snap),
+                           static_cast<int>(start), static_cast<int>(count), dtype);
 }
 
 }  // namespace kvpool::server

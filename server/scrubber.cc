@@ -5,14 +5,18 @@
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {
 
 Scrubber::Scrubber(SequenceStore* store, ComputeBackend* backend, BlockPool* pool,
-                   ScrubberOptions options)
-    : store_(store), backend_(backend), pool_(pool), options_(options) {}
+                   ScrubberOptions options, PrefixIndex* index, ModelRegistry* registry)
+    : store_(store),
+      backend_(backend),
+      pool_(pool),
+      index_(index),
+      registry_(registry),
+      options_(options) {}
 
 Scrubber::~Scrubber() { Stop(); }
 
@@ -91,8 +95,51 @@ bool Scrubber::SweepOnce() {
     absl::MutexLock lock(&mu_);
     if (stop_) return false;
   }
+  // Then the prefix cache: pages its units share with the sequences above were read already;
+  // what is left are the pages only the cache holds (and those of sequences found corrupt).
+  if (index_ != nullptr && registry_ != nullptr) {
+    for (const PrefixHash& hash : index_->UnitHashes()) {
+      bytes += ScrubPrefixUnit(hash, &verified);
+      if (rate > 0 && !WaitUntil(start + absl::Seconds(static_cast<double>(bytes) / rate))) {
+        return false;
+      }
+    }
+  }
   counters.sweeps_completed.fetch_add(1);
   return true;
+}
+
+size_t Scrubber::ScrubPrefixUnit(const PrefixHash& hash, absl::flat_hash_set<PageId>* verified) {
+  PrefixUnitPages unit;
+  if (!index_->RefUnit(hash, &unit)) return 0;  // evicted meanwhile
+  std::vector<PageToVerify> pages;
+  for (PageId p : unit.pages) {
+    if (!verified->contains(p)) pages.push_back({p, unit.kind == PrefixUnitKind::kBlock});
+  }
+  size_t bytes = 0;
+  absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Get(unit.tenant, unit.model_id);
+  // A unit outlives its model only until DropModel removes it; one of an older registration
+  // under the same id is not this model's to check.
+  if (!pages.empty() && model.ok() && (*model)->version == unit.codec_version) {
+    bytes = VerifiedBytes(*pool_, **model, pages);
+    const absl::Status s = VerifyPages(backend_, *pool_, **model, pages);
+    IntegrityCounters& counters = store_->integrity();
+    if (absl::IsDataLoss(s)) {
+      const size_t dropped = index_->DropCorrupt(hash);
+      spdlog::error("scrubber: prefix unit {} of model {}: {}; dropped {} cached units",
+                    PrefixHashHex(hash), unit.model_id, std::string(s.message()), dropped);
+      counters.corrupt_prefix_units.fetch_add(1);
+      counters.prefix_units_dropped.fetch_add(dropped);
+    } else if (!s.ok()) {
+      spdlog::warn("scrubber: verification failed: {}", s.ToString());
+    } else {
+      for (const PageToVerify& p : pages) verified->insert(p.page);
+      counters.pages_scrubbed.fetch_add(pages.size());
+      counters.bytes_scrubbed.fetch_add(bytes);
+    }
+  }
+  pool_->UnrefAll(unit.pages);
+  return bytes;
 }
 
 }  // namespace kvpool::server

@@ -75,6 +75,10 @@ AdmissionLimits AdmissionLimitsOf(const ServerConfig& config) {
   l.max_streams_per_tenant = config.max_streams_per_tenant;
   l.max_reserved_bytes_per_connection = config.max_reserved_bytes_per_connection;
   l.max_reserved_bytes_per_tenant = config.max_reserved_bytes_per_tenant;
+  l.max_reads_per_connection = config.max_reads_per_connection;
+  l.max_reads_per_tenant = config.max_reads_per_tenant;
+  l.max_read_bytes_per_connection = config.max_read_bytes_per_connection;
+  l.max_read_bytes_per_tenant = config.max_read_bytes_per_tenant;
   l.idle_timeout = absl::Milliseconds(config.stream_idle_timeout_ms);
   l.total_timeout = absl::Milliseconds(config.stream_total_timeout_ms);
   // The reaper looks often enough that a timeout is acted on within a tenth of it.
@@ -117,6 +121,12 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->workers_->SetFairness(config.fair_compute);
   s->attention_ =
       std::make_unique<AttentionEngine>(s->store_.get(), s->backend_.get(), s->workers_.get());
+  if (config.transport_idle_timeout_ms > 0) {
+    spdlog::warn(
+        "--transport_idle_timeout_ms is deprecated: use --stream_idle_timeout_ms ({} ms "
+        "now applies to every stream and push, gRPC or UCX)",
+        config.stream_idle_timeout_ms);
+  }
   s->admission_ = std::make_unique<Admission>(AdmissionLimitsOf(config));
   s->ingest_ =
       std::make_unique<IngestEngine>(s->store_.get(), s->registry_.get(), s->workers_.get(),
@@ -137,6 +147,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   ctx.workers = s->workers_.get();
   ctx.attention = s->attention_.get();
   ctx.ingest = s->ingest_.get();
+  ctx.admission = s->admission_.get();
   if (!config.tenants_file.empty()) {
     KVPOOL_ASSIGN_OR_RETURN(
         s->tenants_,
@@ -253,7 +264,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->listener_->Start(s->acceptor_.get(), max_connections);
   s->scrubber_ = std::make_unique<Scrubber>(
       s->store_.get(), s->backend_.get(), s->pool_.get(),
-      ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second});
+      ScrubberOptions{config.scrub_period, config.scrub_max_bytes_per_second}, s->index_.get(),
+      s->registry_.get());
   s->scrubber_->Start();
   if (s->tenants_ != nullptr) s->tenants_->Start();
   if (!config.metrics_listen.empty()) {

@@ -36,6 +36,7 @@
 namespace kvpool::server {
 
 class IngestEngine;        // server/ingest/ingest_engine.h
+class Admission;           // server/admission/admission.h
 class Transport;           // server/transport/transport.h
 class ConnectionListener;  // server/connection_listener.h
 class TenantPolicy;        // server/admission/tenant_policy.h
@@ -60,6 +61,8 @@ struct ServiceContext {
   AttentionEngine* attention = nullptr;
   // Every append of K/V, whatever carries it, goes through it.
   IngestEngine* ingest = nullptr;
+  // Tickets of reads and Attend calls (server/read_ticket.h); null: not capped.
+  Admission* admission = nullptr;
   // Tenants' quotas and refusals, and where a (re)loaded tenants file installs them.
   const TenantQuotaTable* quotas = nullptr;
   TenantPolicy* tenant_policy = nullptr;

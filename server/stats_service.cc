@@ -190,6 +190,8 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
   integrity->set_pages_scrubbed(ic.pages_scrubbed.load());
   integrity->set_bytes_scrubbed(ic.bytes_scrubbed.load());
   integrity->set_sweeps_completed(ic.sweeps_completed.load());
+  integrity->set_corrupt_prefix_units(ic.corrupt_prefix_units.load());
+  integrity->set_prefix_units_dropped(ic.prefix_units_dropped.load());
   integrity->set_scrub_period_seconds(absl::ToDoubleSeconds(cfg.scrub_period));
   integrity->set_scrub_max_bytes_per_second(cfg.scrub_max_bytes_per_second);
 
@@ -224,6 +226,13 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
     a->set_refused(ac.refused);
     a->set_expired_idle(ac.expired_idle);
     a->set_expired_total(ac.expired_total);
+    a->set_open_reads(ac.open_reads);
+    a->set_read_bytes(ac.read_bytes);
+    const AdmissionLimits& al = admission->limits();
+    a->set_max_reads_per_connection(static_cast<uint32_t>(al.max_reads_per_connection));
+    a->set_max_reads_per_tenant(static_cast<uint32_t>(al.max_reads_per_tenant));
+    a->set_max_read_bytes_per_connection(al.max_read_bytes_per_connection);
+    a->set_max_read_bytes_per_tenant(al.max_read_bytes_per_tenant);
   }
   if (ctx_->listener != nullptr) {
     const ConnectionStats cs = ctx_->listener->Stats();

@@ -65,10 +65,32 @@ Admission::~Admission() {
   reaper_.join();
 }
 
+Admission::Caps Admission::CapsOf(TicketKind kind) const {
+  const AdmissionLimits& l = limits_;
+  auto count = [](int v) { return static_cast<uint64_t>(std::max(v, 0)); };
+  if (kind == TicketKind::kRead) {
+    return Caps{"reads per connection",
+                "reads per tenant",
+                "read bytes in flight per connection",
+                "read bytes in flight per tenant",
+                count(l.max_reads_per_connection),
+                count(l.max_reads_per_tenant),
+                l.max_read_bytes_per_connection,
+                l.max_read_bytes_per_tenant};
+  }
+  return Caps{"open streams per connection",       "open streams per tenant",
+              "reserved bytes per connection",     "reserved bytes per tenant",
+              count(l.max_streams_per_connection), count(l.max_streams_per_tenant),
+              l.max_reserved_bytes_per_connection, l.max_reserved_bytes_per_tenant};
+}
+
 absl::StatusOr<std::unique_ptr<Admission::Ticket>> Admission::Open(const TenantId& tenant,
                                                                    const std::string& connection,
                                                                    const std::string& what,
-                                                                   OnExpire on_expire) {
+                                                                   OnExpire on_expire,
+                                                                   TicketKind kind) {
+  const int k = static_cast<int>(kind);
+  const Caps caps = CapsOf(kind);
   absl::MutexLock lock(&mu_);
   auto usage_of = [](const auto& map, const auto& key) {
     auto it = map.find(key);
@@ -76,27 +98,25 @@ absl::StatusOr<std::unique_ptr<Admission::Ticket>> Admission::Open(const TenantI
   };
   const Usage c = usage_of(connections_, connection);
   const Usage t = usage_of(tenants_, tenant);
-  if (limits_.max_streams_per_connection > 0 &&
-      c.streams >= static_cast<uint64_t>(limits_.max_streams_per_connection)) {
+  if (caps.max_streams_per_connection > 0 && c.streams[k] >= caps.max_streams_per_connection) {
     ++refused_;
-    return LimitError(what, "open streams per connection", limits_.max_streams_per_connection,
-                      c.streams, 1);
+    return LimitError(what, caps.streams_per_connection, caps.max_streams_per_connection,
+                      c.streams[k], 1);
   }
-  if (limits_.max_streams_per_tenant > 0 &&
-      t.streams >= static_cast<uint64_t>(limits_.max_streams_per_tenant)) {
+  if (caps.max_streams_per_tenant > 0 && t.streams[k] >= caps.max_streams_per_tenant) {
     ++refused_;
-    return LimitError(what, "open streams per tenant", limits_.max_streams_per_tenant, t.streams,
-                      1);
+    return LimitError(what, caps.streams_per_tenant, caps.max_streams_per_tenant, t.streams[k], 1);
   }
   const uint64_t id = next_id_++;
   Entry& e = entries_[id];
+  e.kind = kind;
   e.tenant = tenant;
   e.connection = connection;
   e.what = what;
   e.opened = e.last_progress = absl::Now();
   e.on_expire = std::move(on_expire);
-  ++connections_[connection].streams;
-  ++tenants_[tenant].streams;
+  ++connections_[connection].streams[k];
+  ++tenants_[tenant].streams[k];
   auto ticket = std::unique_ptr<Ticket>(new Ticket());
   ticket->admission_ = this;
   ticket->id_ = id;
@@ -108,23 +128,22 @@ absl::Status Admission::Reserve(uint64_t id, size_t bytes) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return absl::InternalError("reserve on a closed admission ticket");
   Entry& e = it->second;
+  const int k = static_cast<int>(e.kind);
+  const Caps caps = CapsOf(e.kind);
   Usage& c = connections_[e.connection];
   Usage& t = tenants_[e.tenant];
-  if (limits_.max_reserved_bytes_per_connection > 0 &&
-      c.bytes + bytes > limits_.max_reserved_bytes_per_connection) {
+  if (caps.max_bytes_per_connection > 0 && c.bytes[k] + bytes > caps.max_bytes_per_connection) {
     ++refused_;
-    return LimitError(e.what, "reserved bytes per connection",
-                      limits_.max_reserved_bytes_per_connection, c.bytes, bytes);
+    return LimitError(e.what, caps.bytes_per_connection, caps.max_bytes_per_connection, c.bytes[k],
+                      bytes);
   }
-  if (limits_.max_reserved_bytes_per_tenant > 0 &&
-      t.bytes + bytes > limits_.max_reserved_bytes_per_tenant) {
+  if (caps.max_bytes_per_tenant > 0 && t.bytes[k] + bytes > caps.max_bytes_per_tenant) {
     ++refused_;
-    return LimitError(e.what, "reserved bytes per tenant", limits_.max_reserved_bytes_per_tenant,
-                      t.bytes, bytes);
+    return LimitError(e.what, caps.bytes_per_tenant, caps.max_bytes_per_tenant, t.bytes[k], bytes);
   }
   e.reserved += bytes;
-  c.bytes += bytes;
-  t.bytes += bytes;
+  c.bytes[k] += bytes;
+  t.bytes[k] += bytes;
   e.last_progress = absl::Now();
   return absl::OkStatus();
 }
@@ -134,10 +153,11 @@ void Admission::Unreserve(uint64_t id, size_t bytes) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   Entry& e = it->second;
+  const int k = static_cast<int>(e.kind);
   bytes = std::min(bytes, e.reserved);
   e.reserved -= bytes;
-  connections_[e.connection].bytes -= bytes;
-  tenants_[e.tenant].bytes -= bytes;
+  connections_[e.connection].bytes[k] -= bytes;
+  tenants_[e.tenant].bytes[k] -= bytes;
 }
 
 void Admission::Touch(uint64_t id) {
@@ -151,15 +171,16 @@ void Admission::Close(uint64_t id) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   const Entry& e = it->second;
+  const int k = static_cast<int>(e.kind);
   // Usage entries go when they are empty, so that a stream of new peers leaves nothing behind.
   auto c = connections_.find(e.connection);
-  c->second.streams -= 1;
-  c->second.bytes -= e.reserved;
-  if (c->second.streams == 0) connections_.erase(c);
+  c->second.streams[k] -= 1;
+  c->second.bytes[k] -= e.reserved;
+  if (c->second.empty()) connections_.erase(c);
   auto t = tenants_.find(e.tenant);
-  t->second.streams -= 1;
-  t->second.bytes -= e.reserved;
-  if (t->second.streams == 0) tenants_.erase(t);
+  t->second.streams[k] -= 1;
+  t->second.bytes[k] -= e.reserved;
+  if (t->second.empty()) tenants_.erase(t);
   entries_.erase(it);
 }
 
@@ -192,8 +213,15 @@ void Admission::Reap() {
 AdmissionCounters Admission::Counters() const {
   absl::MutexLock lock(&mu_);
   AdmissionCounters c;
-  c.open_streams = entries_.size();
-  for (const auto& [id, e] : entries_) c.reserved_bytes += e.reserved;
+  for (const auto& [id, e] : entries_) {
+    if (e.kind == TicketKind::kRead) {
+      ++c.open_reads;
+      c.read_bytes += e.reserved;
+    } else {
+      ++c.open_streams;
+      c.reserved_bytes += e.reserved;
+    }
+  }
   c.refused = refused_;
   c.expired_idle = expired_idle_;
   c.expired_total = expired_total_;
@@ -205,8 +233,10 @@ AdmissionCounters Admission::TenantCounters(const TenantId& tenant) const {
   AdmissionCounters c;
   auto it = tenants_.find(tenant);
   if (it != tenants_.end()) {
-    c.open_streams = it->second.streams;
-    c.reserved_bytes = it->second.bytes;
+    c.open_streams = it->second.streams[0];
+    c.reserved_bytes = it->second.bytes[0];
+    c.open_reads = it->second.streams[1];
+    c.read_bytes = it->second.bytes[1];
   }
   return c;
 }

@@ -15,6 +15,10 @@
 //   t->Touch();                                   // on every message
 //   t.reset();                                    // done: streams and bytes released
 //
+// Reads out of the pool (ReadKv, ReadBlocks, Attend: TicketKind::kRead) hold tickets too, with
+// caps of their own on calls at once and on the response bytes they hold in flight, so that a
+// flood of reads neither pins memory nor takes the streams appends need (and the reverse).
+//
 // Refusals are RESOURCE_EXHAUSTED with reason LIMIT (proto/status.h) naming the cap, its value
 // and what the request needed. The tenancy issue adds per-tenant quotas here, not elsewhere.
 //
@@ -37,6 +41,10 @@
 
 namespace kvpool::server {
 
+// What a ticket admits: a stream that writes into the pool (an append, a data-plane push) or a
+// call that reads out of it (ReadKv, ReadBlocks, Attend). Each kind has caps of its own.
+enum class TicketKind : uint8_t { kIngest = 0, kRead = 1 };
+
 struct AdmissionLimits {
   // Streams open at once per client connection (gRPC peer) and per tenant; 0 = no cap.
   int max_streams_per_connection = 64;
@@ -44,6 +52,12 @@ struct AdmissionLimits {
   // Bytes reserved at once by the streams of one connection and of one tenant; 0 = no cap.
   size_t max_reserved_bytes_per_connection = 0;
   size_t max_reserved_bytes_per_tenant = 0;
+  // Read and attention calls at once per connection and per tenant, and the response bytes
+  // (and an Attend's decoded queries) they hold in flight; 0 = no cap.
+  int max_reads_per_connection = 64;
+  int max_reads_per_tenant = 1024;
+  size_t max_read_bytes_per_connection = size_t{256} << 20;
+  size_t max_read_bytes_per_tenant = size_t{1} << 30;
   // A stream with no progress for this long, or open for this long in all, expires.
   absl::Duration idle_timeout = absl::Seconds(30);
   absl::Duration total_timeout = absl::Minutes(30);
@@ -52,11 +66,13 @@ struct AdmissionLimits {
 };
 
 struct AdmissionCounters {
-  uint64_t open_streams = 0;
-  uint64_t reserved_bytes = 0;
-  uint64_t refused = 0;        // Open or Reserve answered RESOURCE_EXHAUSTED, since start
-  uint64_t expired_idle = 0;   // tickets expired by the idle timeout, since start
-  uint64_t expired_total = 0;  // tickets expired by the total timeout, since start
+  uint64_t open_streams = 0;    // ingest tickets
+  uint64_t reserved_bytes = 0;  // by ingest tickets
+  uint64_t open_reads = 0;      // read tickets
+  uint64_t read_bytes = 0;      // reserved by read tickets
+  uint64_t refused = 0;         // Open or Reserve answered RESOURCE_EXHAUSTED, since start
+  uint64_t expired_idle = 0;    // tickets expired by the idle timeout, since start
+  uint64_t expired_total = 0;   // tickets expired by the total timeout, since start
 };
 
 class Admission {
@@ -90,15 +106,16 @@ class Admission {
   Admission(const Admission&) = delete;
   Admission& operator=(const Admission&) = delete;
 
-  // Opens a stream of `tenant` on `connection` (e.g. grpc's peer string) for `what` (named in
-  // messages). RESOURCE_EXHAUSTED (reason LIMIT) over a stream cap. `on_expire` runs at most
-  // once, on the reaper thread, when the stream times out, with the stream's end status
-  // (DEADLINE_EXCEEDED, reason LIMIT); it must not block for long.
+  // Opens a stream of `kind` of `tenant` on `connection` (e.g. grpc's peer string) for `what`
+  // (named in messages). RESOURCE_EXHAUSTED (reason LIMIT) over a cap on streams or reads.
+  // `on_expire` runs at most once, on the reaper thread, when the stream times out, with the
+  // stream's end status (DEADLINE_EXCEEDED, reason LIMIT); it must not block for long.
   using OnExpire = std::function<void(absl::Status why)>;
   [[nodiscard]] absl::StatusOr<std::unique_ptr<Ticket>> Open(const TenantId& tenant,
                                                              const std::string& connection,
                                                              const std::string& what,
-                                                             OnExpire on_expire);
+                                                             OnExpire on_expire,
+                                                             TicketKind kind = TicketKind::kIngest);
 
   const AdmissionLimits& limits() const { return limits_; }
   AdmissionCounters Counters() const;
@@ -107,6 +124,7 @@ class Admission {
 
  private:
   struct Entry {
+    TicketKind kind = TicketKind::kIngest;
     TenantId tenant;
     std::string connection;
     std::string what;
@@ -116,10 +134,24 @@ class Admission {
     bool expired = false;
     OnExpire on_expire;
   };
+  // Per kind (TicketKind's value).
   struct Usage {
-    uint64_t streams = 0;
-    size_t bytes = 0;
+    uint64_t streams[2] = {0, 0};
+    size_t bytes[2] = {0, 0};
+    bool empty() const { return streams[0] == 0 && streams[1] == 0; }
   };
+  // The caps of one kind.
+  struct Caps {
+    const char* streams_per_connection;
+    const char* streams_per_tenant;
+    const char* bytes_per_connection;
+    const char* bytes_per_tenant;
+    uint64_t max_streams_per_connection;
+    uint64_t max_streams_per_tenant;
+    size_t max_bytes_per_connection;
+    size_t max_bytes_per_tenant;
+  };
+  Caps CapsOf(TicketKind kind) const;
 
   absl::Status Reserve(uint64_t id, size_t bytes);
   void Unreserve(uint64_t id, size_t bytes);

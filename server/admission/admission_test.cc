@@ -66,6 +66,53 @@ TEST(AdmissionTest, ByteCapsAreExactAndARefusedReserveCountsNothing) {
   EXPECT_EQ(a.TenantCounters("t").open_streams, 0u);
 }
 
+// Reads have caps of their own: a flood of reads neither takes the streams appends need nor the
+// reverse, and each kind's bytes count against its own caps only.
+TEST(AdmissionTest, ReadTicketsHaveCapsOfTheirOwn) {
+  AdmissionLimits l = SmallLimits();
+  l.max_reads_per_connection = 1;
+  l.max_reads_per_tenant = 2;
+  l.max_read_bytes_per_connection = 100;
+  l.max_read_bytes_per_tenant = 150;
+  Admission a(l);
+  auto r1 = a.Open("t", "p1", "ReadKv", nullptr, TicketKind::kRead);
+  ASSERT_TRUE(r1.ok());
+  const absl::Status second = a.Open("t", "p1", "Attend", nullptr, TicketKind::kRead).status();
+  ExpectLimit(second);
+  EXPECT_TRUE(absl::StrContains(second.message(), "reads per connection")) << second;
+  // Appends on the same connection are untouched by the reads.
+  auto s1 = a.Open("t", "p1", "AppendKv", nullptr);
+  auto s2 = a.Open("t", "p1", "AppendKv", nullptr);
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  EXPECT_TRUE((*s1)->Reserve(1000).ok());
+  EXPECT_TRUE((*r1)->Reserve(100).ok());
+  const absl::Status over = (*r1)->Reserve(1);
+  ExpectLimit(over);
+  EXPECT_TRUE(absl::StrContains(over.message(), "read bytes in flight per connection")) << over;
+  auto r2 = a.Open("t", "p2", "ReadBlocks", nullptr, TicketKind::kRead);
+  ASSERT_TRUE(r2.ok());
+  ExpectLimit((*r2)->Reserve(51));  // 151 > 150 per tenant
+  EXPECT_TRUE((*r2)->Reserve(50).ok());
+  ExpectLimit(a.Open("t", "p3", "ReadKv", nullptr, TicketKind::kRead).status());  // tenant cap
+  EXPECT_TRUE(a.Open("u", "p3", "ReadKv", nullptr, TicketKind::kRead).ok());
+
+  AdmissionCounters c = a.Counters();
+  EXPECT_EQ(c.open_reads, 2u);
+  EXPECT_EQ(c.read_bytes, 150u);
+  EXPECT_EQ(c.open_streams, 2u);
+  EXPECT_EQ(c.reserved_bytes, 1000u);
+  EXPECT_EQ(c.refused, 4u);
+  EXPECT_EQ(a.TenantCounters("t").open_reads, 2u);
+  EXPECT_EQ(a.TenantCounters("t").read_bytes, 150u);
+  r1->reset();
+  r2->reset();
+  c = a.Counters();
+  EXPECT_EQ(c.open_reads, 0u);
+  EXPECT_EQ(c.read_bytes, 0u);
+  EXPECT_EQ(c.reserved_bytes, 1000u);
+  EXPECT_TRUE(a.Open("t", "p1", "ReadKv", nullptr, TicketKind::kRead).ok());
+}
+
 TEST(AdmissionTest, IdleStreamsExpireOnceAndTouchedOnesDoNot) {
   AdmissionLimits l = SmallLimits();
   l.idle_timeout = absl::Milliseconds(50);

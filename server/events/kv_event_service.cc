@@ -36,8 +36,17 @@ void ToProto(const KvEventRecord& r, v1::KvEvent* out) {
       v1::KvBlockRemoved* s = out->mutable_block_removed();
       s->set_unit_hash(PrefixHashHex(r.hash));
       s->set_model_id(r.model_id);
-      s->set_reason(r.removal == PrefixRemoval::kEvicted ? v1::KvBlockRemoved::EVICTED
-                                                         : v1::KvBlockRemoved::MODEL_DELETED);
+      switch (r.removal) {
+        case PrefixRemoval::kEvicted:
+          s->set_reason(v1::KvBlockRemoved::EVICTED);
+          break;
+        case PrefixRemoval::kModelDropped:
+          s->set_reason(v1::KvBlockRemoved::MODEL_DELETED);
+          break;
+        case PrefixRemoval::kCorrupt:
+          s->set_reason(v1::KvBlockRemoved::CORRUPT);
+          break;
+      }
       break;
     }
   }

@@ -183,6 +183,10 @@ void RenderService(const v1::GetStatsResponse& r, PrometheusText& out) {
       a.open_streams());
   One(out, "kvpool_admission_reserved_bytes", "gauge", "Pool bytes reserved by in-flight appends.",
       a.reserved_bytes());
+  One(out, "kvpool_admission_open_reads", "gauge",
+      "ReadKv/ReadBlocks/Attend calls holding a read ticket.", a.open_reads());
+  One(out, "kvpool_admission_read_bytes", "gauge", "Response bytes those calls hold in flight.",
+      a.read_bytes());
   One(out, "kvpool_admission_refused_total", "counter",
       "Streams or reservations refused over a cap (RESOURCE_EXHAUSTED, reason LIMIT).",
       a.refused());
@@ -210,6 +214,12 @@ void RenderService(const v1::GetStatsResponse& r, PrometheusText& out) {
   One(out, "kvpool_scrubbed_bytes_total", "counter", "Bytes the scrubber read.",
       i.bytes_scrubbed());
   One(out, "kvpool_scrub_sweeps_total", "counter", "Full scrubber sweeps.", i.sweeps_completed());
+  One(out, "kvpool_corrupt_prefix_units_total", "counter",
+      "Prefix-cache units the scrubber found with a page that failed its checksum.",
+      i.corrupt_prefix_units());
+  One(out, "kvpool_corrupt_prefix_units_dropped_total", "counter",
+      "Prefix-cache units dropped for a failed checksum (with the units chained after them).",
+      i.prefix_units_dropped());
 
   const v1::LifecycleStats& l = r.lifecycle();
   One(out, "kvpool_cancelled_calls_total", "counter",

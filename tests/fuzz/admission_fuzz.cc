@@ -1,8 +1,8 @@
 // Fuzz target: the admission module (server/admission/admission.h) under random interleavings.
-// Three threads run scripts of Open / Reserve / Unreserve / Touch / drop / pause on tickets of
-// three tenants over four connections, with caps and timeouts small enough that refusals and
-// expiries (whose callbacks sometimes drop the ticket themselves, on the reaper thread) race
-// with the owners.
+// Three threads run scripts of Open / Reserve / Unreserve / Touch / drop / pause on tickets (of
+// both kinds: ingest streams and reads) of three tenants over four connections, with caps and
+// timeouts small enough that refusals and expiries (whose callbacks sometimes drop the ticket
+// themselves, on the reaper thread) race with the owners.
 //
 // Input: one byte picks the limits, then the threads' scripts interleaved byte by byte (op,
 // argument). Checked on every input: a ticket's reserved bytes are what its owner reserved and
@@ -67,6 +67,14 @@ void CheckCaps(const Admission& a) {
       FUZZ_CHECK(c.reserved_bytes <= l.max_reserved_bytes_per_tenant,
                  absl::StrCat("tenant ", t, " holds ", c.reserved_bytes, " bytes"));
     }
+    if (l.max_reads_per_tenant > 0) {
+      FUZZ_CHECK(c.open_reads <= static_cast<uint64_t>(l.max_reads_per_tenant),
+                 absl::StrCat("tenant ", t, " holds ", c.open_reads, " reads"));
+    }
+    if (l.max_read_bytes_per_tenant > 0) {
+      FUZZ_CHECK(c.read_bytes <= l.max_read_bytes_per_tenant,
+                 absl::StrCat("tenant ", t, " holds ", c.read_bytes, " read bytes"));
+    }
   }
 }
 
@@ -85,22 +93,24 @@ void RunScript(Admission* admission, const std::vector<uint8_t>& script, Observe
         auto expired_once = std::make_shared<std::atomic<bool>>(false);
         std::weak_ptr<Slot> weak = slot;
         const bool drop_on_expiry = arg & 0x80;
-        absl::StatusOr<std::unique_ptr<Admission::Ticket>> t =
-            admission->Open(absl::StrCat("t", slot->tenant), connection, "fuzz",
-                            [weak, expired_once, drop_on_expiry, seen](absl::Status why) {
-                              FUZZ_CHECK(!expired_once->exchange(true), "a ticket expired twice");
-                              CheckLimit(why, absl::StatusCode::kDeadlineExceeded);
-                              seen->expired.fetch_add(1);
-                              std::shared_ptr<Slot> s = weak.lock();
-                              if (s == nullptr || !drop_on_expiry) return;
-                              // The owner may have replaced the ticket meanwhile: drop only an
-                              // expired one.
-                              absl::MutexLock l(&s->mu);
-                              if (s->ticket != nullptr && s->ticket->expired()) {
-                                s->ticket.reset();
-                                s->reserved = 0;
-                              }
-                            });
+        const TicketKind kind = (arg & 0x40) ? TicketKind::kRead : TicketKind::kIngest;
+        absl::StatusOr<std::unique_ptr<Admission::Ticket>> t = admission->Open(
+            absl::StrCat("t", slot->tenant), connection, "fuzz",
+            [weak, expired_once, drop_on_expiry, seen](absl::Status why) {
+              FUZZ_CHECK(!expired_once->exchange(true), "a ticket expired twice");
+              CheckLimit(why, absl::StatusCode::kDeadlineExceeded);
+              seen->expired.fetch_add(1);
+              std::shared_ptr<Slot> s = weak.lock();
+              if (s == nullptr || !drop_on_expiry) return;
+              // The owner may have replaced the ticket meanwhile: drop only an
+              // expired one.
+              absl::MutexLock l(&s->mu);
+              if (s->ticket != nullptr && s->ticket->expired()) {
+                s->ticket.reset();
+                s->reserved = 0;
+              }
+            },
+            kind);
         if (t.ok()) {
           slot->ticket = *std::move(t);
         } else {
@@ -160,6 +170,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.max_streams_per_tenant = (config >> 2) & 0x3;  // 0 (no cap) to 3
   limits.max_reserved_bytes_per_connection = ((config >> 4) & 0x3) * 2048;
   limits.max_reserved_bytes_per_tenant = ((config >> 6) & 0x1) * 3072;
+  // Reads get caps of their own, as small.
+  limits.max_reads_per_connection = limits.max_streams_per_connection;
+  limits.max_reads_per_tenant = limits.max_streams_per_tenant;
+  limits.max_read_bytes_per_connection = limits.max_reserved_bytes_per_connection;
+  limits.max_read_bytes_per_tenant = limits.max_reserved_bytes_per_tenant;
   limits.idle_timeout = absl::Milliseconds(1 + ((config >> 7) & 0x1) * 2);
   limits.total_timeout = absl::Milliseconds(6);
   limits.reap_period = absl::Microseconds(500);
@@ -191,9 +206,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
     const AdmissionCounters c = admission.Counters();
-    FUZZ_CHECK(c.open_streams == 0 && c.reserved_bytes == 0,
-               absl::StrCat(c.open_streams, " streams and ", c.reserved_bytes,
-                            " bytes left with every ticket dropped"));
+    FUZZ_CHECK(
+        c.open_streams == 0 && c.reserved_bytes == 0 && c.open_reads == 0 && c.read_bytes == 0,
+        absl::StrCat(c.open_streams, " streams, ", c.reserved_bytes, " bytes, ", c.open_reads,
+                     " reads and ", c.read_bytes, " read bytes left with every ticket dropped"));
     FUZZ_CHECK(c.refused == seen.refused.load(),
                absl::StrCat("refused ", c.refused, ", threads saw ", seen.refused.load()));
     // With no ticket left nothing more expires; a callback of an expiry counted just before may

@@ -192,6 +192,48 @@ TEST_F(IntegrityTest, ScrubberFindsAFlippedBitNobodyReads) {
   KV_ASSERT_OK(ReadBlocks("b"));
 }
 
+// Pages only the prefix cache holds, once their sequence is released, are swept too: a flipped
+// bit drops its unit and the units chained after it, so a lookup stops before it instead of
+// handing out bad bytes.
+TEST_F(IntegrityTest, ScrubberDropsACorruptUnitOnlyThePrefixCacheHolds) {
+  StartWith({"--scrub_period=0.1s"});
+  if (HasFatalFailure()) return;
+  std::vector<uint32_t> ids(kTokens);
+  for (int i = 0; i < kTokens; ++i) ids[i] = static_cast<uint32_t>(1000 + i);
+  absl::StatusOr<v1::AppendKvResponse> pushed =
+      CreateAndAppend(*client_, "m", "a", MakeSequenceKv(kShape, kTokens, 1), true, ids);
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  absl::StatusOr<v1::LookupPrefixResponse> before = client_->LookupPrefix("m", ids);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_GE(before->units_size(), 3);  // the sink and history blocks
+  ASSERT_EQ(v1::PREFIX_UNIT_KIND_SINK, before->units(0).kind());
+
+  // History block 0 of layer 1 is the first block unit's page; the cache alone holds it next.
+  Corrupt("a", t::PAGE_TIER_HISTORY, 1);
+  KV_ASSERT_OK(client_->ReleaseSequence("a").status());
+  ASSERT_TRUE(WaitFor([](const v1::IntegrityStats& s) { return s.corrupt_prefix_units() >= 1; }));
+  const v1::IntegrityStats found = Integrity();
+  EXPECT_EQ(1u, found.corrupt_prefix_units());
+  EXPECT_EQ(static_cast<uint64_t>(before->units_size() - 1), found.prefix_units_dropped());
+  absl::StatusOr<v1::LookupPrefixResponse> after = client_->LookupPrefix("m", ids);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(1, after->units_size());
+  EXPECT_EQ(before->units(0).token_count(), after->matched_tokens());
+
+  // A new sequence from the same prompt starts from the sink only, and reads fine.
+  absl::StatusOr<v1::AppendKvResponse> again =
+      CreateAndAppend(*client_, "m", "b", MakeSequenceKv(kShape, kTokens, 1), true, ids);
+  ASSERT_TRUE(again.ok()) << again.status();
+  KV_ASSERT_OK(ReadKv("b"));
+  KV_ASSERT_OK(ReadBlocks("b"));
+  const uint64_t sweeps = Integrity().sweeps_completed();
+  ASSERT_TRUE(
+      WaitFor([&](const v1::IntegrityStats& s) { return s.sweeps_completed() >= sweeps + 2; }));
+  EXPECT_EQ(1u, Integrity().corrupt_prefix_units());
+  // "a" itself, if a sweep read it between the flip and its release.
+  EXPECT_LE(Integrity().corrupt_sequences(), 1u);
+}
+
 // On a GPU daemon (KVPOOL_TEST_DEVICE=cuda:N; skipped otherwise) the checksums that the arrival
 // and demotion kernels compute as they write (kernels/cuda/page_checksum_accumulate.cuh) agree
 // with what reads and the scrubber's verification pass compute: every page of sequences written

@@ -31,7 +31,7 @@ absl::StatusOr<std::unique_ptr<TestDaemon>> TestDaemon::Start(const TestDaemonOp
   cfg.ucx_net_devices = o.ucx_net_devices;
   cfg.transport_staging_bytes = o.staging_bytes;
   cfg.transport_message_bytes = o.message_bytes;
-  cfg.transport_idle_timeout_ms = o.idle_timeout_ms;
+  cfg.stream_idle_timeout_ms = o.idle_timeout_ms;
   cfg.transport_keepalive_ms = o.keepalive_ms;
   spdlog::set_level(spdlog::level::from_str(o.log_level));
   auto d = std::unique_ptr<TestDaemon>(new TestDaemon());

@@ -147,7 +147,8 @@ UcxTransportOptions UcxTransportOptionsFromConfig(const ServerConfig& config) {
   o.hello_timeout = absl::Milliseconds(config.transport_hello_timeout_ms);
   o.staging_bytes = config.transport_staging_bytes;
   o.message_bytes = config.transport_message_bytes;
-  o.idle_timeout = absl::Milliseconds(config.transport_idle_timeout_ms);
+  // The one idle limit of every stream (the admission's): a push's own backstop uses it too.
+  o.idle_timeout = absl::Milliseconds(config.stream_idle_timeout_ms);
   return o;
 }
 

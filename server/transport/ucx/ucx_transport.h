@@ -80,7 +80,8 @@ struct UcxTransportOptions {
   size_t message_bytes = size_t{4} << 20;
   // LAYER_DATA messages one session may have in flight (0: two per slot).
   uint32_t max_inflight_messages = 0;
-  // A push with no progress for this long is rolled back.
+  // A push with no progress for this long is rolled back (the daemon's one idle limit,
+  // --stream_idle_timeout_ms, which the push's admission ticket enforces too).
   absl::Duration idle_timeout = absl::Seconds(30);
   int max_sessions = 1024;
   int max_pushes_per_session = 256;
