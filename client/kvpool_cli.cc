@@ -137,6 +137,9 @@ constexpr char kUsage[] =
     "                                                  (--q=Q.npy | --random_q_seed=N)\n"
     "                                                  [--out=O.npy]\n"
     "  stats         pool and service statistics       [--sequences]\n"
+    "  drain         drain the daemon (admin): NOT_SERVING, new work refused, exit once\n"
+    "                in-flight calls end (Kubernetes preStop)\n"
+    "  reload-tenants  re-read the daemon's tenants file (admin), as SIGHUP\n"
     "\n"
     "Run `kvpool --help` for every flag.";
 
@@ -682,6 +685,23 @@ absl::Status Stats(const KvpoolClient& c) {
   return absl::OkStatus();
 }
 
+absl::Status DrainCmd(const KvpoolClient& c) {
+  KVPOOL_ASSIGN_OR_RETURN(v1::DrainResponse r, c.Drain());
+  const v1::ServingState& s = r.serving();
+  std::printf("%s (%s), %llu calls in flight, stops by %lld (Unix ms)\n",
+              v1::ServingState::State_Name(s.state()).c_str(),
+              r.started() ? "drain started" : "already draining",
+              static_cast<unsigned long long>(s.in_flight_calls()),
+              static_cast<long long>(s.drain_deadline_unix_ms()));
+  return absl::OkStatus();
+}
+
+absl::Status ReloadTenantsCmd(const KvpoolClient& c) {
+  KVPOOL_ASSIGN_OR_RETURN(v1::ReloadTenantsResponse r, c.ReloadTenants());
+  std::printf("%u tenants\n", r.tenants());
+  return absl::OkStatus();
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
@@ -744,6 +764,10 @@ int Main(int argc, char** argv) {
       status = Attend(c);
     } else if (cmd == "stats") {
       status = Stats(c);
+    } else if (cmd == "drain") {
+      status = DrainCmd(c);
+    } else if (cmd == "reload-tenants") {
+      status = ReloadTenantsCmd(c);
     } else {
       std::fprintf(stderr, "kvpool: unknown command '%s'\n\n%s\n", cmd.c_str(), kUsage);
       return 2;
