@@ -196,7 +196,9 @@ class Client:
                 return fn(*args, **self.call_kwargs())
             except grpc.RpcError as e:
                 err = KvpoolError.from_rpc_error(e, rpc)
-            if attempt >= policy.max_attempts or err.code not in policy.codes:
+            # A draining daemon never serves again: retrying it is pointless (another may).
+            if (attempt >= policy.max_attempts or err.code not in policy.codes
+                    or err.reason == "DRAINING"):
                 raise err
             attempt += 1
             time.sleep(policy.backoff(attempt))
