@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -40,15 +41,28 @@ def daemon():
                 f'token_sha256: "{sha256(TOKEN_TENANT)}" }}\n'
                 f'tenant {{ name: "ops" role: ROLE_ADMIN token_sha256: "{sha256(TOKEN_ADMIN)}" }}\n')
     d = LocalDaemon(binary, ["--pool_bytes=67108864", "--worker_threads=2",
-                             f"--tenants_file={tenants}"],
+                             f"--tenants_file={tenants}", "--metrics_listen=127.0.0.1:0",
+                             f"--metrics_port_file={tmp}/metrics.port"],
                     client_options=ClientOptions(token=TOKEN_TENANT))
     d.start()
+    d.metrics_port_file = f"{tmp}/metrics.port"
     yield d
     try:
         d.stop()
     finally:
         d.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def gauge(daemon, name: str) -> float:
+    """One unlabelled sample of the daemon's Prometheus page."""
+    with open(daemon.metrics_port_file) as f:
+        port = int(f.read())
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} on the metrics page")
 
 
 def test_drain_and_reload_are_admin_only(daemon):
@@ -78,11 +92,14 @@ def test_admin_drain_refuses_new_sequences_then_exits_zero(daemon):
         while admin.get_stats().admission.open_streams != 1:
             assert time.monotonic() < deadline, "the append never opened"
             time.sleep(0.02)
+        assert gauge(daemon, "kvpool_draining") == 0
         response = admin.drain()
         assert response.started
         assert response.serving.state == response.serving.DRAINING
         assert admin.get_stats().serving.state == response.serving.DRAINING
         assert tenant.health() == "NOT_SERVING"
+        assert gauge(daemon, "kvpool_draining") == 1
+        assert gauge(daemon, "kvpool_in_flight_calls") >= 1  # the append
         with pytest.raises(KvpoolError) as e:
             tenant.create_sequence("m", "s2")
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
