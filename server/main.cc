@@ -5,9 +5,8 @@
 // Drains on SIGTERM or SIGINT, as on AdminService.Drain (KvpoolServer::Drain): health turns
 // NOT_SERVING, new sequences and appends are refused (UNAVAILABLE, reason DRAINING), in-flight
 // calls get --shutdown_grace_ms to finish, then it exits with status 0. SIGHUP re-reads
-// --tenants_file. When its GPU
-// fails (a poisoned CUDA context) it stops on its own after --device_failure_exit_grace and exits
-// with status 3.
+// --tenants_file. When its GPU fails (a poisoned CUDA context) it stops on its own after
+// --device_failure_exit_grace and exits with status 3.
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
