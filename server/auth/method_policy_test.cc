@@ -64,9 +64,7 @@ TEST(MethodPolicyTest, OnlyHealthIsPublic) {
   EXPECT_FALSE(IsPublicMethod(""));
 }
 
-bool IsAdminMethod(const std::string& m) {
-  return absl::StartsWith(m, "/kvpool.v1.AdminService/");
-}
+bool IsAdminMethod(const std::string& m) { return absl::StartsWith(m, "/kvpool.v1.AdminService/"); }
 
 TEST(MethodPolicyTest, TenantsCallEveryApiMethodButAdministrationAdminsAll) {
   for (const std::string& m : ApiMethods()) {
