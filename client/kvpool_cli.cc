@@ -152,6 +152,9 @@ constexpr char kUsage[] =
     "                                                  (--q=Q.npy | --random_q_seed=N)\n"
     "                                                  [--out=O.npy]\n"
     "  stats         pool and service statistics       [--sequences]\n"
+    "  drain         drain the daemon (admin): NOT_SERVING, new work refused, exit once\n"
+    "                in-flight calls end (Kubernetes preStop)\n"
+    "  reload-tenants  re-read the daemon's tenants file (admin), as SIGHUP\n"
     "\n"
     "With several daemons (--target=A:P,B:P or dns:///NAME:PORT) each sequence's command goes\n"
     "to its owner: the placement key is --model with the first 64 of --token_ids, or --model\n"
@@ -734,9 +737,10 @@ absl::Status Stats(const KvpoolClient& c) {
   return absl::OkStatus();
 }
 
-constexpr const char* kCommands[] = {"health", "register", "models",   "describe", "delete-model",
-                                     "create", "put",      "sequence", "seal",     "release",
-                                     "lookup", "read",     "blocks",   "attend",   "stats"};
+constexpr const char* kCommands[] = {
+    "health", "register", "models", "describe", "delete-model",  "create",
+    "put",    "sequence", "seal",   "release",  "lookup",        "read",
+    "blocks", "attend",   "stats",  "drain",    "reload-tenants"};
 
 bool IsKnownCommand(const std::string& cmd) {
   for (const char* c : kCommands) {
@@ -748,6 +752,23 @@ bool IsKnownCommand(const std::string& cmd) {
 // A target naming several daemons (docs/scale-out.md), as opposed to one gRPC target.
 bool IsMultiDaemonTarget(const std::string& target) {
   return absl::StrContains(target, ',') || absl::StartsWith(target, "dns:///");
+}
+
+absl::Status DrainCmd(const KvpoolClient& c) {
+  KVPOOL_ASSIGN_OR_RETURN(v1::DrainResponse r, c.Drain());
+  const v1::ServingState& s = r.serving();
+  std::printf("%s (%s), %llu calls in flight, stops by %lld (Unix ms)\n",
+              v1::ServingState::State_Name(s.state()).c_str(),
+              r.started() ? "drain started" : "already draining",
+              static_cast<unsigned long long>(s.in_flight_calls()),
+              static_cast<long long>(s.drain_deadline_unix_ms()));
+  return absl::OkStatus();
+}
+
+absl::Status ReloadTenantsCmd(const KvpoolClient& c) {
+  KVPOOL_ASSIGN_OR_RETURN(v1::ReloadTenantsResponse r, c.ReloadTenants());
+  std::printf("%u tenants\n", r.tenants());
+  return absl::OkStatus();
 }
 
 // One command on one daemon (`cmd` is known).
@@ -765,6 +786,8 @@ absl::Status RunCommand(KvpoolClient& c, const std::string& cmd, RoutingClient* 
   if (cmd == "read") return Read(c);
   if (cmd == "blocks") return Blocks(c);
   if (cmd == "attend") return Attend(c, pool);
+  if (cmd == "drain") return DrainCmd(c);
+  if (cmd == "reload-tenants") return ReloadTenantsCmd(c);
   return Stats(c);
 }
 
@@ -779,7 +802,8 @@ absl::Status RunOnPool(RoutingClient& pool, const std::string& cmd) {
                 members->epoch_hex().c_str());
     return absl::OkStatus();
   }
-  if (cmd == "register" || cmd == "delete-model" || cmd == "stats") {
+  if (cmd == "register" || cmd == "delete-model" || cmd == "stats" || cmd == "drain" ||
+      cmd == "reload-tenants") {
     return pool.ForEachMember([&](const KvpoolClient& member) {
       std::printf("== %s\n", member.target().c_str());
       return RunCommand(*member.WithCallMetadata({}), cmd);

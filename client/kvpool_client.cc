@@ -638,4 +638,14 @@ absl::StatusOr<v1::GetStatsResponse> KvpoolClient::GetStats(bool include_sequenc
                    "GetStats");
 }
 
+absl::StatusOr<v1::DrainResponse> KvpoolClient::Drain() const {
+  return CallUnary(*stubs_->admin, &v1::AdminService::Stub::Drain, NewContext(), v1::DrainRequest(),
+                   "Drain");
+}
+
+absl::StatusOr<v1::ReloadTenantsResponse> KvpoolClient::ReloadTenants() const {
+  return CallUnary(*stubs_->admin, &v1::AdminService::Stub::ReloadTenants, NewContext(),
+                   v1::ReloadTenantsRequest(), "ReloadTenants");
+}
+
 }  // namespace kvpool::client

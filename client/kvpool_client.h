@@ -278,6 +278,12 @@ class KvpoolClient {
   // --- StatsService ---
   [[nodiscard]] absl::StatusOr<v1::GetStatsResponse> GetStats(bool include_sequences = false) const;
 
+  // --- AdminService (admin role) ---
+  // Begins the daemon's drain (as SIGTERM); the serving state after the call.
+  [[nodiscard]] absl::StatusOr<v1::DrainResponse> Drain() const;
+  // Re-reads the daemon's tenants file (as SIGHUP); the number of tenants now in force.
+  [[nodiscard]] absl::StatusOr<v1::ReloadTenantsResponse> ReloadTenants() const;
+
  private:
   KvpoolClient() = default;
 

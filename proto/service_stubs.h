@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "grpcpp/grpcpp.h"
+#include "kvpool/v1/admin_service.grpc.pb.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
 #include "kvpool/v1/model_service.grpc.pb.h"
 #include "kvpool/v1/read_service.grpc.pb.h"
@@ -24,7 +25,8 @@ struct ServiceStubs {
         reads(v1::ReadService::NewStub(channel)),
         attention(v1::AttentionService::NewStub(channel)),
         stats(v1::StatsService::NewStub(channel)),
-        transport(v1::TransportService::NewStub(channel)) {}
+        transport(v1::TransportService::NewStub(channel)),
+        admin(v1::AdminService::NewStub(channel)) {}
 
   std::unique_ptr<v1::ModelService::Stub> models;
   std::unique_ptr<v1::SequenceService::Stub> sequences;
@@ -32,6 +34,7 @@ struct ServiceStubs {
   std::unique_ptr<v1::AttentionService::Stub> attention;
   std::unique_ptr<v1::StatsService::Stub> stats;
   std::unique_ptr<v1::TransportService::Stub> transport;
+  std::unique_ptr<v1::AdminService::Stub> admin;
 };
 
 }  // namespace kvpool

@@ -122,7 +122,16 @@ ABSL_FLAG(std::string, log_format, "text",
           "text (one line per event) or json (one JSON object per line: time, level, "
           "request_id, msg)");
 ABSL_FLAG(int32_t, shutdown_grace_ms, 5000,
-          "On SIGTERM/SIGINT, how long in-flight calls may finish before being cancelled");
+          "Drain (SIGTERM, SIGINT or AdminService.Drain): how long in-flight calls may finish "
+          "before being cancelled");
+ABSL_FLAG(std::string, model_config, "",
+          "Models to register at start: a kvpool.v1.ModelConfig in protobuf text format "
+          "(docs/operations.md); a bad file refuses the start");
+ABSL_FLAG(std::string, health_listen, "",
+          "Address of a plaintext port serving only grpc.health.v1 (no credentials), for "
+          "Kubernetes probes when --listen uses TLS (host:port; port 0 picks one); '' = none");
+ABSL_FLAG(std::string, health_port_file, "",
+          "If set, the bound health port is written to this file once serving (for tests)");
 ABSL_FLAG(uint64_t, malloc_retain_bytes, uint64_t{64} << 20,
           "Freed heap memory kept for reuse instead of being returned to the OS, so message "
           "buffers are not unmapped and faulted in again on every message (glibc trim "
@@ -257,6 +266,11 @@ absl::Status ServerConfig::Validate() const {
   if (!metrics_listen.empty()) {
     if (absl::StatusOr<HostPort> a = ParseHostPort(metrics_listen); !a.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--metrics_listen: ", a.status().message()));
+    }
+  }
+  if (!health_listen.empty()) {
+    if (absl::StatusOr<HostPort> a = ParseHostPort(health_listen); !a.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--health_listen: ", a.status().message()));
     }
   }
   if (kv_events_buffer < 16 || kv_events_buffer > (1u << 20)) {
@@ -488,6 +502,9 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.log_level = absl::GetFlag(FLAGS_log_level);
   c.log_format = absl::GetFlag(FLAGS_log_format);
   c.shutdown_grace_ms = absl::GetFlag(FLAGS_shutdown_grace_ms);
+  c.model_config = absl::GetFlag(FLAGS_model_config);
+  c.health_listen = absl::GetFlag(FLAGS_health_listen);
+  c.health_port_file = absl::GetFlag(FLAGS_health_port_file);
   c.malloc_retain_bytes = absl::GetFlag(FLAGS_malloc_retain_bytes);
   c.transports = absl::GetFlag(FLAGS_transports);
   c.ucx_tls = absl::GetFlag(FLAGS_ucx_tls);

@@ -77,6 +77,12 @@ struct ServerConfig {
   std::string log_level = "info";
   std::string log_format = "text";  // or "json" (server/logging/log_format.h)
   int shutdown_grace_ms = 5000;
+  // Operations (docs/operations.md): models registered at start (proto/kvpool/v1/
+  // model_config.proto; "" = none), and the plaintext port serving only grpc.health.v1
+  // ("" = none) with its port file.
+  std::string model_config;
+  std::string health_listen;
+  std::string health_port_file;
   // Freed heap memory kept for reuse rather than returned to the OS (glibc's trim threshold;
   // allocations below min(this, 32 MiB) come from the heap); 0 = glibc's defaults.
   size_t malloc_retain_bytes = 64u << 20;

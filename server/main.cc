@@ -2,14 +2,16 @@
 //
 //   kvpoold --pool_bytes=1073741824 --listen=127.0.0.1:0 --port_file=/tmp/kvpoold.port
 //
-// Stops gracefully on SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused,
-// in-flight calls get --shutdown_grace_ms to finish. SIGHUP re-reads --tenants_file. When its GPU
-// fails (a poisoned CUDA context) it stops on its own after --device_failure_exit_grace and exits
-// with status 3.
+// Drains on SIGTERM or SIGINT, as on AdminService.Drain (KvpoolServer::Drain): health turns
+// NOT_SERVING, new sequences and appends are refused (UNAVAILABLE, reason DRAINING), in-flight
+// calls get --shutdown_grace_ms to finish, then it exits with status 0. SIGHUP re-reads
+// --tenants_file. When its GPU fails (a poisoned CUDA context) it stops on its own after
+// --device_failure_exit_grace and exits with status 3.
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -119,6 +121,14 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  if (!config->health_port_file.empty() &&
+      !WritePortFile(config->health_port_file, (*server)->health_port())) {
+    spdlog::error("cannot write --health_port_file {}", config->health_port_file);
+    (*server)->Shutdown(std::chrono::milliseconds(0));
+    (*server)->Wait();
+    return 1;
+  }
+
   if (!config->port_file.empty() && !WritePortFile(config->port_file, port)) {
     spdlog::error("cannot write --port_file {}", config->port_file);
     (*server)->Shutdown(std::chrono::milliseconds(0));
@@ -128,20 +138,23 @@ int main(int argc, char** argv) {
 
   KvpoolServer* srv = server->get();
   const auto grace = std::chrono::milliseconds(config->shutdown_grace_ms);
-  std::thread stopper([&stop_signals, srv, grace] {
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&stop_signals, &stopped, srv, grace] {
     int sig = 0;
     while (sigwait(&stop_signals, &sig) == 0 && sig == SIGHUP) {
       const absl::Status reloaded = srv->ReloadTenants();
       spdlog::info("SIGHUP: tenants file {}", reloaded.ok() ? "re-read" : reloaded.ToString());
     }
-    spdlog::info("received {}, shutting down (grace {} ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT",
-                 grace.count());
-    srv->Shutdown(grace);
+    if (stopped.load()) return;  // woken by main: the server already stopped
+    spdlog::info("received {}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    srv->Drain(grace);
   });
   srv->Wait();
   const int status = srv->exit_status();
-  // The server stopped itself (its device failed): wake the signal thread.
-  if (status != 0) pthread_kill(stopper.native_handle(), SIGTERM);
+  // The server stopped without a signal (AdminService.Drain, a failed device): wake the signal
+  // thread.
+  stopped.store(true);
+  pthread_kill(stopper.native_handle(), SIGTERM);
   stopper.join();
   server->reset();
   spdlog::info("stopped");

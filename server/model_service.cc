@@ -7,9 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
-#include "kernels/rotation_file.h"
 #include "server/grpc_reactor_order.h"
 #include "server/logging/request_context.h"
+#include "server/model_registration.h"
 #include "server/proto_convert.h"
 #include "spdlog/spdlog.h"
 
@@ -71,6 +71,7 @@ class RegisterReactor final
       if (request_.part_case() != v1::RegisterModelRequest::kSpec) {
         return absl::InvalidArgumentError("RegisterModel: the first message must carry a spec");
       }
+      KVPOOL_RETURN_IF_ERROR(RefuseIfDraining(*ctx_, "RegisterModel"));
       spec_ = request_.spec();
       have_spec_ = true;
       switch (spec_.rotation_source_case()) {
@@ -112,53 +113,11 @@ class RegisterReactor final
     return absl::OkStatus();
   }
 
-  absl::StatusOr<ModelCodec> LoadCodec() {
-    const bool from_file = spec_.rotation_source_case() != v1::ModelSpec::kDataFree;
-    if (from_file && spec_.has_quant()) {
-      return absl::InvalidArgumentError(
-          "quant must not be set with a rotation file: the file carries its own quant config");
-    }
-    if (from_file && spec_.v_prerotated()) {
-      return absl::InvalidArgumentError(
-          "v_prerotated must not be set with a rotation file: the file carries its own flag");
-    }
-    switch (spec_.rotation_source_case()) {
-      case v1::ModelSpec::kUploadSize:
-        return ParseRotationFile(std::move(file_));
-      case v1::ModelSpec::kServerPath: {
-        KVPOOL_ASSIGN_OR_RETURN(std::string bytes,
-                                ReadModelFile(ctx_->config->model_dir, spec_.server_path(),
-                                              ctx_->config->max_rotation_file_bytes));
-        return ParseRotationFile(std::move(bytes));
-      }
-      default: {
-        KVPOOL_ASSIGN_OR_RETURN(QuantConfig quant, QuantFromProto(spec_.quant()));
-        KVPOOL_ASSIGN_OR_RETURN(RotationKind kind, RotationKindFromProto(spec_.data_free().kind()));
-        return DataFreeCodec(kind, spec_.data_free().seed(), spec_.shape().num_layers(),
-                             spec_.shape().head_dim(), quant, spec_.v_prerotated());
-      }
-    }
-  }
-
   absl::Status Complete() {
-    KVPOOL_ASSIGN_OR_RETURN(ModelCodec codec, LoadCodec());
-    ModelRegistration req(std::move(codec));
-    req.model_id = spec_.model_id();
-    req.num_layers = spec_.shape().num_layers();
-    req.q_heads = spec_.shape().q_heads();
-    req.kv_heads = spec_.shape().kv_heads();
-    req.head_dim = spec_.shape().head_dim();
-    req.expected_codec_version = spec_.expected_codec_version();
-    KVPOOL_ASSIGN_OR_RETURN(RegisterResult r, ctx_->registry->Register(tenant_, std::move(req)));
+    KVPOOL_ASSIGN_OR_RETURN(RegisterResult r,
+                            RegisterModelSpec(*ctx_, tenant_, spec_, std::move(file_)));
     FillInfoWithTotals(*ctx_, *r.model, response_->mutable_model());
     response_->set_already_registered(r.already_registered);
-    if (!r.already_registered) {
-      spdlog::info("registered model '{}': {} layers, Hq {}, Hkv {}, D {}, rotation {}, codec {}",
-                   r.model->id, r.model->num_layers, r.model->q_heads, r.model->kv_heads,
-                   r.model->head_dim,
-                   std::string(RotationKindName(r.model->codec.rotations.kind())),
-                   r.model->version_hex.substr(0, 16));
-    }
     return absl::OkStatus();
   }
 

@@ -73,6 +73,7 @@ grpc::ServerUnaryReactor* SequenceServiceImpl::CreateSequence(
     v1::CreateSequenceResponse* response) {
   const TenantId tenant = TenantOf(*ctx_, context);
   auto run = [&]() -> absl::Status {
+    KVPOOL_RETURN_IF_ERROR(RefuseIfDraining(*ctx_, "CreateSequence"));
     KVPOOL_RETURN_IF_ERROR(CheckOwnership(*ctx_, context, tenant, {request->sequence_id()}));
     KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                             ctx_->registry->Get(tenant, request->model_id()));

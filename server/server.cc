@@ -17,17 +17,20 @@
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/admin_service.h"
 #include "server/attention_service.h"
 #include "server/auth/call_identity.h"
 #include "server/auth/server_credentials.h"
 #include "server/connection_listener.h"
 #include "server/events/kv_event_hub.h"
 #include "server/events/kv_event_service.h"
+#include "server/health_server.h"
 #include "server/ingest/ingest_engine.h"
 #include "server/logging/request_id_interceptor.h"
 #include "server/metrics/metrics_http_server.h"
 #include "server/metrics/metrics_page.h"
 #include "server/metrics/rpc_latency.h"
+#include "server/model_config.h"
 #include "server/model_service.h"
 #include "server/read_service.h"
 #include "server/scaleout/ownership_guard.h"
@@ -86,14 +89,20 @@ AdmissionLimits AdmissionLimitsOf(const ServerConfig& config) {
   return l;
 }
 
-void SetHealth(grpc::Server* server, bool serving) {
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  if (health == nullptr) return;
-  health->SetServingStatus(serving);  // overall ("") and every service
-  for (const char* name : kServiceNames) health->SetServingStatus(name, serving);
-}
-
 }  // namespace
+
+void KvpoolServer::SetHealth(bool serving) {
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  if (health != nullptr) {
+    health->SetServingStatus(serving);  // overall ("") and every service
+    for (const char* name : kServiceNames) health->SetServingStatus(name, serving);
+  }
+  if (health_server_ != nullptr) {
+    std::vector<std::string> names = {""};
+    names.insert(names.end(), std::begin(kServiceNames), std::end(kServiceNames));
+    health_server_->SetServing(names, serving);
+  }
+}
 
 absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
     const ServerConfig& config, const ServiceFactory& extra_service) {
@@ -148,6 +157,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   ctx.attention = s->attention_.get();
   ctx.ingest = s->ingest_.get();
   ctx.admission = s->admission_.get();
+  ctx.drain = &s->drain_;
+  s->ingest_->SetDrainState(&s->drain_);
   if (!config.tenants_file.empty()) {
     KVPOOL_ASSIGN_OR_RETURN(
         s->tenants_,
@@ -170,6 +181,9 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
     spdlog::info("tenants file {}: {} tenants", config.tenants_file,
                  s->tenants_->current()->tenants().size());
   }
+  // Before anything serves: every replica starts with the same models, or does not start.
+  if (!config.model_config.empty())
+    KVPOOL_RETURN_IF_ERROR(LoadModelConfig(config.model_config, ctx));
   s->transports_.push_back(std::make_unique<GrpcInlineTransport>());
   if (config.transports == "ucx") {
     absl::StatusOr<std::unique_ptr<UcxTransport>> ucx =
@@ -212,6 +226,13 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   s->transport_service_ = std::make_unique<TransportServiceImpl>(&ctx);
   s->kv_event_service_ =
       std::make_unique<KvEventServiceImpl>(&s->ctx_, s->kv_events_.get(), config.kv_events_buffer);
+  {
+    KvpoolServer* server = s.get();
+    const auto grace = std::chrono::milliseconds(config.shutdown_grace_ms);
+    s->admin_service_ = std::make_unique<AdminServiceImpl>(
+        &ctx, AdminActions{[server, grace] { return server->Drain(grace); },
+                           [server] { return server->ReloadTenants(); }});
+  }
 
   // The daemon accepts its own connections (server/connection_listener.h) and hands them to
   // gRPC: it owns its descriptor budget.
@@ -243,6 +264,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   interceptors.push_back(NewRequestIdInterceptorFactory());
   interceptors.push_back(
       NewRpcLatencyInterceptorFactory(s->rpc_latency_.get(), s->attend_latency_.get()));
+  interceptors.push_back(NewInFlightInterceptorFactory(&s->drain_));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   // Each call keeps the caller its first lookup resolved (server/auth/call_identity.h).
   if (ctx.tenants != nullptr) builder.SetContextAllocator(std::make_unique<CallContextAllocator>());
@@ -253,6 +275,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   builder.RegisterService(s->stats_service_.get());
   builder.RegisterService(s->transport_service_.get());
   builder.RegisterService(s->kv_event_service_.get());
+  builder.RegisterService(s->admin_service_.get());
   if (extra_service != nullptr) {
     s->extra_service_ = extra_service(&ctx);
     builder.RegisterService(s->extra_service_.get());
@@ -284,8 +307,14 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
                  config.metrics_listen.substr(0, config.metrics_listen.rfind(':')),
                  s->metrics_http_->port());
   }
+  if (!config.health_listen.empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(s->health_server_, HealthServer::Start(config.health_listen));
+    spdlog::info("health on {}:{} (plaintext, grpc.health.v1 only)",
+                 config.health_listen.substr(0, config.health_listen.rfind(':')),
+                 s->health_server_->port());
+  }
   spdlog::info("serving on port {}, at most {} connections", s->port_, max_connections);
-  SetHealth(s->server_.get(), true);
+  s->SetHealth(true);
   // A poisoned device: NOT_SERVING at once (the backend refuses every compute call), then, after
   // the grace, a shutdown that makes the daemon exit with kDeviceFailedExitStatus.
   KvpoolServer* server = s.get();
@@ -295,7 +324,7 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
       [server, grace](const absl::Status& failure) {
         spdlog::critical("{}: health NOT_SERVING, compute calls answer UNAVAILABLE; exiting in {}",
                          std::string(failure.message()), absl::FormatDuration(grace));
-        SetHealth(server->server_.get(), false);
+        server->SetHealth(false);
       },
       [server] {
         spdlog::critical("exiting (status {}) after the device failure", kDeviceFailedExitStatus);
@@ -315,6 +344,33 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
 KvpoolServer::~KvpoolServer() {
   Shutdown(std::chrono::milliseconds(0));
   Wait();
+  std::thread drain;
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    drain = std::move(drain_thread_);
+  }
+  if (drain.joinable()) drain.join();  // it ends once the shutdown above ended every call
+}
+
+bool KvpoolServer::Drain(std::chrono::milliseconds grace) {
+  const absl::Time deadline = absl::Now() + absl::FromChrono(grace);
+  absl::MutexLock lock(&shutdown_mu_);
+  if (shut_down_ || server_ == nullptr || !drain_.Begin(deadline)) return false;
+  SetHealth(false);
+  spdlog::info(
+      "draining: health NOT_SERVING, new sequences, appends and pushes refused (DRAINING); "
+      "{} calls in flight get up to {} ms",
+      drain_.in_flight(), grace.count());
+  drain_thread_ = std::thread([this, deadline] {
+    if (drain_.AwaitIdle(deadline)) {
+      spdlog::info("drained: no call in flight; stopping");
+    } else {
+      spdlog::warn("drain grace over: cancelling {} calls in flight", drain_.in_flight());
+    }
+    // What is left are subscriptions (KV events, session watches), or calls past the grace.
+    Shutdown(std::chrono::milliseconds(0));
+  });
+  return true;
 }
 
 void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
@@ -323,13 +379,14 @@ void KvpoolServer::Shutdown(std::chrono::milliseconds grace) {
     if (shut_down_ || server_ == nullptr) return;
     shut_down_ = true;
   }
-  SetHealth(server_.get(), false);
+  SetHealth(false);
   if (tenants_ != nullptr) tenants_->Stop();
   if (metrics_http_ != nullptr) metrics_http_->Stop();
   listener_->Stop();
   scrubber_->Stop();
   for (const auto& t : transports_) t->Shutdown();  // rolls back open pushes
   server_->Shutdown(std::chrono::system_clock::now() + grace);
+  if (health_server_ != nullptr) health_server_->Shutdown();
   workers_->Shutdown();
 }
 
@@ -352,6 +409,10 @@ void KvpoolServer::ReleaseTenant(const TenantId& tenant) {
       "tenant '{}' removed from the tenants file: {} models and {} sequences released, "
       "{} bytes freed",
       tenant, models, sequences, bytes);
+}
+
+int KvpoolServer::health_port() const {
+  return health_server_ == nullptr ? 0 : health_server_->port();
 }
 
 int KvpoolServer::metrics_port() const {

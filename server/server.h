@@ -7,7 +7,7 @@
 //   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolServer> server, KvpoolServer::Start(config));
 //   std::cout << "port " << server->port();
 //   ...
-//   server->Shutdown(std::chrono::seconds(5));   // from any thread, e.g. on SIGTERM
+//   server->Drain(std::chrono::seconds(5));      // from any thread, e.g. on SIGTERM
 //   server->Wait();
 //
 // Thread-safe: Shutdown may race with Wait; everything else is set up before Start returns.
@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -26,6 +27,7 @@
 #include "server/admission/tenant_policy.h"
 #include "server/config.h"
 #include "server/device_health_monitor.h"
+#include "server/drain_state.h"
 #include "server/scrubber.h"
 #include "server/sequence_reaper.h"
 #include "server/service_context.h"
@@ -46,6 +48,8 @@ class CodecHealth;
 class KvEventServiceImpl;
 class MetricsHttpServer;
 class OwnershipGuard;
+class AdminServiceImpl;
+class HealthServer;
 
 class KvpoolServer {
  public:
@@ -66,12 +70,21 @@ class KvpoolServer {
   int port() const { return port_; }
   // The bound port of the metrics endpoint (--metrics_listen); 0 without one.
   int metrics_port() const;
+  // The bound port of the plaintext health port (--health_listen); 0 without one.
+  int health_port() const;
   ServiceContext* context() { return &ctx_; }
   // Where the tenants file's quotas are installed, at start and on every reload.
   TenantPolicy* tenant_policy() { return tenant_policy_.get(); }
   // A channel to this server inside the process (no socket), for tests and fuzz targets. Its
   // messages are limited to max_message_bytes like the listening port's.
   std::shared_ptr<grpc::Channel> InProcessChannel();
+
+  // The one drain (docs/operations.md, "Drain"), begun by SIGTERM and AdminService.Drain alike:
+  // health NOT_SERVING at once, new sequences, appends and pushes refused with UNAVAILABLE and
+  // reason DRAINING, then, once no call is in flight (DrainState) or after `grace`, Shutdown:
+  // Wait returns and the daemon exits with status 0. Returns at once; false when a drain or a
+  // shutdown was already under way.
+  bool Drain(std::chrono::milliseconds grace);
 
   // Marks health NOT_SERVING, stops accepting calls, lets in-flight calls finish for up to
   // `grace` then cancels them, and drains the worker pool. Idempotent.
@@ -91,6 +104,8 @@ class KvpoolServer {
 
  private:
   KvpoolServer() = default;
+  // Health of the daemon and of each kvpool service, on its port and on the health port.
+  void SetHealth(bool serving);
 
   ServerConfig config_;
   // Outlives every stream's ticket (destroyed after the services, transports and workers).
@@ -121,16 +136,20 @@ class KvpoolServer {
   std::unique_ptr<StatsServiceImpl> stats_service_;
   std::unique_ptr<TransportServiceImpl> transport_service_;
   std::unique_ptr<KvEventServiceImpl> kv_event_service_;
+  std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Service> extra_service_;
   std::unique_ptr<ConnectionListener> listener_;  // accepts connections for server_
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
+  DrainState drain_;  // counted by an interceptor of server_: outlives it
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<HealthServer> health_server_;      // --health_listen
   std::unique_ptr<RpcLatency> rpc_latency_;          // fed by an interceptor of server_
   std::unique_ptr<RpcLatency> attend_latency_;       // the same, Attend by batch size
   std::unique_ptr<MetricsHttpServer> metrics_http_;  // reads everything above: stopped first
   int port_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  std::thread drain_thread_ ABSL_GUARDED_BY(shutdown_mu_);  // waits for the calls in flight
   std::atomic<int> exit_status_{0};
   // Last: stopped first on destruction, while everything its callbacks touch still exists.
   std::unique_ptr<DeviceHealthMonitor> device_monitor_;

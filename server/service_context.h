@@ -26,6 +26,7 @@
 #include "server/block_pool.h"
 #include "server/call_cancellation.h"
 #include "server/config.h"
+#include "server/drain_state.h"
 #include "server/model_registry.h"
 #include "server/prefix_index.h"
 #include "server/sequence_store.h"
@@ -78,6 +79,8 @@ struct ServiceContext {
   // the auth processor refused.
   const TenantsSource* tenants = nullptr;
   AuthCounters auth;
+  // Serving or draining (null: never drains).
+  const DrainState* drain = nullptr;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
 
@@ -88,6 +91,11 @@ inline std::shared_ptr<CallCancellation> CancellationOf(grpc::CallbackServerCont
   return std::make_shared<CallCancellation>(
       absl::FromChrono(context->deadline()), [context] { return context->IsCancelled(); },
       counters);
+}
+
+// OK, or UNAVAILABLE with reason DRAINING naming `what` while the daemon drains.
+inline absl::Status RefuseIfDraining(const ServiceContext& ctx, absl::string_view what) {
+  return ctx.drain == nullptr ? absl::OkStatus() : ctx.drain->RefuseIfDraining(what);
 }
 
 // The caller of `context`: the tenant and role its credentials prove (server/auth/), which the

@@ -158,6 +158,8 @@ void StatsServiceImpl::Collect(const Caller& caller, const v1::GetStatsRequest* 
     out->set_bf16_equivalent_bytes(it->second.bf16_equivalent_bytes);
   }
 
+  if (ctx_->drain != nullptr) FillServingState(*ctx_->drain, response->mutable_serving());
+
   v1::ServiceStats* s = response->mutable_service();
   s->set_uptime_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - ctx_->started).count());

@@ -2,15 +2,19 @@
 example values file against values.schema.json and renders it; kubernetes-validate checks every
 rendered object against the Kubernetes schemas (--strict: no unknown fields); the assertions below
 check what a schema cannot (probes and Services on the container's real ports, the PDB and
-Services selecting the pods, auth wiring, security context); and the rendered kvpoold.conf is
-handed to the real kvpoold (--config), which must start and serve.
+Services selecting the pods, auth wiring, security context, the preStop drain); the rendered
+kvpoold.conf is handed to the real kvpoold (--config), which must start and serve; and with TLS
+on, the rendered flags, probes and preStop command run against a real kvpoold with TLS and
+tokens (certificates from tests/integration/make_test_certs.sh).
 
 No cluster runs here: nothing below installs the chart (deploy/README.md)."""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -92,8 +96,10 @@ def test_probes_services_and_selectors_use_the_real_ports(example):
     assert config["listen"] == f"0.0.0.0:{ports['grpc']}"
     assert config["metrics_listen"] == f"0.0.0.0:{ports['metrics']}"
     assert config["ucx_listen"] == f"0.0.0.0:{ports['ucx']}"
+    assert config["health_listen"] == f"0.0.0.0:{ports['health']}"
+    # The probes ask the plaintext health port, which serves with or without TLS.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == ports["grpc"], probe
+        assert c[probe]["grpc"]["port"] == ports["health"], probe
     sts = only(objects, "StatefulSet")
     pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     headless = objects[("Service", sts["spec"]["serviceName"])]
@@ -164,8 +170,9 @@ def test_pods_are_least_privilege_and_sized(example):
     shm = [v for v in pod["volumes"] if v["name"] == "shm"][0]
     assert shm["emptyDir"]["medium"] == "Memory"
     grace_ms = int(config_of(objects)["shutdown_grace_ms"])
-    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["terminationGracePeriodSeconds"] * 1000 > grace_ms + pre_stop * 1000
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+    pre_stop_seconds = int(pre_stop[-1]) if pre_stop[0] == "/bin/sleep" else 10  # drain's timeout
+    assert pod["terminationGracePeriodSeconds"] * 1000 > grace_ms + pre_stop_seconds * 1000
 
 
 def test_tenants_file_by_default_insecure_only_when_asked():
@@ -189,7 +196,7 @@ def test_tenants_file_by_default_insecure_only_when_asked():
     ({"auth": {"insecure": True, "existingSecret": "x"}}, "auth.insecure"),
     ({"terminationGracePeriodSeconds": 10}, "terminationGracePeriodSeconds"),
     ({"gpu": {"count": 1}}, "cuda"),
-    ({"tls": {"enabled": True, "secretName": "t"}}, "health port"),
+    ({"tls": {"enabled": True}}, "tls.secretName"),
 ])
 def test_inconsistent_values_are_refused(values, message):
     with pytest.raises(helm.HelmError) as e:
@@ -197,12 +204,138 @@ def test_inconsistent_values_are_refused(values, message):
     assert message in str(e.value)
 
 
+def pre_stop_of(container):
+    return container["lifecycle"]["preStop"]["exec"]["command"]
+
+
+def test_pre_stop_drains_with_the_admin_token_else_sleeps():
+    tenants = {"auth": {"tenantsFile": "tenant { name: \"a\" }"}}
+    # No admin token: the hook sleeps; SIGTERM then begins the drain.
+    _, c = daemon_container(render(tenants))
+    assert pre_stop_of(c) == ["/bin/sleep", "5"]
+    # With one: `kvpool drain` on the pod's own gRPC port, the token from its Secret.
+    objects = render({**tenants, "drain": {"adminTokenSecret": "ops-token"}})
+    pod, c = daemon_container(objects)
+    command = pre_stop_of(c)
+    assert command[0] == "/usr/local/bin/kvpool" and command[-1] == "drain"
+    assert "--target=127.0.0.1:50051" in command
+    mount = [m for m in c["volumeMounts"] if m["name"] == "admin-token"][0]
+    assert f"--token_file={mount['mountPath']}/token" in command
+    assert [v for v in pod["volumes"] if v["name"] == "admin-token"][0]["secret"] == {
+        "secretName": "ops-token"}
+    # Insecure: every caller is the default tenant, an admin; no token.
+    _, c = daemon_container(render({"auth": {"insecure": True}}))
+    command = pre_stop_of(c)
+    assert command[-1] == "drain" and not [a for a in command if a.startswith("--token_file")]
+
+
+def tls_values():
+    return {"auth": {"tenantsFile": "tenant { name: \"a\" }"},
+            "tls": {"enabled": True, "secretName": "kvpool-tls"},
+            "drain": {"adminTokenSecret": "ops-token"}}
+
+
+def test_tls_mounts_its_secret_and_probes_stay_plaintext():
+    objects = render(tls_values(), namespace="ml")
+    pod, c = daemon_container(objects)
+    mount = [m for m in c["volumeMounts"] if m["name"] == "tls"][0]["mountPath"]
+    assert f"--tls_cert={mount}/tls.crt" in c["args"]
+    assert f"--tls_key={mount}/tls.key" in c["args"]
+    assert [v for v in pod["volumes"] if v["name"] == "tls"][0]["secret"]["secretName"] == \
+        "kvpool-tls"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == ports["health"], probe
+    command = pre_stop_of(c)
+    assert f"--tls_ca={mount}/ca.crt" in command
+    assert "--tls_server_name=kvpool.ml.svc" in command
+    test_pod = [o for o in objects.values() if o["metadata"].get("annotations", {}).get(
+        "helm.sh/hook") == "test"][0]
+    assert f"--tls_ca={mount}/ca.crt" in test_pod["spec"]["containers"][0]["args"]
+
+
+def find_cli():
+    from kvpool.local_daemon import find_kvpoold
+    cli = os.environ.get("KVPOOL_CLI") or os.path.join(os.path.dirname(find_kvpoold()), "kvpool")
+    if not os.access(cli, os.X_OK):
+        pytest.skip(f"no kvpool CLI at {cli} (set KVPOOL_CLI)")
+    return cli
+
+
+def test_tls_pod_runs_its_probes_and_pre_stop_drain_against_a_real_kvpoold():
+    """The rendered pod on this machine: kvpoold from the ConfigMap and the container's TLS
+    args (files of the Secret replaced by test certificates), the probes' plaintext health port
+    answering without credentials, then the preStop command draining the daemon with the admin
+    token, after which it exits with status 0."""
+    from kvpool import Client, ClientOptions
+    from kvpool.local_daemon import LocalDaemon, find_kvpoold
+    from kvpool.options import TlsOptions
+    script = os.path.join(HERE, "..", "..", "tests", "integration", "make_test_certs.sh")
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI")
+    cli = find_cli()
+    objects = render(tls_values(), namespace="ml")
+    _, c = daemon_container(objects)
+    config = config_of(objects)
+    token = "chart-admin-token-577215"
+    with tempfile.TemporaryDirectory() as tmp:
+        certs = os.path.join(tmp, "certs")
+        subprocess.run([script, certs], check=True, capture_output=True)
+        files = {"/etc/kvpool/tls/tls.crt": f"{certs}/server.pem",
+                 "/etc/kvpool/tls/tls.key": f"{certs}/server.key",
+                 "/etc/kvpool/tls/ca.crt": f"{certs}/ca.pem",
+                 "/etc/kvpool/admin/token": f"{tmp}/token"}
+
+        def local(arg):
+            for path, here in files.items():
+                arg = arg.replace(path, here)
+            return arg
+
+        with open(f"{tmp}/token", "w") as f:
+            f.write(token + "\n")
+        with open(f"{tmp}/tenants.txtpb", "w") as f:
+            f.write(f'tenant {{ name: "ops" role: ROLE_ADMIN '
+                    f'token_sha256: "{hashlib.sha256(token.encode()).hexdigest()}" }}\n')
+        with open(f"{tmp}/kvpoold.conf", "w") as f:
+            f.writelines(f"{k} = {v}\n" for k, v in config.items())
+        tls_args = [local(a) for a in c["args"] if a.startswith("--tls_")]
+        assert len(tls_args) == 2
+        with open(f"{certs}/ca.pem", "rb") as f:
+            ca = f.read()
+        daemon = LocalDaemon(find_kvpoold(), [
+            f"--config={tmp}/kvpoold.conf", *tls_args, f"--tenants_file={tmp}/tenants.txtpb",
+            "--metrics_listen=127.0.0.1:0", "--ucx_listen=127.0.0.1:0", "--transports=",
+            "--health_listen=127.0.0.1:0", f"--health_port_file={tmp}/health.port",
+            "--device=cpu", "--pool_bytes=67108864", "--worker_threads=2"],
+            client_options=ClientOptions(tls=TlsOptions(root_certificates=ca), token=token))
+        try:
+            daemon.start()
+            with open(f"{tmp}/health.port") as f:
+                health_port = int(f.read())
+            with Client(f"127.0.0.1:{health_port}") as probe:
+                assert probe.health() == "SERVING"
+            # The preStop hook, as rendered, on the daemon's port (127.0.0.1 in the pod).
+            command = [local(a) for a in pre_stop_of(c)]
+            command[0] = cli
+            command = [f"--target={daemon.target}" if a.startswith("--target=") else a
+                       for a in command]
+            command = ["--tls_server_name=localhost" if a.startswith("--tls_server_name=")
+                       else a for a in command]
+            run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, run.stderr
+            assert "DRAINING" in run.stdout
+            assert daemon.process.wait(timeout=120) == 0
+        finally:
+            daemon.cleanup()
+
+
 @pytest.mark.parametrize("values", [
     {"replicas": 0},
     {"no_such_key": 1},
     {"daemon": {"device": "tpu", "shutdown_grace_ms": 1}},
     {"daemon": {"device": "cpu", "shutdown_grace_ms": 1, "listen": "0.0.0.0:1"}},
-    {"ports": {"grpc": 70000, "ucx": 1, "metrics": 2}},
+    {"ports": {"grpc": 70000, "ucx": 1, "metrics": 2, "health": 3}},
+    {"drain": {"adminTokenSecret": "x", "adminTokenKey": ""}},
 ])
 def test_schema_refuses_bad_values(values):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmError):
@@ -222,6 +355,7 @@ def test_kvpoold_accepts_the_rendered_config(example):
             f.writelines(f"{k} = {v}\n" for k, v in config.items())
         daemon = LocalDaemon(find_kvpoold(), [
             f"--config={path}", "--metrics_listen=127.0.0.1:0", "--ucx_listen=127.0.0.1:0",
+            "--health_listen=127.0.0.1:0",
             "--device=cpu", "--pool_bytes=67108864", "--worker_threads=2",
             "--ucx_tls=tcp", "--ucx_net_devices=lo"])
         try:

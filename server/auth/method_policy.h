@@ -6,9 +6,10 @@
 //   KVPOOL_RETURN_IF_ERROR(AuthorizeMethod(path, v1::ROLE_ROUTER));   // PermissionDenied
 //
 // Roles (proto/kvpool/v1/tenants.proto): a tenant works on its own namespace; an admin may do
-// what a tenant may (on its own namespace) and sees every tenant in GetStats; a router only
-// reads stats. Server reflection needs credentials of any role: it serves the schema, which
-// is public, but an anonymous caller gets nothing but health.
+// what a tenant may (on its own namespace), sees every tenant in GetStats and alone operates the
+// daemon (AdminService: drain, tenants reload); a router only reads stats and KV events.
+// Server reflection needs credentials of any role: it serves the schema, which is public, but
+// an anonymous caller gets nothing but health.
 //
 // Thread-safe (constant data).
 #pragma once

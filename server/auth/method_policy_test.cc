@@ -5,9 +5,11 @@
 #include <set>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
+#include "kvpool/v1/admin_service.grpc.pb.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
 #include "kvpool/v1/kv_event_service.grpc.pb.h"
 #include "kvpool/v1/model_service.grpc.pb.h"
@@ -29,7 +31,8 @@ std::vector<std::string> ApiMethods() {
       v1::AttendRequest::descriptor()->file()->FindServiceByName("AttentionService"),
       v1::GetStatsRequest::descriptor()->file()->FindServiceByName("StatsService"),
       v1::NegotiateRequest::descriptor()->file()->FindServiceByName("TransportService"),
-      v1::SubscribeKvEventsRequest::descriptor()->file()->FindServiceByName("KvEventService")};
+      v1::SubscribeKvEventsRequest::descriptor()->file()->FindServiceByName("KvEventService"),
+      v1::DrainRequest::descriptor()->file()->FindServiceByName("AdminService")};
   std::vector<std::string> out;
   for (const auto* s : services) {
     EXPECT_NE(s, nullptr);
@@ -45,7 +48,7 @@ TEST(MethodPolicyTest, EveryApiMethodHasARowAndNoRowIsDuplicated) {
   std::set<std::string> rows;
   for (const MethodRule& r : MethodRules()) EXPECT_TRUE(rows.insert(r.path).second) << r.path;
   const std::vector<std::string> methods = ApiMethods();
-  EXPECT_EQ(methods.size(), 22u);  // a new method needs a row here and in the table
+  EXPECT_EQ(methods.size(), 24u);  // a new method needs a row here and in the table
   for (const std::string& m : methods) EXPECT_EQ(rows.count(m), 1u) << m;
 }
 
@@ -61,10 +64,21 @@ TEST(MethodPolicyTest, OnlyHealthIsPublic) {
   EXPECT_FALSE(IsPublicMethod(""));
 }
 
-TEST(MethodPolicyTest, TenantsAndAdminsCallEveryApiMethod) {
+bool IsAdminMethod(const std::string& m) { return absl::StartsWith(m, "/kvpool.v1.AdminService/"); }
+
+TEST(MethodPolicyTest, TenantsCallEveryApiMethodButAdministrationAdminsAll) {
   for (const std::string& m : ApiMethods()) {
-    EXPECT_TRUE(AuthorizeMethod(m, v1::ROLE_TENANT).ok()) << m;
+    EXPECT_EQ(AuthorizeMethod(m, v1::ROLE_TENANT).ok(), !IsAdminMethod(m)) << m;
     EXPECT_TRUE(AuthorizeMethod(m, v1::ROLE_ADMIN).ok()) << m;
+  }
+}
+
+TEST(MethodPolicyTest, DrainAndReloadAreAdminOnly) {
+  for (const char* m : {"/kvpool.v1.AdminService/Drain", "/kvpool.v1.AdminService/ReloadTenants"}) {
+    EXPECT_TRUE(AuthorizeMethod(m, v1::ROLE_ADMIN).ok()) << m;
+    EXPECT_TRUE(absl::IsPermissionDenied(AuthorizeMethod(m, v1::ROLE_TENANT))) << m;
+    EXPECT_TRUE(absl::IsPermissionDenied(AuthorizeMethod(m, v1::ROLE_ROUTER))) << m;
+    EXPECT_TRUE(absl::IsPermissionDenied(AuthorizeMethod(m, v1::ROLE_UNSPECIFIED))) << m;
   }
 }
 

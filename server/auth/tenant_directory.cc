@@ -4,24 +4,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
-#include "google/protobuf/io/tokenizer.h"
-#include "google/protobuf/text_format.h"
+#include "proto/text_format.h"
 
 namespace kvpool::server {
 namespace {
-
-// Collects the parser's first error with its position, instead of protobuf's log line.
-class FirstError : public google::protobuf::io::ErrorCollector {
- public:
-  void AddError(int line, google::protobuf::io::ColumnNumber column,
-                const std::string& message) override {
-    if (error_.empty()) error_ = absl::StrCat("line ", line + 1, ":", column + 1, ": ", message);
-  }
-  const std::string& error() const { return error_; }
-
- private:
-  std::string error_;
-};
 
 bool IsValidCertificateName(absl::string_view name) {
   if (name.empty() || name.size() > 256) return false;
@@ -49,11 +35,8 @@ absl::StatusOr<std::shared_ptr<const TenantDirectory>> TenantDirectory::Parse(
     return absl::InvalidArgumentError(absl::StrCat("tenants file ", source, ": ", why));
   };
   v1::TenantsFile file;
-  google::protobuf::TextFormat::Parser parser;
-  FirstError errors;
-  parser.RecordErrorsTo(&errors);
-  if (!parser.ParseFromString(std::string(text), &file)) {
-    return bad(errors.error().empty() ? "not a TenantsFile in text format" : errors.error());
+  if (absl::Status parsed = ParseTextFormat(text, &file); !parsed.ok()) {
+    return bad(std::string(parsed.message()));
   }
   if (file.tenant_size() == 0) return bad("no tenant (an empty file would lock everyone out)");
   if (static_cast<size_t>(file.tenant_size()) > kMaxTenants) {

@@ -65,6 +65,8 @@ IngestEngine::IngestEngine(SequenceStore* store, ModelRegistry* registry, Worker
 absl::StatusOr<std::shared_ptr<Admission::Ticket>> IngestEngine::Admit(
     const TenantId& tenant, const std::string& connection, const std::string& what,
     Admission::OnExpire on_expire) {
+  // Streams admitted before a drain began finish; nothing new starts.
+  if (drain_ != nullptr) KVPOOL_RETURN_IF_ERROR(drain_->RefuseIfDraining(what));
   if (admission_ == nullptr) return nullptr;
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Admission::Ticket> ticket,
                           admission_->Open(tenant, connection, what, std::move(on_expire)));

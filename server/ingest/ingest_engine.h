@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "kvpool/v1/sequence_service.pb.h"
 #include "server/admission/admission.h"
+#include "server/drain_state.h"
 #include "server/ingest/ingest_append.h"
 #include "server/ingest/ingest_counters.h"
 #include "server/model_registry.h"
@@ -44,8 +45,8 @@ class IngestEngine {
 
   // Opens the admission ticket of a stream of `tenant` on `connection` (gRPC's peer string, a
   // transport session) for `what` (named in errors) before its first message: `on_expire` ends
-  // the stream (Admission::Open). RESOURCE_EXHAUSTED with reason LIMIT over a stream cap; null
-  // without an admission.
+  // the stream (Admission::Open). RESOURCE_EXHAUSTED with reason LIMIT over a stream cap;
+  // UNAVAILABLE with reason DRAINING while the daemon drains; null without an admission.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Admission::Ticket>> Admit(
       const TenantId& tenant, const std::string& connection, const std::string& what,
       Admission::OnExpire on_expire);
@@ -67,6 +68,10 @@ class IngestEngine {
       const TenantId& tenant, const std::string& connection,
       const ::kvpool::v1::AppendDecodeRequest& request);
 
+  // Refuses every later admission (new streams, pushes, decode appends) while `drain` is
+  // draining (null: never); set before serving.
+  void SetDrainState(const DrainState* drain) { drain_ = drain; }
+
   // Samples arriving rows of every later append into `health` (null: none); set before serving.
   void SetCodecHealth(CodecHealth* health) { codec_health_ = health; }
 
@@ -82,6 +87,7 @@ class IngestEngine {
   const int max_append_tokens_;
   Admission* const admission_;
   CodecHealth* codec_health_ = nullptr;
+  const DrainState* drain_ = nullptr;
   IngestCounters counters_;
 };
 

@@ -382,6 +382,12 @@ std::string RenderMetricsPage(const MetricsSources& sources, bool tenant_labels)
   RenderService(daemon, out);
   if (!daemon.membership().advertise().empty()) RenderMembership(daemon.membership(), out);
   RenderTransports(*sources.ctx, out);
+  // The drain (docs/operations.md): 1 from its start until the daemon exits.
+  One(out, "kvpool_draining", "gauge", "1 while the daemon drains (SIGTERM or AdminService.Drain).",
+      daemon.serving().state() == v1::ServingState::DRAINING ? 1 : 0);
+  One(out, "kvpool_in_flight_calls", "gauge",
+      "Calls in flight that a drain waits for (GetStats serving.in_flight_calls).",
+      daemon.serving().in_flight_calls());
   if (sources.kv_events != nullptr) {
     One(out, "kvpool_kv_event_subscribers", "gauge", "KvEventService subscribers fed now.",
         sources.kv_events->subscribers());

@@ -145,6 +145,9 @@ absl::StatusOr<v1::GetStatsResponse> FuzzDaemon::StateSnapshot() {
   // with any read or call, successful or not.
   resp.clear_lifecycle();
   for (v1::SequenceStats& s : *resp.mutable_sequences()) s.clear_idle_ms();
+  // Calls in flight include those gRPC is still finishing after their client saw the answer;
+  // the serving state itself stays compared (nothing the fuzzer sends may start a drain).
+  resp.mutable_serving()->clear_in_flight_calls();
   // A tenant's refusals and its work in the worker pool count calls, not state.
   for (v1::TenantUsage& t : *resp.mutable_tenants()) {
     t.clear_rejected_pool_bytes();

@@ -14,7 +14,7 @@
 Errors are KvpoolError (kvpool.errors) with the gRPC code, the RPC name and, when the daemon
 sent one, the reason. The generated stubs and messages are kvpool.v1.*_pb2(_grpc); every method
 that takes a message also accepts the message itself, and `client.models`, `.sequences`,
-`.reads`, `.attention`, `.stats` are the raw stubs.
+`.reads`, `.attention`, `.stats`, `.admin` are the raw stubs.
 
 Thread-safety: a Client may be shared by threads (gRPC channels are thread-safe); an
 AppendStream belongs to one thread.
@@ -36,6 +36,7 @@ from kvpool.errors import KvpoolError
 from kvpool.options import ClientOptions
 from kvpool.stream import AppendStream
 from kvpool.tensors import DType, as_numpy, from_bytes, natural_dtype, to_bytes
+from kvpool.v1 import admin_service_pb2 as admin_pb2
 from kvpool.v1 import attention_service_pb2 as attention_pb2
 from kvpool.v1 import common_pb2
 from kvpool.v1 import model_service_pb2 as model_pb2
@@ -163,6 +164,7 @@ class Client:
         self.reads = stub(read_pb2, "ReadService")
         self.attention = stub(attention_pb2, "AttentionService")
         self.stats = stub(stats_pb2, "StatsService")
+        self.admin = stub(admin_pb2, "AdminService")
         self._health = self.channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=_encode_health_request,
             response_deserializer=_decode_health_response)
@@ -203,7 +205,9 @@ class Client:
                 return fn(*args, **self.call_kwargs())
             except grpc.RpcError as e:
                 err = KvpoolError.from_rpc_error(e, rpc)
-            if attempt >= policy.max_attempts or err.code not in policy.codes:
+            # A draining daemon never serves again: retrying it is pointless (another may).
+            if (attempt >= policy.max_attempts or err.code not in policy.codes
+                    or err.reason == "DRAINING"):
                 raise err
             attempt += 1
             time.sleep(policy.backoff(attempt))
@@ -551,3 +555,16 @@ class Client:
     def get_stats(self, include_sequences: bool = False) -> stats_pb2.GetStatsResponse:
         return self._call("GetStats", self.stats.GetStats,
                           stats_pb2.GetStatsRequest(include_sequences=include_sequences))
+
+    # -- AdminService (admin role) -------------------------------------------------------------
+
+    def drain(self) -> admin_pb2.DrainResponse:
+        """Begins the daemon's drain, as SIGTERM does: health NOT_SERVING, new sequences and
+        appends refused (UNAVAILABLE, reason DRAINING), exit once the calls in flight end.
+        `.started` is False when a drain was already under way."""
+        return self._call("Drain", self.admin.Drain, admin_pb2.DrainRequest())
+
+    def reload_tenants(self) -> int:
+        """Re-reads the daemon's tenants file, as SIGHUP does; the number of tenants in force."""
+        return self._call("ReloadTenants", self.admin.ReloadTenants,
+                          admin_pb2.ReloadTenantsRequest()).tenants

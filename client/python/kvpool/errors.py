@@ -21,7 +21,8 @@ import grpc
 
 # Codes after which the daemon guarantees the request changed nothing and a later attempt may
 # succeed (docs/api.md, Errors): the worker queue or pool was full, another append to the same
-# sequence was in progress, or the daemon could not be reached.
+# sequence was in progress, or the daemon could not be reached. UNAVAILABLE with reason DRAINING
+# is retryable on another daemon only: the client does not retry it on the same one.
 RETRYABLE_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.ABORTED,

@@ -98,6 +98,13 @@ def test_retryable_codes_are_retried_and_others_are_not():
         with pytest.raises(KvpoolError) as e:
             c.get_stats()
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and len(stats.calls) == 1
+        # A draining daemon is not asked again (it never serves again; another daemon may).
+        stats.calls.clear()
+        draining = status_with_error_info(14, "draining", "DRAINING", {})
+        stats.failures = [(grpc.StatusCode.UNAVAILABLE, "draining", draining)] * 3
+        with pytest.raises(KvpoolError) as e:
+            c.get_stats()
+        assert e.value.reason == "DRAINING" and e.value.retryable and len(stats.calls) == 1
         c.close()
     finally:
         server.stop(None)

@@ -52,7 +52,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not .Values.tls.secretName -}}
 {{- fail "tls.enabled needs tls.secretName" -}}
 {{- end -}}
-{{- fail "tls.enabled: the probes need a plaintext health port that kvpoold does not serve yet (deploy/README.md, TLS)" -}}
 {{- end -}}
 {{- $grace := add (mul .Values.preStopSleepSeconds 1000) (int64 .Values.daemon.shutdown_grace_ms) -}}
 {{- if le (mul (int64 .Values.terminationGracePeriodSeconds) 1000) $grace -}}
@@ -61,4 +60,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (gt (int .Values.gpu.count) 0) (not (hasPrefix "cuda:" (toString .Values.daemon.device))) -}}
 {{- fail "gpu.count > 0 needs daemon.device cuda:N" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The name the server certificate is checked against by in-cluster callers of the gRPC port. */}}
+{{- define "kvpool.tlsServerName" -}}
+{{- default (printf "%s.%s.svc" (include "kvpool.fullname" .) .Release.Namespace) .Values.tls.serverName -}}
 {{- end -}}
