@@ -28,9 +28,6 @@ ABSL_FLAG(std::string, scale_dtype, "fp16", "stored scale/min type: fp16 | bf16"
 ABSL_FLAG(double, clip_k, 0.96, "K clip ratio (used when --fit_clip=false)");
 ABSL_FLAG(double, clip_v, 0.92, "V clip ratio (used when --fit_clip=false)");
 ABSL_FLAG(bool, fit_clip, true, "fit the K and V clip ratios on the calibration data");
-ABSL_FLAG(bool, layer_clips, false,
-          "store each layer's own fitted clip ratios (rotation format 2) instead of one model-wide "
-          "pair (needs --fit_clip)");
 ABSL_FLAG(double, clip_grid_min, 0.70, "smallest clip ratio the fit tries");
 ABSL_FLAG(int, fit_queries, 256, "query positions per layer measured by the fit");
 ABSL_FLAG(int, sink, 64, "BF16 sink tokens S0 (stored, and used by the fit)");
@@ -61,7 +58,6 @@ absl::Status Run() {
   opt.quant.sink_tokens = absl::GetFlag(FLAGS_sink);
   opt.quant.recent_tokens = absl::GetFlag(FLAGS_recent);
   opt.fit_clip = absl::GetFlag(FLAGS_fit_clip);
-  opt.layer_clips = absl::GetFlag(FLAGS_layer_clips);
   opt.clip_grid_min = absl::GetFlag(FLAGS_clip_grid_min);
   opt.fit_queries = absl::GetFlag(FLAGS_fit_queries);
   opt.max_layers = absl::GetFlag(FLAGS_max_layers);

@@ -10,9 +10,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
 #include "kernels/bf16.h"
 #include "kernels/codec_version.h"
+#include "common/status_macros.h"
 #include "kernels/rotation_file.h"
 #include "kernels/row_codec.h"
 
@@ -21,18 +21,8 @@ namespace {
 
 struct EvalCodec {
   ModelCodec model;
-  std::vector<RowCodec> layer_codecs;  // layer l's rows: the model's LayerQuant(l)
+  RowCodec codec;
 };
-
-absl::StatusOr<std::unique_ptr<EvalCodec>> Make(ModelCodec model) {
-  auto c = std::make_unique<EvalCodec>(EvalCodec{std::move(model), {}});
-  for (int layer = 0; layer < c->model.rotations.num_layers(); ++layer) {
-    KVPOOL_ASSIGN_OR_RETURN(RowCodec codec, RowCodec::Create(c->model.LayerQuant(layer),
-                                                             c->model.rotations.head_dim()));
-    c->layer_codecs.push_back(codec);
-  }
-  return c;
-}
 
 void SetError(const absl::Status& s, char* err, int err_len) {
   if (err == nullptr || err_len <= 0) return;
@@ -60,7 +50,9 @@ absl::StatusOr<std::unique_ptr<EvalCodec>> Create(const std::string& rotation, i
                                                  ? RotationSet::Identity(num_layers, head_dim)
                                                  : RotationSet::Hadamard(num_layers, head_dim));
     KVPOOL_RETURN_IF_ERROR(quant.Validate(head_dim));
-    return Make(ModelCodec{"eval", std::move(set), quant, false, rotation, {}, {}});
+    KVPOOL_ASSIGN_OR_RETURN(RowCodec codec, RowCodec::Create(quant, head_dim));
+    return std::make_unique<EvalCodec>(
+        EvalCodec{ModelCodec{"eval", std::move(set), quant, false, rotation, {}, {}}, codec});
   }
   KVPOOL_ASSIGN_OR_RETURN(ModelCodec model, ReadRotationFile(rotation));
   if (!use_file_quant) {
@@ -70,11 +62,10 @@ absl::StatusOr<std::unique_ptr<EvalCodec>> Create(const std::string& rotation, i
     quant.demotion_batch = model.quant.demotion_batch;
     KVPOOL_RETURN_IF_ERROR(quant.Validate(model.rotations.head_dim()));
     model.quant = quant;
-    // The explicit pair replaces the file's clips for every layer.
-    model.layer_clip_ratio_k.clear();
-    model.layer_clip_ratio_v.clear();
   }
-  return Make(std::move(model));
+  KVPOOL_ASSIGN_OR_RETURN(RowCodec codec,
+                          RowCodec::Create(model.quant, model.rotations.head_dim()));
+  return std::make_unique<EvalCodec>(EvalCodec{std::move(model), codec});
 }
 
 absl::Status RoundTrip(const EvalCodec& c, int layer, int tensor, int64_t rows, const float* in,
@@ -97,14 +88,13 @@ absl::Status RoundTrip(const EvalCodec& c, int layer, int tensor, int64_t rows, 
     KVPOOL_RETURN_IF_ERROR(rot.Unrotate(layer, t, buf, absl::MakeSpan(tier, n)));
   }
   if (history != nullptr) {
-    const RowCodec& codec = c.layer_codecs[static_cast<size_t>(layer)];
-    std::vector<uint8_t> codes(codec.layout().code_bytes_per_row());
-    std::vector<GroupMeta> meta(std::max<size_t>(1, codec.layout().groups_per_row()));
+    std::vector<uint8_t> codes(c.codec.layout().code_bytes_per_row());
+    std::vector<GroupMeta> meta(std::max<size_t>(1, c.codec.layout().groups_per_row()));
     for (int64_t r = 0; r < rows; ++r) {
       const size_t off = static_cast<size_t>(r) * d;
       KVPOOL_RETURN_IF_ERROR(
-          codec.Encode(t, absl::MakeConstSpan(&rotated[off], d), codes.data(), meta.data()));
-      codec.Decode(codes.data(), meta.data(), absl::MakeSpan(&buf[off], d));
+          c.codec.Encode(t, absl::MakeConstSpan(&rotated[off], d), codes.data(), meta.data()));
+      c.codec.Decode(codes.data(), meta.data(), absl::MakeSpan(&buf[off], d));
     }
     KVPOOL_RETURN_IF_ERROR(rot.Unrotate(layer, t, buf, absl::MakeSpan(history, n)));
   }

@@ -361,31 +361,6 @@ TEST_F(SyntheticCaptures, FixedClipAndAblationOptions) {
   EXPECT_TRUE(r->clip_grid.empty());
 }
 
-TEST_F(SyntheticCaptures, LayerClipsStoreEachLayersOptimum) {
-  CalibrateOptions o = Options();
-  o.layer_clips = true;
-  auto r = RunCalibration(o);
-  ASSERT_TRUE(r.ok()) << r.status();
-  ASSERT_TRUE(r->codec.has_layer_clips());
-  for (int l = 0; l < 2; ++l) {
-    EXPECT_EQ(r->codec.layer_clip_ratio_k[l], r->layers[l].best_clip_k);
-    EXPECT_EQ(r->codec.layer_clip_ratio_v[l], r->layers[l].best_clip_v);
-  }
-  // The model-wide fit stays in the quant config; the file is format 2 and reads back the same.
-  auto pair = RunCalibration(Options());
-  ASSERT_TRUE(pair.ok());
-  EXPECT_EQ(r->codec.quant.clip_ratio_k, pair->codec.quant.clip_ratio_k);
-  EXPECT_NE(CodecVersionHex(r->codec), CodecVersionHex(pair->codec));
-  const std::string path = dir_ + "/layer_clips.safetensors";
-  ASSERT_TRUE(WriteCalibrationFile(*r, path).ok());
-  auto model = ReadRotationFile(path);
-  ASSERT_TRUE(model.ok()) << model.status();
-  EXPECT_EQ(model->layer_clip_ratio_k, r->codec.layer_clip_ratio_k);
-  EXPECT_EQ(model->layer_clip_ratio_v, r->codec.layer_clip_ratio_v);
-  o.fit_clip = false;
-  EXPECT_FALSE(RunCalibration(o).ok()) << "layer_clips needs fit_clip";
-}
-
 TEST(ClipRatioGrid, IsExactInFloat) {
   for (float r : ClipRatioGrid(64, 0.7)) {
     const float c = std::floor(r * 64.0f);

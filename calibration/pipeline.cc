@@ -9,8 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/status_macros.h"
 #include "kernels/codec_version.h"
+#include "common/status_macros.h"
 #include "kernels/safetensors.h"
 #include "nlohmann/json.hpp"
 
@@ -53,9 +53,6 @@ Json FiniteOrNull(double x) { return std::isfinite(x) ? Json(x) : Json(nullptr);
 }  // namespace
 
 absl::StatusOr<CalibrationResult> RunCalibration(const CalibrateOptions& options) {
-  if (options.layer_clips && !options.fit_clip) {
-    return absl::InvalidArgumentError("layer_clips needs fit_clip");
-  }
   KVPOOL_ASSIGN_OR_RETURN(std::vector<std::string> files, ListCaptureFiles(options.captures_dir));
   if (options.max_layers > 0 && static_cast<int>(files.size()) > options.max_layers) {
     files.resize(options.max_layers);
@@ -153,14 +150,6 @@ absl::StatusOr<CalibrationResult> RunCalibration(const CalibrateOptions& options
                                  quant.clip_ratio_v));
   }
 
-  std::vector<float> layer_clip_k, layer_clip_v;
-  if (options.layer_clips) {
-    for (const LayerReport& r : result.layers) {
-      layer_clip_k.push_back(r.best_clip_k);
-      layer_clip_v.push_back(r.best_clip_v);
-    }
-  }
-
   // 3. Statistics at the chosen configuration.
   for (int layer = 0; layer < num_layers; ++layer) {
     KVPOOL_ASSIGN_OR_RETURN(LayerCapture cap, ReadLayerCapture(files[layer]));
@@ -168,12 +157,7 @@ absl::StatusOr<CalibrationResult> RunCalibration(const CalibrateOptions& options
     KVPOOL_ASSIGN_OR_RETURN(RotationSet set, SingleLayerSet(rotations[layer], head_dim));
     KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<LayerEvaluator> ev,
                             LayerEvaluator::Create(cap, set, err_opt));
-    QuantConfig layer_quant = quant;
-    if (options.layer_clips) {
-      layer_quant.clip_ratio_k = layer_clip_k[layer];
-      layer_quant.clip_ratio_v = layer_clip_v[layer];
-    }
-    KVPOOL_ASSIGN_OR_RETURN(result.layers[layer].stats, ev->Stats(layer_quant));
+    KVPOOL_ASSIGN_OR_RETURN(result.layers[layer].stats, ev->Stats(quant));
   }
 
   // 4. The model codec.
@@ -206,8 +190,7 @@ absl::StatusOr<CalibrationResult> RunCalibration(const CalibrateOptions& options
                      {"k_error", result.k_error_by_ratio},
                      {"v_error", result.v_error_by_ratio},
                      {"clip_ratio_k", quant.clip_ratio_k},
-                     {"clip_ratio_v", quant.clip_ratio_v},
-                     {"per_layer", options.layer_clips}};
+                     {"clip_ratio_v", quant.clip_ratio_v}};
   } else {
     j["clip_fit"] = nullptr;
   }
@@ -228,11 +211,8 @@ absl::StatusOr<CalibrationResult> RunCalibration(const CalibrateOptions& options
     layers.push_back(std::move(l));
   }
   j["layers"] = std::move(layers);
-  ModelCodec codec{model_id,  std::move(set),   quant,           /*v_prerotated=*/false,
-                   objective, std::move(k_eig), std::move(v_eig)};
-  codec.layer_clip_ratio_k = std::move(layer_clip_k);
-  codec.layer_clip_ratio_v = std::move(layer_clip_v);
-  return CalibrationResult{std::move(codec),
+  return CalibrationResult{ModelCodec{model_id, std::move(set), quant, /*v_prerotated=*/false,
+                                      std::move(objective), std::move(k_eig), std::move(v_eig)},
                            std::move(result.layers),
                            std::move(result.clip_grid),
                            std::move(result.k_error_by_ratio),
@@ -279,10 +259,7 @@ std::string FormatReport(const CalibrationResult& r) {
       r.codec.model_id, r.codec.rotations.num_layers(), r.codec.rotations.head_dim(), r.tokens,
       r.sequences, r.codec.objective, r.codec.quant.bits, QuantMethodName(r.codec.quant.method),
       r.codec.quant.clip_ratio_k, r.codec.quant.clip_ratio_v,
-      r.clip_grid.empty()         ? " (given)"
-      : r.codec.has_layer_clips() ? " (fitted; each layer stores its own: best K, best V)"
-                                  : " (fitted)",
-      CodecVersionHex(r.codec));
+      r.clip_grid.empty() ? " (given)" : " (fitted)", CodecVersionHex(r.codec));
   absl::StrAppend(&out,
                   "layer  eig K      eig V      clip K  clip V  relerr K  relerr V  "
                   "attn-out err  best K  best V  orth K   orth V\n");

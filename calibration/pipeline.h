@@ -5,9 +5,8 @@
 // r = c / D on a grid, the relative attention-output error on the calibration data with only K
 // (resp. only V) passed through kvpool's codec (sink and recent tiers in BF16, as served); the
 // model's K and V ratios are the ones with the lowest error averaged over layers (the codec
-// holds one pair per model unless `layer_clips`; the per-layer optimum is recorded in the
-// statistics either way, and with `layer_clips` it is what the file stores for each layer).
-// Finally the per-layer calibration statistics at the chosen configuration.
+// holds one pair per model; the per-layer optimum is recorded in the statistics). Finally the
+// per-layer calibration statistics at the chosen configuration.
 //
 // The rotation file is kernels/rotation_file.h's format (dense kind) plus one extra metadata
 // entry, "calibration": a JSON object with the settings, the fit's error curves and, under
@@ -39,9 +38,6 @@ struct CalibrateOptions {
   Composition composition = Composition::kUHPbr;
   QuantConfig quant;  // bits, quantizer, scale dtype, tiers; clip ratios unless fitted
   bool fit_clip = true;
-  // With fit_clip: store each layer's own optimum (ModelCodec::layer_clip_ratio_k/v) beside the
-  // model-wide pair, which stays in the quant config.
-  bool layer_clips = false;
   double clip_grid_min = 0.70;  // smallest candidate ratio
   int fit_queries = 256;        // measured query positions per layer
   int max_layers = 0;           // > 0: only the first max_layers layers (tests)

@@ -59,9 +59,6 @@ class Sha256Stream {
   bool ok_ = false;
 };
 
-// Marks the per-layer clip ratios in the hashed stream ("clip" in ASCII, little-endian).
-constexpr uint32_t kLayerClipsTag = 0x70696c63;
-
 }  // namespace
 
 CodecVersion ComputeCodecVersion(const ModelCodec& model) {
@@ -88,12 +85,6 @@ CodecVersion ComputeCodecVersion(const ModelCodec& model) {
       h.F32Array(r.Matrix(layer, KvTensor::kKey));
       h.F32Array(r.Matrix(layer, KvTensor::kValue));
     }
-  }
-  // Appended only when present, so the versions of models without them are unchanged.
-  if (model.has_layer_clips()) {
-    h.U32(kLayerClipsTag);
-    h.F32Array(model.layer_clip_ratio_k);
-    h.F32Array(model.layer_clip_ratio_v);
   }
   return h.Finish();
 }

@@ -6,9 +6,7 @@
 //   u32 rotation kind, u64 hadamard seed (0 unless randomized_hadamard),
 //   u32 bits, u32 group size (effective), u32 quant method, u32 scale dtype,
 //   f32 bits of clip_ratio_k and clip_ratio_v, u32 block_tokens, u32 v_prerotated,
-//   then for dense rotations every layer's K matrix then V matrix as stored (f32, row-major),
-//   then, only for a model with per-layer clip ratios, u32 0x70696c63 ("clip"), every layer's
-//   K clip ratio, then every layer's V clip ratio (f32).
+//   then for dense rotations every layer's K matrix then V matrix as stored (f32, row-major).
 // Never over file bytes, so re-serializing a file does not change it. Sink, recent and demotion
 // sizes decide which tokens are quantized, not how, and are not part of it.
 //

@@ -6,9 +6,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/codec_version.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
-#include "kernels/codec_version.h"
 #include "kernels/safetensors.h"
 
 namespace kvpool {
@@ -16,10 +16,6 @@ namespace {
 
 constexpr char kFormat[] = "kvpool-rotation";
 constexpr char kFormatVersion[] = "1";
-// Files with per-layer clip ratios; a build that reads only version 1 refuses them by name
-// instead of clipping every layer with the model-wide pair.
-constexpr char kFormatVersionLayerClips[] = "2";
-constexpr char kLayerClips[] = "clip_ratios";
 // Far above any real model; bounds what a hostile file can make us allocate for data-free kinds.
 constexpr int kMaxLayers = 4096;
 
@@ -159,13 +155,12 @@ absl::StatusOr<ModelCodec> FromSafetensors(const SafetensorsFile& file) {
     return Invalid(absl::StrCat("format is ", Quote(format), ", expected ", Quote(kFormat)));
   }
   KVPOOL_ASSIGN_OR_RETURN(std::string version, meta.String("format_version"));
-  if (version != kFormatVersion && version != kFormatVersionLayerClips) {
+  if (version != kFormatVersion) {
     return Invalid(absl::StrCat("format_version '", version,
                                 "' is not supported (this build "
-                                "reads versions ",
-                                kFormatVersion, " and ", kFormatVersionLayerClips, ")"));
+                                "reads version ",
+                                kFormatVersion, ")"));
   }
-  const bool layer_clips = version == kFormatVersionLayerClips;
   KVPOOL_ASSIGN_OR_RETURN(std::string model_id, meta.String("model_id"));
   if (model_id.empty()) return Invalid("model_id is empty");
   KVPOOL_ASSIGN_OR_RETURN(int num_layers, meta.Int("num_layers", 1, kMaxLayers));
@@ -206,7 +201,6 @@ absl::StatusOr<ModelCodec> FromSafetensors(const SafetensorsFile& file) {
       for (const char* m : kMatrices) expected.insert(LayerTensorName(layer, m));
     }
     for (const char* e : kEigen) expected.insert(LayerTensorName(layer, e));
-    if (layer_clips) expected.insert(LayerTensorName(layer, kLayerClips));
   }
   for (const SafetensorsTensor& t : file.tensors()) {
     if (expected.count(t.name) == 0) {
@@ -251,15 +245,6 @@ absl::StatusOr<ModelCodec> FromSafetensors(const SafetensorsFile& file) {
   ModelCodec model{std::move(model_id), *std::move(rotations), q,
                    v_prerotated,        std::move(objective),  std::move(k_eigen),
                    std::move(v_eigen)};
-  if (layer_clips) {
-    for (int layer = 0; layer < num_layers; ++layer) {
-      KVPOOL_ASSIGN_OR_RETURN(std::vector<float> c,
-                              ReadF32Tensor(file, LayerTensorName(layer, kLayerClips), {2}));
-      model.layer_clip_ratio_k.push_back(c[0]);
-      model.layer_clip_ratio_v.push_back(c[1]);
-    }
-    if (absl::Status s = model.ValidateLayerClips(); !s.ok()) return Wrap(s);
-  }
 
   if (meta.Has("codec_version")) {
     const std::string stored = *meta.String("codec_version");
@@ -287,8 +272,7 @@ SafetensorsWriter ToWriter(const ModelCodec& model) {
   const QuantConfig& q = model.quant;
   SafetensorsWriter w;
   w.SetMetadata("format", kFormat);
-  const bool layer_clips = model.has_layer_clips();
-  w.SetMetadata("format_version", layer_clips ? kFormatVersionLayerClips : kFormatVersion);
+  w.SetMetadata("format_version", kFormatVersion);
   w.SetMetadata("model_id", model.model_id);
   w.SetMetadata("num_layers", absl::StrCat(r.num_layers()));
   w.SetMetadata("head_dim", absl::StrCat(r.head_dim()));
@@ -324,41 +308,11 @@ SafetensorsWriter ToWriter(const ModelCodec& model) {
     if (v_eigen) {
       w.AddFloat32(LayerTensorName(layer, "v_eigenvalues"), {d}, model.v_eigenvalues[layer]);
     }
-    if (layer_clips) {
-      w.AddFloat32(LayerTensorName(layer, kLayerClips), {2},
-                   {model.layer_clip_ratio_k[layer], model.layer_clip_ratio_v[layer]});
-    }
   }
   return w;
 }
 
 }  // namespace
-
-QuantConfig ModelCodec::LayerQuant(int layer) const {
-  QuantConfig q = quant;
-  if (has_layer_clips()) {
-    q.clip_ratio_k = layer_clip_ratio_k[static_cast<size_t>(layer)];
-    q.clip_ratio_v = layer_clip_ratio_v[static_cast<size_t>(layer)];
-  }
-  return q;
-}
-
-absl::Status ModelCodec::ValidateLayerClips() const {
-  const size_t layers = static_cast<size_t>(rotations.num_layers());
-  if (layer_clip_ratio_k.empty() && layer_clip_ratio_v.empty()) return absl::OkStatus();
-  if (layer_clip_ratio_k.size() != layers || layer_clip_ratio_v.size() != layers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "per-layer clip ratios: ", layer_clip_ratio_k.size(), " K and ", layer_clip_ratio_v.size(),
-        " V entries for ", layers, " layers (one per layer each, or none)"));
-  }
-  for (size_t layer = 0; layer < layers; ++layer) {
-    if (absl::Status s = LayerQuant(static_cast<int>(layer)).Validate(rotations.head_dim());
-        !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": ", s.message()));
-    }
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<ModelCodec> ParseRotationFile(std::string bytes) {
   absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Parse(std::move(bytes));

@@ -94,8 +94,6 @@ void ExpectSameModel(const ModelCodec& a, const ModelCodec& b) {
   EXPECT_EQ(a.objective, b.objective);
   EXPECT_EQ(a.k_eigenvalues, b.k_eigenvalues);
   EXPECT_EQ(a.v_eigenvalues, b.v_eigenvalues);
-  EXPECT_EQ(a.layer_clip_ratio_k, b.layer_clip_ratio_k);  // bit exact (stored as f32)
-  EXPECT_EQ(a.layer_clip_ratio_v, b.layer_clip_ratio_v);
   EXPECT_EQ(ComputeCodecVersion(a), ComputeCodecVersion(b));
 }
 
@@ -251,8 +249,7 @@ TEST(RotationFileTest, RejectsBadMetadata) {
     return Rewrite(bytes, MetaEdit([&](auto& m) { m[key] = value; }));
   };
   ExpectRejected(set("format", "something-else"), "format is 'something-else'");
-  ExpectRejected(set("format_version", "3"), "format_version '3' is not supported");
-  ExpectRejected(set("format_version", "2"), "missing tensor 'layers.0.clip_ratios'");
+  ExpectRejected(set("format_version", "2"), "format_version '2' is not supported");
   ExpectRejected(set("model_id", ""), "model_id is empty");
   ExpectRejected(set("num_layers", "three"), "'num_layers' = 'three' is not an integer");
   ExpectRejected(set("num_layers", "3 "), "is not an integer");
@@ -329,97 +326,6 @@ TEST(RotationFileTest, RejectsBadTensors) {
   // Not a safetensors file at all.
   ExpectRejected("definitely not a rotation file", "safetensors");
   ExpectRejected(std::string(), "safetensors");
-}
-
-// DenseModel with each layer's own clip pair (format 2).
-ModelCodec LayerClipModel() {
-  ModelCodec m = DenseModel();
-  m.layer_clip_ratio_k = {0.75f, 0.1f + 0.7f, 0.96875f};
-  m.layer_clip_ratio_v = {0.90625f, 0.0f, 0.5f};  // 0: no clip for layer 1's V
-  return m;
-}
-
-TEST(RotationFileTest, PerLayerClipRatiosRoundTripAsFormatTwo) {
-  const ModelCodec m = LayerClipModel();
-  ASSERT_TRUE(m.ValidateLayerClips().ok());
-  const std::string bytes = SerializeRotationFile(m);
-  absl::StatusOr<ModelCodec> back = ParseRotationFile(bytes);
-  ASSERT_TRUE(back.ok()) << back.status();
-  ExpectSameModel(m, *back);
-  EXPECT_EQ(SerializeRotationFile(*back), bytes);
-  const SafetensorsFile f = *SafetensorsFile::Parse(bytes);
-  EXPECT_EQ(f.metadata().at("format_version"), "2");
-  EXPECT_EQ(*f.ReadFloat32("layers.1.clip_ratios"), (std::vector<float>{0.1f + 0.7f, 0.0f}));
-  // Each layer's quant config is the model's with that layer's pair; the rest is shared.
-  for (int l = 0; l < 3; ++l) {
-    const QuantConfig q = back->LayerQuant(l);
-    EXPECT_EQ(q.clip_ratio_k, m.layer_clip_ratio_k[l]);
-    EXPECT_EQ(q.clip_ratio_v, m.layer_clip_ratio_v[l]);
-    EXPECT_EQ(q.bits, m.quant.bits);
-    EXPECT_EQ(q.group_size, m.quant.group_size);
-    EXPECT_EQ(q.scale_dtype, m.quant.scale_dtype);
-  }
-  // Without per-layer clips: format 1, and LayerQuant is the model's pair for every layer.
-  const ModelCodec plain = DenseModel();
-  EXPECT_EQ(SafetensorsFile::Parse(SerializeRotationFile(plain))->metadata().at("format_version"),
-            "1");
-  EXPECT_EQ(plain.LayerQuant(2).clip_ratio_k, plain.quant.clip_ratio_k);
-}
-
-TEST(RotationFileTest, PerLayerClipRatiosAreInTheCodecVersion) {
-  const ModelCodec plain = DenseModel();
-  ModelCodec clipped = LayerClipModel();
-  const CodecVersion v = ComputeCodecVersion(clipped);
-  EXPECT_NE(v, ComputeCodecVersion(plain));
-  clipped.layer_clip_ratio_v[2] = std::nextafter(0.5f, 1.0f);
-  EXPECT_NE(ComputeCodecVersion(clipped), v);
-  // Per-layer ratios equal to the model's pair are hashed too: what a file stores is what its
-  // version names.
-  ModelCodec uniform = plain;
-  uniform.layer_clip_ratio_k.assign(3, plain.quant.clip_ratio_k);
-  uniform.layer_clip_ratio_v.assign(3, plain.quant.clip_ratio_v);
-  EXPECT_NE(ComputeCodecVersion(uniform), ComputeCodecVersion(plain));
-  // A tampered per-layer ratio is caught by the stored version.
-  const std::string bytes = SerializeRotationFile(LayerClipModel());
-  Edit e;
-  e.replace_tensor = "layers.0.clip_ratios";
-  e.replacement = {0.78125f, 0.90625f};
-  e.replacement_shape = {2};
-  ExpectRejected(Rewrite(bytes, e), "codec_version mismatch");
-}
-
-TEST(RotationFileTest, RejectsBadPerLayerClipRatios) {
-  const std::string bytes = SerializeRotationFile(LayerClipModel());
-  const std::string unstamped = Rewrite(bytes, MetaEdit([](auto& m) { m.erase("codec_version"); }));
-  Edit drop;
-  drop.drop_tensor = "layers.2.clip_ratios";
-  ExpectRejected(Rewrite(unstamped, drop), "missing tensor 'layers.2.clip_ratios'");
-  auto replaced = [&](std::vector<float> value, std::vector<int64_t> shape) {
-    Edit e;
-    e.replace_tensor = "layers.1.clip_ratios";
-    e.replacement = std::move(value);
-    e.replacement_shape = std::move(shape);
-    return Rewrite(unstamped, e);
-  };
-  ExpectRejected(replaced({0.8f, 0.9f, 1.0f}, {3}), "shape [3], expected [2]");
-  ExpectRejected(replaced({0.8f, 0.9f}, {1, 2}), "shape [1,2], expected [2]");
-  ExpectRejected(replaced({0.8f, std::nanf("")}, {2}), "non-finite");
-  ExpectRejected(replaced({1.5f, 0.9f}, {2}), "layer 1: clip_ratio_k must be <= 1");
-  // Per-layer clip tensors in a format 1 file are refused, not ignored.
-  ExpectRejected(Rewrite(unstamped, MetaEdit([](auto& m) { m["format_version"] = "1"; })),
-                 "unexpected tensor 'layers.0.clip_ratios'");
-  // Lloyd-Max needs every layer clipped.
-  ModelCodec lm = LayerClipModel();
-  lm.quant.bits = 2;
-  lm.quant.group_size = 0;
-  lm.quant.method = QuantMethod::kLloydMax;
-  EXPECT_TRUE(lm.quant.Validate(64).ok());
-  ExpectRejected(SerializeRotationFile(lm), "layer 1: clip_ratio_k and clip_ratio_v must be > 0");
-  // Sizes that do not match the layers.
-  ModelCodec short_list = LayerClipModel();
-  short_list.layer_clip_ratio_v.pop_back();
-  EXPECT_THAT(std::string(short_list.ValidateLayerClips().message()),
-              HasSubstr("3 K and 2 V entries for 3 layers"));
 }
 
 TEST(RotationFileTest, DataFreeKindsMayCarryEigenvaluesButNoMatrices) {

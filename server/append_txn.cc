@@ -54,7 +54,6 @@ absl::Status AppendTxn::Demote(LayerState& l) {
       const int take = std::min({d.count - done, bt - src % bt, bt - dst % bt});
       moves.push_back(
           {RecentPage(l, src / bt), src % bt, HistoryBlock(l, dst / bt), dst % bt, take});
-      moves.back().layer = static_cast<int>(&l - layers_.data());
       done += take;
     }
   }

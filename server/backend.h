@@ -66,7 +66,7 @@ struct RowWrite {
 // Demotion: rows of slots [src_slot, src_slot + count) of a BF16 page are quantized into slots
 // [dst_slot, dst_slot + count) of an INT2 history block.
 // [dst_slot, dst_slot + count) of an INT2 history block; `checksum` as in RowWrite, of the slots
-// written in `dst`. `layer` picks the clip ratios when the model has per-layer ones.
+// written in `dst`.
 struct RowMove {
   const uint8_t* src = nullptr;
   int src_slot = 0;
@@ -74,7 +74,6 @@ struct RowMove {
   int dst_slot = 0;
   int count = 0;
   uint32_t* checksum = nullptr;
-  int layer = 0;
 };
 
 // Slots [first_slot, first_slot + count) of a pool page: an INT2 history block (`history`) or a

@@ -18,7 +18,7 @@ void CodecHealth::SampleTensor(const Model& model, int layer, KvTensor t,
   const size_t d = static_cast<size_t>(model.head_dim);
   const size_t head_rows = rows.size() / d;
   if (head_rows == 0) return;
-  const RowCodec& codec = model.HistoryCodec(layer);
+  const RowCodec& codec = model.row_codec;
   const QuantConfig& quant = codec.config();
   // Rows spread over the chunk (tokens and heads alike).
   const size_t picks = std::min<size_t>(kRowsPerSample, head_rows);

@@ -43,9 +43,8 @@ class CpuBackend final : public ComputeBackend {
   absl::Status StageRows(const Model& m, int layer, absl::Span<const Bf16> k,
                          absl::Span<const Bf16> v, absl::Span<const RowWrite> writes) override {
     if (k.size() != v.size()) return absl::InternalError("StageRows: K and V sizes differ");
-    if (layer < 0 || layer >= m.num_layers) return absl::InternalError("StageRows: bad layer");
     KVPOOL_ASSIGN_OR_RETURN(ArrivalEncoder history,
-                            ArrivalEncoder::Create(&m.codec.rotations, m.HistoryCodec(layer)));
+                            ArrivalEncoder::Create(&m.codec.rotations, m.row_codec));
     KVPOOL_ASSIGN_OR_RETURN(ArrivalEncoder bf16,
                             ArrivalEncoder::Create(&m.codec.rotations, m.bf16_codec));
     const size_t row = m.row_values();
@@ -79,7 +78,7 @@ class CpuBackend final : public ComputeBackend {
         KVPOOL_RETURN_IF_ERROR(
             ReadBf16Rows(m, mv.src, t, mv.src_slot, mv.count, absl::MakeSpan(rows)));
         KVPOOL_RETURN_IF_ERROR(
-            m.HistoryCodec(mv.layer).EncodeIntoBlock(t, m.block_layout, rows, mv.dst_slot, mv.dst));
+            m.row_codec.EncodeIntoBlock(t, m.block_layout, rows, mv.dst_slot, mv.dst));
       }
       if (mv.checksum != nullptr) {
         *mv.checksum = PageSlotsChecksum(mv.dst, PageChecksumGeometry::Of(m.block_layout),

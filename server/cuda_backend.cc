@@ -280,22 +280,6 @@ class CudaBackend final : public ComputeBackend {
   size_t max_arena_bytes() const override { return kMaxArenaBytes; }
 
   absl::Status DemoteRowsBody(const Model& m, absl::Span<const RowMove> moves) {
-    if (m.layer_row_codecs.empty()) return DemoteWithConfig(m, m.codec.quant, moves);
-    // Per-layer clip ratios: a launch takes one clip pair, so one launch per distinct pair.
-    std::map<std::pair<float, float>, std::vector<RowMove>> by_clip;
-    for (const RowMove& mv : moves) {
-      const QuantConfig& q = m.HistoryCodec(mv.layer).config();
-      by_clip[{q.clip_ratio_k, q.clip_ratio_v}].push_back(mv);
-    }
-    for (const auto& [clip, group] : by_clip) {
-      KVPOOL_RETURN_IF_ERROR(
-          DemoteWithConfig(m, m.HistoryCodec(group.front().layer).config(), group));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status DemoteWithConfig(const Model& m, const QuantConfig& cfg,
-                                absl::Span<const RowMove> moves) {
     if (moves.empty()) return absl::OkStatus();
     RunTable src, dst;
     for (const RowMove& mv : moves) {
@@ -315,9 +299,9 @@ class CudaBackend final : public ComputeBackend {
     // slots written: one launch.
     const cuda::PagedRows from = PagesOf(m, batch[0]);
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
-    KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(cfg, View(m, /*history=*/true), batch[1], from,
-                                                 lane->error_word, lane->stream, tuning_.arrival,
-                                                 d_sums));
+    KVPOOL_RETURN_IF_ERROR(cuda::DemoteToHistory(m.codec.quant, View(m, /*history=*/true), batch[1],
+                                                 from, lane->error_word, lane->stream,
+                                                 tuning_.arrival, d_sums));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(CopyChecksums(*lane, d_sums, moves));
     KVPOOL_RETURN_IF_ERROR(Finish(*lane, "demotion"));
@@ -674,11 +658,10 @@ class CudaBackend final : public ComputeBackend {
     return out;
   }
 
-  cuda::ArrivalJob ArrivalJobOf(const Model& m, int layer, bool history,
-                                const cuda::SequenceBatch& batch, const uint8_t* rows,
-                                const float* rotation, KvTensor tensor) const {
+  cuda::ArrivalJob ArrivalJobOf(const Model& m, bool history, const cuda::SequenceBatch& batch,
+                                const uint8_t* rows, const float* rotation, KvTensor tensor) const {
     cuda::ArrivalJob job;
-    job.cfg = history ? m.HistoryCodec(layer).config() : m.bf16_codec.config();
+    job.cfg = history ? m.codec.quant : m.bf16_codec.config();
     job.kv = View(m, history);
     job.batch = batch;
     job.tensor = tensor;
@@ -757,11 +740,9 @@ class CudaBackend final : public ComputeBackend {
       const RowWrite& w = writes[first_write[r]];
       const size_t from = static_cast<size_t>(w.input_row) * row_bytes;
       uint32_t* sums = d_sums != nullptr ? d_sums + first_write[r] : nullptr;
-      jobs.push_back(
-          ArrivalJobOf(m, layer, w.history, batch[r], k_rows + from, rot_k, KvTensor::kKey));
+      jobs.push_back(ArrivalJobOf(m, w.history, batch[r], k_rows + from, rot_k, KvTensor::kKey));
       jobs.back().in.page_checksums = sums;
-      jobs.push_back(
-          ArrivalJobOf(m, layer, w.history, batch[r], v_rows + from, rot_v, KvTensor::kValue));
+      jobs.push_back(ArrivalJobOf(m, w.history, batch[r], v_rows + from, rot_v, KvTensor::kValue));
       jobs.back().in.page_checksums = sums;
     }
     KVPOOL_RETURN_IF_ERROR(

@@ -137,16 +137,7 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
                      kMaxHeads, ", got ", req.q_heads));
   }
   KVPOOL_RETURN_IF_ERROR(req.codec.quant.Validate(req.head_dim));
-  KVPOOL_RETURN_IF_ERROR(req.codec.ValidateLayerClips());
   KVPOOL_ASSIGN_OR_RETURN(RowCodec row_codec, RowCodec::Create(req.codec.quant, req.head_dim));
-  std::vector<RowCodec> layer_row_codecs;
-  if (req.codec.has_layer_clips()) {
-    for (int layer = 0; layer < req.num_layers; ++layer) {
-      KVPOOL_ASSIGN_OR_RETURN(RowCodec c,
-                              RowCodec::Create(req.codec.LayerQuant(layer), req.head_dim));
-      layer_row_codecs.push_back(c);
-    }
-  }
   QuantConfig bypass = req.codec.quant;
   bypass.method = QuantMethod::kBypass;
   KVPOOL_ASSIGN_OR_RETURN(RowCodec bf16_codec, RowCodec::Create(bypass, req.head_dim));
@@ -154,7 +145,6 @@ absl::StatusOr<RegisterResult> ModelRegistry::Register(const TenantId& tenant,
   req.codec.model_id = req.model_id;
   auto model =
       std::make_shared<Model>(std::move(row_codec), std::move(bf16_codec), std::move(req.codec));
-  model->layer_row_codecs = std::move(layer_row_codecs);
   model->tenant = tenant;
   model->id = req.model_id;
   model->num_layers = req.num_layers;

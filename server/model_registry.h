@@ -48,14 +48,11 @@ struct Model {
   int q_heads = 0;
   int kv_heads = 0;
   int head_dim = 0;
-  ModelCodec codec;         // rotations, quant config, v_prerotated, objective
-  CodecVersion version{};   // SHA-256 over the canonical codec content
-  std::string version_hex;  // 64 hex digits
-  RowCodec row_codec;       // rows of head_dim
-  RowCodec bf16_codec;      // the BF16 bypass codec (sink and recent pages)
-  // Layer l's history codec with its own clip ratios when the codec has per-layer ones;
-  // empty otherwise (row_codec encodes every layer). Decoding never depends on the clip.
-  std::vector<RowCodec> layer_row_codecs;
+  ModelCodec codec;          // rotations, quant config, v_prerotated, objective
+  CodecVersion version{};    // SHA-256 over the canonical codec content
+  std::string version_hex;   // 64 hex digits
+  RowCodec row_codec;        // rows of head_dim
+  RowCodec bf16_codec;       // the BF16 bypass codec (sink and recent pages)
   BlockLayout block_layout;  // INT2 history block of all kv_heads
   BlockLayout bf16_layout;   // BF16 page: the same block format with 16-bit bypass rows
   size_t block_bytes = 0;
@@ -65,10 +62,6 @@ struct Model {
   int64_t registered_unix_micros = 0;
 
   int block_tokens() const { return codec.quant.block_tokens; }
-  // The codec that encodes layer `layer`'s history rows (layer in [0, num_layers)).
-  const RowCodec& HistoryCodec(int layer) const {
-    return layer_row_codecs.empty() ? row_codec : layer_row_codecs[static_cast<size_t>(layer)];
-  }
   // Values of one token's row of one tensor: kv_heads x head_dim.
   size_t row_values() const { return static_cast<size_t>(kv_heads) * head_dim; }
   // BF16 bytes of one token, K and V, one layer.

@@ -79,8 +79,7 @@ std::string Framed(const std::string& bytes) {
 std::string Selector(Rpc rpc) { return std::string(1, static_cast<char>(rpc)); }
 
 // A rotation file of the fuzz model's head_dim: `kind` over `layers` layers.
-std::string RotationFile(RotationKind kind, int layers, bool eigenvalues,
-                         bool layer_clips = false) {
+std::string RotationFile(RotationKind kind, int layers, bool eigenvalues) {
   QuantConfig q;
   q.block_tokens = kBlockTokens;
   q.sink_tokens = kSinkTokens;
@@ -106,12 +105,6 @@ std::string RotationFile(RotationKind kind, int layers, bool eigenvalues,
   if (eigenvalues) {
     codec->k_eigenvalues.assign(layers, std::vector<float>(kHeadDim, 1.5f));
     codec->v_eigenvalues.assign(layers, std::vector<float>(kHeadDim, 0.5f));
-  }
-  if (layer_clips) {  // rotation format 2: each layer its own (K, V) clip ratios
-    for (int l = 0; l < layers; ++l) {
-      codec->layer_clip_ratio_k.push_back(0.75f + 0.0625f * static_cast<float>(l));
-      codec->layer_clip_ratio_v.push_back(0.90625f);
-    }
   }
   codec->model_id = "fuzz-model";
   return SerializeRotationFile(*codec);
@@ -140,7 +133,6 @@ void RotationFileSeeds(SeedWriter& w) {
   w.Write(t, "hadamard", RotationFile(RotationKind::kHadamard, 2, false));
   w.Write(t, "randomized-hadamard", RotationFile(RotationKind::kRandomizedHadamard, 3, false));
   w.Write(t, "dense", RotationFile(RotationKind::kDense, 1, true));
-  w.Write(t, "hadamard-layer-clips", RotationFile(RotationKind::kHadamard, 2, false, true));
 }
 
 void NpySeeds(SeedWriter& w) {

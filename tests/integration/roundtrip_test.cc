@@ -8,9 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/codec_version.h"
 #include "kernels/mixed_sequence.h"
-#include "kernels/rotation_file.h"
 #include "kernels/row_codec.h"
 #include "tests/integration/integration_util.h"
 
@@ -386,91 +384,6 @@ INSTANTIATE_TEST_SUITE_P(Configs, QuantizedRoundTripTest,
                          [](const ::testing::TestParamInfo<QuantCase>& info) {
                            return info.param.name;
                          });
-
-// A rotation file with per-layer clip ratios (format 2): the daemon encodes each layer's history,
-// on arrival (prefill) and on demotion (decode steps), with that layer's own clip pair, bit for
-// bit the codes of the kernels' RowCodec configured with that pair; the other layer's pair gives
-// other codes for the same rows, so a model-wide pair could not pass.
-class LayerClipRoundTripTest : public DaemonTest {
- protected:
-  static void SetUpTestSuite() { StartSuiteDaemon(DefaultFlags()); }
-};
-
-TEST_F(LayerClipRoundTripTest, EachLayerIsEncodedWithItsOwnClipPair) {
-  QuantConfig quant;  // OSCAR defaults, the model-wide pair 0.96 / 0.92
-  absl::StatusOr<RotationSet> rot = RotationSet::Hadamard(kShape.num_layers, kShape.head_dim);
-  ASSERT_TRUE(rot.ok()) << rot.status();
-  ModelCodec file{"layer-clips", *rot, quant, /*v_prerotated=*/false, "test", {}, {}};
-  file.layer_clip_ratio_k = {0.75f, 0.96875f};
-  file.layer_clip_ratio_v = {0.96875f, 0.703125f};
-  const std::string model_id = "layer-clips";
-  v1::ModelSpec spec;
-  spec.set_model_id(model_id);
-  spec.mutable_shape()->set_num_layers(kShape.num_layers);
-  spec.mutable_shape()->set_q_heads(kShape.q_heads);
-  spec.mutable_shape()->set_kv_heads(kShape.kv_heads);
-  spec.mutable_shape()->set_head_dim(kShape.head_dim);
-  absl::StatusOr<v1::RegisterModelResponse> reg =
-      client().RegisterModel(spec, SerializeRotationFile(file));
-  ASSERT_TRUE(reg.ok()) << reg.status();
-  EXPECT_EQ(reg->model().codec_version(), CodecVersionHex(file));
-  ModelCodec one_pair = file;
-  one_pair.layer_clip_ratio_k.clear();
-  one_pair.layer_clip_ratio_v.clear();
-  EXPECT_NE(reg->model().codec_version(), CodecVersionHex(one_pair));
-
-  const SequenceKv kv = MakeSequenceKv(kShape, 650, 3);
-  const std::string id = model_id + "-seq";
-  PushInPieces(client(), model_id, id, kv, kShape, quant, /*first=*/150, /*prefill=*/610);
-  if (HasFatalFailure()) return;
-  v1::ReadBlocksRequest request;
-  request.set_sequence_id(id);
-  absl::StatusOr<client::BlocksRead> blocks = client().ReadBlocks(request);
-  ASSERT_TRUE(blocks.ok()) << blocks.status();
-  const v1::ReadBlocksHeader& h = blocks->header;
-  ASSERT_GT(h.history_tokens(), 0u);
-  const BlockLayout layout = KernelLayout(h.block_layout());
-  const size_t row = RowValues(kShape);
-  const int dim = kShape.head_dim;
-
-  for (int l = 0; l < kShape.num_layers; ++l) {
-    absl::StatusOr<RowCodec> own = RowCodec::Create(file.LayerQuant(l), dim);
-    absl::StatusOr<RowCodec> other = RowCodec::Create(file.LayerQuant(1 - l), dim);
-    ASSERT_TRUE(own.ok() && other.ok());
-    for (KvTensor t : {KvTensor::kKey, KvTensor::kValue}) {
-      const std::vector<Bf16>& sent = t == KvTensor::kKey ? kv.k[l] : kv.v[l];
-      std::vector<Bf16> rotated(sent.size());
-      KV_ASSERT_OK(rot->RotateBf16(l, t, sent, absl::MakeSpan(rotated)));
-      int own_mismatches = 0, other_mismatches = 0, rows = 0;
-      std::vector<uint8_t> codes(layout.code_bytes_per_row());
-      std::vector<GroupMeta> meta(layout.groups_per_row());
-      for (uint32_t i = 0; i < h.history_tokens(); ++i) {
-        const uint8_t* data = reinterpret_cast<const uint8_t*>(
-            blocks->layers[l].blocks[i / layout.tokens].data().data());
-        const int slot = i % layout.tokens;
-        const size_t pos = h.sink_tokens() + i;
-        for (int head = 0; head < kShape.kv_heads; ++head) {
-          const absl::Span<const Bf16> in(rotated.data() + pos * row + head * dim, dim);
-          const uint8_t* got_codes =
-              data + layout.CodesOffset(t, head) + slot * layout.code_bytes_per_row();
-          const uint8_t* got_meta =
-              data + layout.MetaOffset(t, head) + slot * layout.meta_bytes_per_row();
-          auto differs = [&](const RowCodec& c) {
-            EXPECT_TRUE(c.Encode(t, in, codes.data(), meta.data()).ok());
-            return std::memcmp(codes.data(), got_codes, codes.size()) != 0 ||
-                   std::memcmp(meta.data(), got_meta, layout.meta_bytes_per_row()) != 0;
-          };
-          own_mismatches += differs(*own);
-          other_mismatches += differs(*other);
-          ++rows;
-        }
-      }
-      const char* what = t == KvTensor::kKey ? " K" : " V";
-      EXPECT_EQ(own_mismatches, 0) << "layer " << l << what << ", " << rows << " rows";
-      EXPECT_GT(other_mismatches, rows / 2) << "layer " << l << what << ", " << rows << " rows";
-    }
-  }
-}
 
 }  // namespace
 }  // namespace kvpool::integration

@@ -81,9 +81,6 @@ def summarize(plan, reg, decode, check, seq_info, stats, prompts_info, tok) -> d
             "codec_version_daemon": reg[name].model.codec_version,
             "codec_version_local": local[0]["codec_version"],
             "clip": [reg[name].model.quant.clip_ratio_k, reg[name].model.quant.clip_ratio_v],
-            "clip_text": sc.clip_text(reg[name].model.quant.clip_ratio_k,
-                                      reg[name].model.quant.clip_ratio_v,
-                                      c["codec_rotation"]),
             "steps_compared": sum(len(local[i]["agree"]) for i in remote),
             "steps_agreeing": sum(sum(local[i]["agree"]) for i in remote),
             "max_logit_delta": max((d for i in remote for d in local[i]["delta"]), default=0.0),
@@ -158,7 +155,7 @@ def print_report(s: dict, plan: dict) -> None:
     w = 34
     print(f"{'':<{w}s}" + "".join(f"{n:>28s}" for n in names))
     rows = [
-        ("clip K/V", lambda c: c["clip_text"]),
+        ("clip K/V", lambda c: f"{c['clip'][0]:.4g}/{c['clip'][1]:.4g}"),
         ("tokens stored (all sequences)", lambda c: f"{c['tokens_stored']}"),
         ("INT2 share of attended (min)", lambda c: f"{100 * c['int2_share_min']:.1f} %"),
         ("pool bytes vs BF16", lambda c: f"{c['pool_bytes'] / 2**20:.1f} / "
@@ -252,10 +249,9 @@ def main() -> int:
                                           "sequence_id": f"p{{prompt}}.{name}.{role}"})
         plan_path = os.path.join(work, "plan.json")
         sc.write_json(plan_path, plan)
-        cq = reg["calibrated"].model.quant
-        clip = sc.clip_text(cq.clip_ratio_k, cq.clip_ratio_v, args.rotation)
         print(f"kvpoold on {daemon.target}; SmolLM2-135M registered: calibrated rotation "
-              f"(clip {clip}, codec "
+              f"(clip {reg['calibrated'].model.quant.clip_ratio_k:.4g}/"
+              f"{reg['calibrated'].model.quant.clip_ratio_v:.4g}, codec "
               f"{reg['calibrated'].model.codec_version[:16]}) and data-free Hadamard; "
               f"{args.prompts} prompts, {args.new_tokens} new tokens each", flush=True)
 

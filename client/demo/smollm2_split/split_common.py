@@ -330,20 +330,6 @@ def percentile_ms(samples: Sequence[float], p: float) -> float:
 
 
 
-def clip_text(clip_k: float, clip_v: float, rotation: Optional[str] = None) -> str:
-    """The clip ratios a configuration encodes with: each layer's own where the rotation file
-    stores per-layer ones (format 2), else the model-wide pair."""
-    if rotation and os.path.isfile(rotation):
-        import st_io
-
-        tensors, _ = st_io.read(rotation)
-        per_layer = [v for k, v in tensors.items() if k.endswith(".clip_ratios")]
-        if per_layer:
-            ks, vs = [float(c[0]) for c in per_layer], [float(c[1]) for c in per_layer]
-            return f"per layer {min(ks):.3g}-{max(ks):.3g}/{min(vs):.3g}-{max(vs):.3g}"
-    return f"{clip_k:.4g}/{clip_v:.4g}"
-
-
 def codec_for(lib_path: str, rotation: str, num_layers: int, head_dim: int,
               clip: Optional[Tuple[float, float]] = None):
     """The production codec in-process (calibration/fidelity.py's ctypes wrapper of
