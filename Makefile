@@ -120,7 +120,9 @@ bench-transport: build
 
 # Capture SmolLM2-135M's Q/K/V on the calibration texts (kept between runs), fit the OSCAR
 # rotations and clip ratios (kvpool-calibrate), fit three ablations, then evaluate every row of
-# issue 4's table through the C++ codec: prints it and writes bench-results/fidelity.json.
+# issue 4's table through the C++ codec, the fitted KᵀK/VᵀV ablation as --clip-fit (its fitted
+# clips as one pair and per layer, on its rotation and on Hadamard): prints it and writes
+# bench-results/fidelity.json.
 fidelity: build venv
 	@mkdir -p bench-results $(CALIB)
 	@if [ ! -f $(CALIB)/captures/done-$(CALIB_TOKENS) ]; then \
@@ -141,8 +143,8 @@ fidelity: build venv
 	$(VENV)/bin/python calibration/fidelity.py --codec-lib $(BUILD)/lib/libkvpool_eval_codec.so \
 	  --rotation $(CALIB)/smollm2-135m-instruct.rotation.safetensors \
 	  --ablation "oscar_ktk_vtv=OSCAR ablation: K^T K / V^T V targets:$(CALIB)/ablation-ktk-vtv.safetensors" \
-	  --ablation "oscar_ktk_vtv_fitted=OSCAR ablation: K^T K / V^T V, fitted:$(CALIB)/ablation-ktk-vtv-fitted.safetensors" \
 	  --ablation "oscar_u_only=OSCAR ablation: U only (no H):$(CALIB)/ablation-u.safetensors" \
+	  --clip-fit $(CALIB)/ablation-ktk-vtv-fitted.safetensors \
 	  --out bench-results/fidelity.json
 
 # Fuzz targets (tests/fuzz/README.md) under libFuzzer with ASan and UBSan, built with clang in

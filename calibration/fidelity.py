@@ -13,7 +13,9 @@ KIVI-2 (keys per channel over 32-token groups, values per token in 32-dim groups
 full-precision residual, fp16 scale and zero; numpy, since kvpool has no KIVI mode; it keeps the
 same BF16 sink); INT4 per token (G = D, no rotation); OSCAR with the uniform and the Lloyd-Max
 quantizer at 0.96/0.92; OSCAR with the fitted clip ratios; Hadamard INT2 with those fitted ratios
-(a diagnostic that separates the rotation from the clip); any ablation rotation files given.
+(a diagnostic that separates the rotation from the clip); any ablation rotation files given; with
+--clip-fit FILE, that file's clip fit as one model-wide pair and with each layer at its own fitted
+pair, on the file's rotation and on the Hadamard rotation.
 
     python calibration/fidelity.py --codec-lib build/lib/libkvpool_eval_codec.so \
         --rotation build/calibration/smollm2.rotation.safetensors --out bench-results/fidelity.json
@@ -110,6 +112,43 @@ class Codec:
         if rc != 0:
             raise RuntimeError(f"codec roundtrip: {err.value.decode()}")
         return tier, hist
+
+
+def fitted_clips(rotation: str):
+    """The clip fit recorded in a kvpool-calibrate file's "calibration" metadata: the model-wide
+    pair, each layer's own optimum (same objective, per layer) as [(k, v), ...], and the file's
+    rotation objective."""
+    _, meta = st_io.read(rotation)
+    cal = json.loads(meta.get("calibration", "null") or "null")
+    if not cal or not cal.get("clip_fit"):
+        raise ValueError(f"{rotation}: no clip fit in its calibration metadata")
+    fit = cal["clip_fit"]
+    layers = sorted(cal["layers"], key=lambda l: l["layer"])
+    return ((fit["clip_ratio_k"], fit["clip_ratio_v"]),
+            [(l["best_clip_k"], l["best_clip_v"]) for l in layers], meta.get("objective", ""))
+
+
+class LayerClipCodec:
+    """Each layer through the production codec with that layer's own clip pair (one Codec per
+    distinct pair, each with the rotation given): per-layer clip ratios, evaluated with a codec
+    that holds one pair per model."""
+
+    def __init__(self, lib: CodecLib, rotation: str, num_layers: int, head_dim: int,
+                 clips: list):
+        if len(clips) != num_layers:
+            raise ValueError(f"{len(clips)} per-layer clip pairs for {num_layers} layers")
+        by_pair = {}
+        self._layer = [by_pair.setdefault(
+            pair, Codec(lib, rotation, num_layers, head_dim, clip_k=pair[0], clip_v=pair[1]))
+            for pair in clips]
+        self.clips = clips
+        self.version = None  # no single codec version names per-layer pairs
+        self.clip_k = self.clip_v = None  # no one pair
+        ks, vs = [c[0] for c in clips], [c[1] for c in clips]
+        self.range = f"K {min(ks):.4g}-{max(ks):.4g}, V {min(vs):.4g}-{max(vs):.4g}"
+
+    def roundtrip(self, layer: int, tensor: int, x: np.ndarray):
+        return self._layer[layer].roundtrip(layer, tensor, x)
 
 
 # -- KIVI-2 (baseline, numpy) --------------------------------------------------------------------
@@ -215,6 +254,19 @@ def make_configs(args, lib, cfg_model) -> list:
             codec_row("hadamard_fitted",
                       f"Hadamard INT2, fitted clip {fit.clip_k:.4g}/{fit.clip_v:.4g} (diag.)",
                       "hadamard", clip_k=fit.clip_k, clip_v=fit.clip_v)
+    # The clip fit of --clip-fit applied as one model-wide pair and as each layer's own pair, to
+    # that file's calibrated rotation and to the data-free Hadamard rotation, side by side.
+    if args.clip_fit:
+        (ck, cv), per_layer, objective = fitted_clips(args.clip_fit)
+        for prefix, what, rotation in (("clipfit", f"calibrated {objective}", args.clip_fit),
+                                       ("clipfit_hadamard", "Hadamard INT2", "hadamard")):
+            if wanted(f"{prefix}_pair"):
+                codec_row(f"{prefix}_pair", f"{what}, fitted clip pair {ck:.4g}/{cv:.4g}",
+                          rotation, clip_k=ck, clip_v=cv)
+            if wanted(f"{prefix}_layer"):
+                c = LayerClipCodec(lib, rotation, nl, d, per_layer)
+                rows.append({"name": f"{prefix}_layer", "kind": "codec", "bits": 2, "codec": c,
+                             "label": f"{what}, per-layer fitted clips ({c.range})"})
     for spec in args.ablation or []:
         name, _, rest = spec.partition("=")
         label, _, path = rest.rpartition(":")
@@ -268,7 +320,10 @@ def evaluate(model, tokens: np.ndarray, rows: list, sink: int, recent: int, log=
         res = {"name": row["name"], "label": row["label"], "ppl": float(np.exp(nll.mean())),
                "bpe": bits_per_element(row, len(tokens), sink, recent, model.cfg.head_dim)}
         if row.get("codec") is not None:
-            res["codec_version"] = row["codec"].version
+            if row["codec"].version:
+                res["codec_version"] = row["codec"].version
+            if getattr(row["codec"], "clips", None):
+                res["layer_clips"] = row["codec"].clips
             res["clip_k"], res["clip_v"] = row["codec"].clip_k, row["codec"].clip_v
         if ref_lp is None:
             ref_lp = lp
@@ -340,6 +395,9 @@ def main() -> int:
     ap.add_argument("--rotation", help="the calibrated rotation file (OSCAR rows)")
     ap.add_argument("--ablation", action="append",
                     help="NAME=LABEL:PATH, an extra rotation file evaluated with its own quant")
+    ap.add_argument("--clip-fit",
+                    help="a kvpool-calibrate file: its clip fit as one model-wide pair and per "
+                         "layer, on its own rotation and on the data-free Hadamard rotation")
     ap.add_argument("--configs", default="", help="comma-separated row names (default: all)")
     ap.add_argument("--tokens", type=int, default=texts.EVAL_TOKENS)
     ap.add_argument("--sink", type=int, default=64)
