@@ -145,14 +145,22 @@ TEST_F(CorruptionTest, ScrubberFindsAFlippedBitAndCountsExactly) {
   EXPECT_EQ(before + 2 * pages_b, c.pages_scrubbed.load());
 }
 
+// Creates sequence `id` and appends 48 tokens with token ids (5, 6, ...), so that its blocks
+// enter the prefix cache; answers the ids.
+std::vector<uint32_t> PrefillWithTokenIds(TestCore& core, const std::shared_ptr<const Model>& m,
+                                          const std::string& id) {
+  std::vector<uint32_t> ids(48);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(i + 5);
+  EXPECT_TRUE(core.store->Create(kDefaultTenant, m, id, {}).ok());
+  EXPECT_TRUE(AppendAll(*core.store, *m, id, 0, 48, AppendKind::kPrefill, 9, 1 << 30, ids).ok());
+  return ids;
+}
+
 // Pages shared through the prefix cache are read once per sweep.
 TEST(IntegrityTest, ScrubberReadsSharedPagesOncePerSweep) {
   TestCore core;
   auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
-  std::vector<uint32_t> ids(48);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(i + 5);
-  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "p", {}).ok());
-  ASSERT_TRUE(AppendAll(*core.store, *m, "p", 0, 48, AppendKind::kPrefill, 9, 1 << 30, ids).ok());
+  const std::vector<uint32_t> ids = PrefillWithTokenIds(core, m, "p");
   auto created = core.store->Create(kDefaultTenant, m, "q", ids);
   ASSERT_TRUE(created.ok()) << created.status();
   ASSERT_GT(created->first.reused_tokens, 0);
@@ -173,10 +181,7 @@ TEST(IntegrityTest, ScrubberReadsSharedPagesOncePerSweep) {
 TEST(IntegrityTest, ScrubberDropsACorruptUnitOnlyThePrefixCacheHolds) {
   TestCore core;
   auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
-  std::vector<uint32_t> ids(48);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(i + 5);
-  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "p", {}).ok());
-  ASSERT_TRUE(AppendAll(*core.store, *m, "p", 0, 48, AppendKind::kPrefill, 9, 1 << 30, ids).ok());
+  const std::vector<uint32_t> ids = PrefillWithTokenIds(core, m, "p");
   ASSERT_TRUE(core.store->Release(kDefaultTenant, "p").ok());
   const PrefixContext ctx = SequenceStore::ContextOf(*m);
   const std::vector<PrefixUnitKey> chain = ComputePrefixChain(ctx, ids);

@@ -29,6 +29,7 @@
 #include "server/worker_pool.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
+#include "tests/bench/fairness_scenario.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::bench {
@@ -40,19 +41,10 @@ using server::AttentionRequest;
 using server::Model;
 using server::TenantId;
 
-constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
-constexpr int kWorkers = 2;
+constexpr int kQHeads = kFairnessQHeads, kKvHeads = kFairnessKvHeads, kHeadDim = kFairnessHeadDim;
+constexpr int kWorkers = kFairnessWorkers;
 const TenantId kBig = "big";
 const TenantId kSmall = "small";
-
-struct Sizes {
-  int big_sequences = 16;  // per large Attend call
-  int big_tokens = 8192;   // per large sequence
-  int big_clients = 3;     // large calls kept in flight
-  int small_tokens = 512;
-  int small_calls = 200;  // alone and with fair queueing
-  int fifo_calls = 100;   // with FIFO, where each call waits for the whole flood
-};
 
 // The daemon's core for one model per tenant, sequences filled with real-like K/V.
 struct Core {
@@ -94,7 +86,7 @@ absl::Status Fill(Core* c, const TenantId& tenant, std::shared_ptr<const Model> 
   return c->store->Commit(std::move(txn)).status();
 }
 
-absl::StatusOr<std::unique_ptr<Core>> MakeCore(const Sizes& s) {
+absl::StatusOr<std::unique_ptr<Core>> MakeCore(const FairnessSizes& s) {
   auto c = std::make_unique<Core>();
   c->backend = server::NewCpuBackend();
   const size_t pool_bytes = size_t{512} << 20;
@@ -151,7 +143,7 @@ struct Phase {
 };
 
 // The small tenant's calls, one after another, while `big_clients` keep large calls in flight.
-absl::StatusOr<Phase> RunPhase(Core* c, const Sizes& s, int big_clients, int calls) {
+absl::StatusOr<Phase> RunPhase(Core* c, const FairnessSizes& s, int big_clients, int calls) {
   std::atomic<bool> stop{false};
   std::vector<std::thread> flood;
   std::vector<absl::Status> flood_status(big_clients);
@@ -203,22 +195,10 @@ absl::StatusOr<std::vector<double>> BigUnitTimes(Core* c) {
 }
 
 absl::Status Run(const std::string& out, bool quick) {
-  Sizes s;
-  if (quick) {
-    s.big_sequences = 8;
-    s.big_tokens = 4096;
-    s.small_calls = 40;
-    s.fifo_calls = 20;
-  }
+  const FairnessSizes s = FairnessSizes::Of(quick);
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<Core> core, MakeCore(s));
   Core* c = core.get();
-  const std::map<std::string, std::string> shape = {
-      {"workers", absl::StrCat(kWorkers)},
-      {"Hq/Hkv/D", absl::StrCat(kQHeads, "/", kKvHeads, "/", kHeadDim)},
-      {"small_tokens", absl::StrCat(s.small_tokens)},
-      {"big_call", absl::StrCat(s.big_sequences, "x", s.big_tokens, " tokens")},
-      {"big_clients", absl::StrCat(s.big_clients)},
-      {"small_calls", absl::StrCat(s.small_calls, "/", s.fifo_calls, " (fifo)")}};
+  const std::map<std::string, std::string> shape = s.Params();
   auto with = [&](std::map<std::string, std::string> extra) {
     std::map<std::string, std::string> p = shape;
     p.insert(extra.begin(), extra.end());

@@ -29,6 +29,7 @@
 #include "server/auth/token_hash.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
+#include "tests/bench/fairness_scenario.h"
 #include "tests/support/test_data.h"
 
 namespace kvpool::bench {
@@ -37,8 +38,8 @@ namespace {
 namespace v1 = ::kvpool::v1;
 using client::KvpoolClient;
 
-constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
-constexpr int kWorkers = 2;
+constexpr int kQHeads = kFairnessQHeads, kKvHeads = kFairnessKvHeads, kHeadDim = kFairnessHeadDim;
+constexpr int kWorkers = kFairnessWorkers;
 constexpr char kBigToken[] = "bench-fairness-big-6d5c4b3a2918";
 constexpr char kSmallToken[] = "bench-fairness-small-0a1b2c3d4e5f";
 
@@ -46,15 +47,6 @@ struct Options {
   std::string out = "bench-results/tenant_fairness_daemon.json";
   std::string kvpoold = KVPOOL_KVPOOLD_PATH;
   bool quick = false;
-};
-
-struct Sizes {
-  int big_sequences = 16;  // per large Attend call
-  int big_tokens = 8192;   // per large sequence
-  int big_clients = 3;     // large calls kept in flight, each on its own connection
-  int small_tokens = 512;
-  int small_calls = 200;  // alone and with fair queueing
-  int fifo_calls = 100;   // with FIFO, where each call waits behind the whole flood
 };
 
 std::string TenantsText() {
@@ -143,7 +135,7 @@ absl::StatusOr<uint64_t> ServedUnits(const KvpoolClient& c) {
 }
 
 // The small tenant's calls one after another while `big_clients` keep large calls in flight.
-absl::StatusOr<Phase> RunPhase(const std::string& target, const Sizes& s, int big_clients,
+absl::StatusOr<Phase> RunPhase(const std::string& target, const FairnessSizes& s, int big_clients,
                                int calls) {
   KVPOOL_ASSIGN_OR_RETURN(auto small, KvpoolClient::Connect(target, As(kSmallToken)));
   KVPOOL_ASSIGN_OR_RETURN(auto big, KvpoolClient::Connect(target, As(kBigToken)));
@@ -192,8 +184,8 @@ struct DaemonRun {
 
 // One daemon with the tenants file and --fair_compute=`fair`: its tenants' data, one large work
 // unit alone, the small calls alone and under the flood.
-absl::StatusOr<DaemonRun> RunDaemon(const Options& opt, const std::string& dir, const Sizes& s,
-                                    bool fair) {
+absl::StatusOr<DaemonRun> RunDaemon(const Options& opt, const std::string& dir,
+                                    const FairnessSizes& s, bool fair) {
   client::LocalDaemonOptions o;
   o.binary = opt.kvpoold;
   o.flags = {"--pool_bytes=1073741824",
@@ -222,13 +214,7 @@ absl::StatusOr<DaemonRun> RunDaemon(const Options& opt, const std::string& dir, 
 }
 
 absl::Status Run(const Options& opt) {
-  Sizes s;
-  if (opt.quick) {
-    s.big_sequences = 8;
-    s.big_tokens = 4096;
-    s.small_calls = 40;
-    s.fifo_calls = 20;
-  }
+  const FairnessSizes s = FairnessSizes::Of(opt.quick);
   char tmpl[] = "/tmp/kvpool-bench-fairness-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
   const std::string dir = tmpl;
@@ -243,14 +229,8 @@ absl::Status Run(const Options& opt) {
   KVPOOL_RETURN_IF_ERROR(fair.status());
   KVPOOL_RETURN_IF_ERROR(fifo.status());
 
-  const std::map<std::string, std::string> shape = {
-      {"through", "kvpoold, tenants file, bearer tokens, loopback"},
-      {"workers", absl::StrCat(kWorkers)},
-      {"Hq/Hkv/D", absl::StrCat(kQHeads, "/", kKvHeads, "/", kHeadDim)},
-      {"small_tokens", absl::StrCat(s.small_tokens)},
-      {"big_call", absl::StrCat(s.big_sequences, "x", s.big_tokens, " tokens")},
-      {"big_clients", absl::StrCat(s.big_clients)},
-      {"small_calls", absl::StrCat(s.small_calls, "/", s.fifo_calls, " (fifo)")}};
+  std::map<std::string, std::string> shape = s.Params();
+  shape["through"] = "kvpoold, tenants file, bearer tokens, loopback";
   auto with = [&](std::map<std::string, std::string> extra) {
     std::map<std::string, std::string> p = shape;
     p.insert(extra.begin(), extra.end());
