@@ -151,6 +151,7 @@ void DaemonTest::SetUp() {
   ASSERT_NE(daemon_, nullptr) << "kvpoold did not start";
   client::ClientOptions options;
   options.deadline = absl::Seconds(300);
+  options.wait_for_ready = true;  // a connection attempt that fails transiently is retried
   auto c = KvpoolClient::Connect(daemon_->target(), options);
   ASSERT_TRUE(c.ok()) << c.status();
   client_ = *std::move(c);
