@@ -568,7 +568,8 @@ TEST_F(ScaleOutTest, ADrainedDaemonLeavesMidLoadWithoutHangsOrWrongAnswers) {
 
 // The headless Service as the chart names it, answered by a DNS server on loopback: four daemons
 // and a routing client given `dns://127.0.0.1:DNSPORT/kvpool-headless.test:PORT` resolve it
-// through that server (c-ares), see the same four members, and place and find sequences.
+// through that server (c-ares), see the same four members, and place and find sequences; the
+// CLI sees the same four.
 TEST(ScaleOutDnsTest, DaemonsAndClientResolveTheHeadlessNameThroughADnsServer) {
   const int port = FreePortOnAllHosts(kHosts);
   ASSERT_GT(port, 0) << "no port free on 127.0.0.2-5";
@@ -645,6 +646,12 @@ TEST(ScaleOutDnsTest, DaemonsAndClientResolveTheHeadlessNameThroughADnsServer) {
     EXPECT_TRUE((*router)->DescribeSequence(absl::StrCat("dns-", n)).ok()) << n;
   }
   EXPECT_EQ((*router)->redirects(), 0u);
+  // The CLI takes the same target.
+  auto [code, out] = RunCli({"--target=" + target, "health"});
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(
+      absl::StrContains(out, absl::StrCat("4 daemons, membership epoch ", four.epoch_hex())))
+      << out;
 
   // The name is re-resolved: an address the server stops giving leaves the client's membership
   // at its next refresh, and comes back with it.
