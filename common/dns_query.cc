@@ -23,7 +23,8 @@ struct QueryState {
   std::vector<std::string> addresses;
   // The first failure other than "no such name / no record of this type".
   int error = ARES_SUCCESS;
-  int not_found = 0;  // answers that said the name or the record type does not exist
+  int not_found = 0;         // answers that said the name or the record type does not exist
+  bool out_of_time = false;  // the deadline passed with a query still pending
 };
 
 void NoteFailure(QueryState* state, int status) {
@@ -120,8 +121,8 @@ class Channel {
 
 // Runs `channel` until no query is pending or `deadline` passes (then cancels what is left,
 // whose callbacks see ARES_ECANCELLED).
-void Drive(ares_channel channel, const QueryState& state, absl::Time deadline) {
-  while (state.pending > 0) {
+void Drive(ares_channel channel, QueryState* state, absl::Time deadline) {
+  while (state->pending > 0) {
     ares_socket_t sockets[ARES_GETSOCK_MAXNUM];
     const int bits = ares_getsock(channel, sockets, ARES_GETSOCK_MAXNUM);
     pollfd fds[ARES_GETSOCK_MAXNUM];
@@ -152,7 +153,10 @@ void Drive(ares_channel channel, const QueryState& state, absl::Time deadline) {
                       writable ? fds[i].fd : ARES_SOCKET_BAD);
     }
   }
-  if (state.pending > 0) ares_cancel(channel);
+  if (state->pending > 0) {
+    state->out_of_time = true;
+    ares_cancel(channel);
+  }
 }
 
 }  // namespace
@@ -181,10 +185,14 @@ absl::StatusOr<std::vector<std::string>> QueryDnsAddresses(const std::string& se
   state.pending = 2;
   ares_query(channel.get(), name.c_str(), ns_c_in, ns_t_a, OnAAnswer, &state);
   ares_query(channel.get(), name.c_str(), ns_c_in, ns_t_aaaa, OnAaaaAnswer, &state);
-  Drive(channel.get(), state, absl::Now() + timeout);
+  Drive(channel.get(), &state, absl::Now() + timeout);
 
   const std::string where = absl::StrCat(Quote(name), " at DNS server ", servers_csv);
   if (state.addresses.empty()) {
+    if (state.out_of_time) {
+      return absl::UnavailableError(
+          absl::StrCat("resolving ", where, ": no answer within ", absl::FormatDuration(timeout)));
+    }
     if (state.error != ARES_SUCCESS) {
       return absl::UnavailableError(
           absl::StrCat("resolving ", where, ": ", ares_strerror(state.error)));
