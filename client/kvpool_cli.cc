@@ -1,7 +1,7 @@
 // kvpool: the command-line tool for kvpoold.
 //
 //   kvpool [--target=HOST:PORT] COMMAND [flags]
-//   kvpool --target=HOST:PORT,HOST:PORT,... | dns:///NAME:PORT  COMMAND [flags]   (scale-out)
+//   kvpool --target=HOST:PORT,HOST:PORT,... | dns://[SERVER]/NAME:PORT  COMMAND [flags] (scale-out)
 //
 // Run `kvpool help` for the commands. A multi-daemon target routes as the RoutingClient does
 // (docs/scale-out.md). Errors are printed as one plain line,
@@ -38,7 +38,8 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
           "kvpoold address (host:port), or several daemons: host:port,host:port,... or "
-          "dns:///NAME:PORT (every address of NAME; routed by placement, docs/scale-out.md)");
+          "dns:///NAME:PORT or dns://SERVER[:PORT]/NAME:PORT (every address of NAME; routed by "
+          "placement, docs/scale-out.md)");
 ABSL_FLAG(std::string, tenant, "default",
           "multi-daemon --target: the tenant name in placement keys (as the engines' clients)");
 ABSL_FLAG(int32_t, timeout_s, 300, "Deadline of each call in seconds");
@@ -156,9 +157,10 @@ constexpr char kUsage[] =
     "                in-flight calls end (Kubernetes preStop)\n"
     "  reload-tenants  re-read the daemon's tenants file (admin), as SIGHUP\n"
     "\n"
-    "With several daemons (--target=A:P,B:P or dns:///NAME:PORT) each sequence's command goes\n"
-    "to its owner: the placement key is --model with the first 64 of --token_ids, or --model\n"
-    "with --sequence when no --token_ids are given (name a sequence the same way every time).\n"
+    "With several daemons (--target=A:P,B:P, dns:///NAME:PORT or dns://SERVER/NAME:PORT) each\n"
+    "sequence's command goes to its owner: the placement key is --model with the first 64 of\n"
+    "--token_ids, or --model with --sequence when no --token_ids are given (name a sequence the\n"
+    "same way every time).\n"
     "register, delete-model and stats run on every daemon; health lists the live ones.\n"
     "\n"
     "Run `kvpool --help` for every flag.";
@@ -751,7 +753,7 @@ bool IsKnownCommand(const std::string& cmd) {
 
 // A target naming several daemons (docs/scale-out.md), as opposed to one gRPC target.
 bool IsMultiDaemonTarget(const std::string& target) {
-  return absl::StrContains(target, ',') || absl::StartsWith(target, "dns:///");
+  return absl::StrContains(target, ',') || absl::StartsWith(target, "dns://");
 }
 
 absl::Status DrainCmd(const KvpoolClient& c) {

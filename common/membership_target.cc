@@ -14,12 +14,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "common/dns_query.h"
 #include "common/quote.h"
+#include "common/status_macros.h"
 
 namespace kvpool {
 namespace {
 
-constexpr absl::string_view kDnsScheme = "dns:///";
+constexpr absl::string_view kDnsScheme = "dns://";
+// How long a DNS server is given to answer.
+constexpr absl::Duration kDnsServerTimeout = absl::Seconds(5);
 
 bool IsHostByte(char c) {
   return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_';
@@ -46,15 +51,71 @@ absl::Status SplitHostPort(absl::string_view text, std::string* host, uint16_t* 
   return absl::OkStatus();
 }
 
+// A DNS authority: "IPv4[:port]" or "[IPv6][:port]" -> server, port (53 when not given).
+absl::Status ParseDnsAuthority(absl::string_view text, std::string* server, uint16_t* port) {
+  absl::string_view address = text;
+  absl::string_view port_text;
+  bool has_port = false;
+  const bool bracketed = absl::ConsumePrefix(&address, "[");
+  if (bracketed) {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("bad DNS server ", Quote(text)));
+    }
+    absl::string_view rest = address.substr(close + 1);
+    address = address.substr(0, close);
+    if (!rest.empty()) {
+      if (!absl::ConsumePrefix(&rest, ":")) {
+        return absl::InvalidArgumentError(absl::StrCat("bad DNS server ", Quote(text)));
+      }
+      has_port = true;
+      port_text = rest;
+    }
+  } else if (const size_t colon = address.find(':'); colon != absl::string_view::npos) {
+    has_port = true;
+    port_text = address.substr(colon + 1);
+    address = address.substr(0, colon);
+  }
+  const std::string address_text(address);
+  in_addr v4{};
+  in6_addr v6{};
+  if (address.empty() || address.size() > INET6_ADDRSTRLEN ||
+      (bracketed ? inet_pton(AF_INET6, address_text.c_str(), &v6) != 1
+                 : inet_pton(AF_INET, address_text.c_str(), &v4) != 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DNS server ", Quote(text), " must be an IPv4 address or [IPv6 address]"));
+  }
+  uint32_t value = 53;
+  if (has_port) {
+    if (port_text.empty() || port_text.size() > 5 ||
+        !std::all_of(port_text.begin(), port_text.end(), absl::ascii_isdigit) ||
+        !absl::SimpleAtoi(port_text, &value) || value == 0 || value > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat("bad DNS server port in ", Quote(text)));
+    }
+  }
+  *server = address_text;
+  *port = static_cast<uint16_t>(value);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<MembershipTarget> ParseMembershipTarget(absl::string_view text) {
   MembershipTarget target;
   if (absl::StartsWith(text, "dns:")) {
-    if (!absl::ConsumePrefix(&text, kDnsScheme)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("membership target ", Quote(text),
-                       ": only dns:///NAME:PORT (the system resolver; no DNS authority)"));
+    const absl::string_view whole = text;
+    const size_t slash = text.find('/', kDnsScheme.size());
+    if (!absl::ConsumePrefix(&text, kDnsScheme) || slash == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "membership target ", Quote(whole),
+          ": expected dns:///NAME:PORT (system resolver) or dns://SERVER[:PORT]/NAME:PORT"));
+    }
+    const absl::string_view authority = text.substr(0, slash - kDnsScheme.size());
+    text = text.substr(authority.size() + 1);
+    if (!authority.empty()) {
+      absl::Status s = ParseDnsAuthority(authority, &target.dns_server, &target.dns_server_port);
+      if (!s.ok())
+        return absl::InvalidArgumentError(absl::StrCat("membership target: ", s.message()));
     }
     std::string host;
     uint16_t port = 0;
@@ -105,6 +166,19 @@ absl::StatusOr<std::vector<Member>> ResolveMembershipTarget(const MembershipTarg
   if (!target.is_dns()) {
     for (const MembershipTarget::Entry& e : target.entries) {
       members.push_back(Member{e.endpoint, e.weight.value_or(default_weight)});
+    }
+    return members;
+  }
+  if (!target.dns_server.empty()) {
+    KVPOOL_ASSIGN_OR_RETURN(std::vector<std::string> addresses,
+                            QueryDnsAddresses(target.dns_server, target.dns_server_port,
+                                              target.dns_host, kDnsServerTimeout));
+    for (const std::string& ip : addresses) {
+      if (members.size() >= kMaxMembers) break;
+      const bool v6 = ip.find(':') != std::string::npos;
+      members.push_back(Member{v6 ? absl::StrCat("[", ip, "]:", target.dns_port)
+                                  : absl::StrCat(ip, ":", target.dns_port),
+                               default_weight});
     }
     return members;
   }

@@ -167,11 +167,68 @@ TEST(MembershipTargetTest, ParsesStaticListsWithAndWithoutWeights) {
 }
 
 TEST(MembershipTargetTest, RejectsMalformedTargets) {
-  for (const char* bad :
-       {"", ",", "host", "host:", "host:0", "host:70000", "host:x", "host:1=0", "host:1=-3",
-        "host:1=x", "ho st:1", "dns://1.2.3.4/x:1", "dns:///name", "dns:///:1"}) {
+  for (const char* bad : {"",
+                          ",",
+                          "host",
+                          "host:",
+                          "host:0",
+                          "host:70000",
+                          "host:x",
+                          "host:1=0",
+                          "host:1=-3",
+                          "host:1=x",
+                          "ho st:1",
+                          "dns:///name",
+                          "dns:///:1",
+                          "dns:/name:1",
+                          "dns://name:1",
+                          "dns://dns.example/x:1",
+                          "dns://1.2.3/x:1",
+                          "dns://1.2.3.4:/x:1",
+                          "dns://1.2.3.4:0/x:1",
+                          "dns://1.2.3.4:70000/x:1",
+                          "dns://1.2.3.4:5x/x:1",
+                          "dns://[::1/x:1",
+                          "dns://[::1]x/x:1",
+                          "dns://[1.2.3.4]/x:1",
+                          "dns://::1/x:1",
+                          "dns://1.2.3.4/x",
+                          "dns://1.2.3.4/x/y:1"}) {
     EXPECT_FALSE(ParseMembershipTarget(bad).ok()) << bad;
   }
+}
+
+TEST(MembershipTargetTest, ParsesADnsAuthority) {
+  absl::StatusOr<MembershipTarget> system = ParseMembershipTarget("dns:///kvpool.ns.svc:50051");
+  ASSERT_TRUE(system.ok()) << system.status();
+  EXPECT_EQ(system->dns_server, "");
+  EXPECT_EQ(system->dns_host, "kvpool.ns.svc");
+  EXPECT_EQ(system->dns_port, 50051);
+
+  absl::StatusOr<MembershipTarget> v4 = ParseMembershipTarget("dns://10.96.0.10/kvpool.ns.svc:7");
+  ASSERT_TRUE(v4.ok()) << v4.status();
+  EXPECT_TRUE(v4->is_dns());
+  EXPECT_EQ(v4->dns_server, "10.96.0.10");
+  EXPECT_EQ(v4->dns_server_port, 53);
+  EXPECT_EQ(v4->dns_host, "kvpool.ns.svc");
+  EXPECT_EQ(v4->dns_port, 7);
+
+  absl::StatusOr<MembershipTarget> port =
+      ParseMembershipTarget("dns://127.0.0.1:5353/kvpool-headless.test:50051");
+  ASSERT_TRUE(port.ok()) << port.status();
+  EXPECT_EQ(port->dns_server, "127.0.0.1");
+  EXPECT_EQ(port->dns_server_port, 5353);
+  EXPECT_EQ(port->dns_host, "kvpool-headless.test");
+  EXPECT_EQ(port->dns_port, 50051);
+
+  absl::StatusOr<MembershipTarget> v6 = ParseMembershipTarget("dns://[fd00::a]:1053/n:9");
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_EQ(v6->dns_server, "fd00::a");
+  EXPECT_EQ(v6->dns_server_port, 1053);
+  absl::StatusOr<MembershipTarget> v6_default = ParseMembershipTarget("dns://[::1]/n:9");
+  ASSERT_TRUE(v6_default.ok()) << v6_default.status();
+  EXPECT_EQ(v6_default->dns_server, "::1");
+  EXPECT_EQ(v6_default->dns_server_port, 53);
 }
 
 TEST(MembershipTargetTest, ResolvesADnsNameThroughTheSystemResolver) {

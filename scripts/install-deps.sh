@@ -12,7 +12,7 @@ BUILD_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   golang-github-gogo-googleapis-dev
   libabsl-dev libucx-dev ucx-utils
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libc-ares-dev
   nlohmann-json3-dev libeigen3-dev liblapacke-dev libopenblas-dev libssl-dev libspdlog-dev
   openssl libcpp-httplib-dev
   clang-format

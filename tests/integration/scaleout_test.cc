@@ -1,5 +1,6 @@
 // Scale-out end to end (docs/scale-out.md): real kvpoold processes on 127.0.0.2-5 (one port, four
-// loopback addresses), each told the same static peer list, and the routing client. The fourth
+// loopback addresses), each told the same static peer list, and the routing client. The last
+// test starts four more, told the headless name a test DNS server answers. The fourth
 // daemon is listed from the start but only started by the membership-change test; the daemons'
 // probes add it. Tests run in order and share the daemons (spread, co-location and fan-out, a
 // fourth daemon and a stale client, a SIGKILLed daemon).
@@ -28,6 +29,7 @@
 #include "proto/member_probe.h"
 #include "tests/integration/integration_util.h"
 #include "tests/support/loopback_hosts.h"
+#include "tests/support/test_dns_server.h"
 
 namespace kvpool::integration {
 namespace {
@@ -561,6 +563,106 @@ TEST_F(ScaleOutTest, ADrainedDaemonLeavesMidLoadWithoutHangsOrWrongAnswers) {
     } else {
       EXPECT_TRUE(info.ok()) << id << ": " << info.status();
     }
+  }
+}
+
+// The headless Service as the chart names it, answered by a DNS server on loopback: four daemons
+// and a routing client given `dns://127.0.0.1:DNSPORT/kvpool-headless.test:PORT` resolve it
+// through that server (c-ares), see the same four members, and place and find sequences; the
+// CLI sees the same four.
+TEST(ScaleOutDnsTest, DaemonsAndClientResolveTheHeadlessNameThroughADnsServer) {
+  const int port = FreePortOnAllHosts(kHosts);
+  ASSERT_GT(port, 0) << "no port free on 127.0.0.2-5";
+  std::vector<std::string> all(std::begin(kHosts), std::end(kHosts));
+  ::kvpool::testing::TestDnsServer dns("kvpool-headless.test", all);
+  ASSERT_TRUE(dns.ok());
+  const std::string target =
+      absl::StrCat("dns://127.0.0.1:", dns.port(), "/kvpool-headless.test:", port);
+
+  std::vector<std::unique_ptr<LocalDaemon>> daemons;
+  std::vector<std::unique_ptr<KvpoolClient>> direct;
+  std::vector<Member> expected;
+  for (const char* host : kHosts) {
+    const std::string endpoint = absl::StrCat(host, ":", port);
+    expected.push_back({endpoint, 1});
+    client::LocalDaemonOptions options;
+    options.binary = KvpooldPath();
+    options.listen_host = host;
+    options.listen_port = port;
+    options.flags = {"--pool_bytes=134217728",  "--worker_threads=1", "--log_level=warn",
+                     "--advertise=" + endpoint, "--peers=" + target,  "--peers_refresh=200ms",
+                     "--peer_probe_timeout=2s"};
+    options.startup_timeout = absl::Seconds(180);
+    absl::StatusOr<std::unique_ptr<LocalDaemon>> d = LocalDaemon::Start(options);
+    ASSERT_TRUE(d.ok()) << d.status();
+    absl::StatusOr<std::unique_ptr<KvpoolClient>> c = KvpoolClient::Connect((*d)->target());
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE(RegisterDataFree(**c, "m", kShape, v1::ROTATION_KIND_RANDOMIZED_HADAMARD, 7).ok());
+    daemons.push_back(*std::move(d));
+    direct.push_back(*std::move(c));
+  }
+  const Membership four = *Membership::Create(expected);
+
+  // Every daemon's membership comes from the DNS answer: all four, one epoch.
+  for (size_t i = 0; i < direct.size(); ++i) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    std::string epoch;
+    while (absl::Now() < give_up) {
+      absl::StatusOr<v1::GetStatsResponse> s = direct[i]->GetStats();
+      ASSERT_TRUE(s.ok()) << s.status();
+      epoch = s->membership().epoch();
+      if (epoch == four.epoch_hex()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_EQ(epoch, four.epoch_hex()) << "daemon " << i;
+  }
+
+  RoutingOptions options;
+  options.refresh_interval = absl::Hours(10);  // refreshed by the test alone
+  options.connect_timeout = absl::Seconds(5);
+  absl::StatusOr<std::unique_ptr<RoutingClient>> router = RoutingClient::Connect(target, options);
+  ASSERT_TRUE(router.ok()) << router.status();
+  ASSERT_EQ((*router)->membership()->members(), four.members());
+  EXPECT_EQ((*router)->membership()->epoch_hex(), four.epoch_hex());
+
+  constexpr int kSequences = 200;
+  for (int n = 0; n < kSequences; ++n) {
+    v1::CreateSequenceRequest request;
+    request.set_model_id("m");
+    request.set_sequence_id(absl::StrCat("dns-", n));
+    ASSERT_TRUE((*router)->CreateSequence(request).ok()) << n;
+  }
+  uint64_t total = 0;
+  for (size_t i = 0; i < direct.size(); ++i) {
+    absl::StatusOr<v1::GetStatsResponse> s = direct[i]->GetStats();
+    ASSERT_TRUE(s.ok()) << s.status();
+    uint64_t on_daemon = 0;
+    for (const auto& m : s->models()) on_daemon += m.sequences();
+    EXPECT_GT(on_daemon, 0u) << "daemon " << i << " got no sequence";
+    total += on_daemon;
+  }
+  EXPECT_EQ(total, static_cast<uint64_t>(kSequences));
+  for (int n = 0; n < kSequences; ++n) {
+    EXPECT_TRUE((*router)->DescribeSequence(absl::StrCat("dns-", n)).ok()) << n;
+  }
+  EXPECT_EQ((*router)->redirects(), 0u);
+  // The CLI takes the same target.
+  auto [code, out] = RunCli({"--target=" + target, "health"});
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(
+      absl::StrContains(out, absl::StrCat("4 daemons, membership epoch ", four.epoch_hex())))
+      << out;
+
+  // The name is re-resolved: an address the server stops giving leaves the client's membership
+  // at its next refresh, and comes back with it.
+  ASSERT_TRUE(dns.SetAddresses({all[0], all[1], all[2]}));
+  ASSERT_TRUE((*router)->Refresh().ok());
+  EXPECT_EQ((*router)->membership()->members().size(), 3u);
+  ASSERT_TRUE(dns.SetAddresses(all));
+  ASSERT_TRUE((*router)->Refresh().ok());
+  EXPECT_EQ((*router)->membership()->epoch_hex(), four.epoch_hex());
+  for (int n = 0; n < kSequences; ++n) {
+    EXPECT_TRUE((*router)->DescribeSequence(absl::StrCat("dns-", n)).ok()) << n;
   }
 }
 

@@ -72,12 +72,14 @@ def _split_host_port(text: str) -> Tuple[str, int]:
 
 def parse_target(text: str) -> Target:
     """Parses a membership target; KvpoolError INVALID_ARGUMENT when malformed (as the C++
-    ParseMembershipTarget: no DNS authority, ports 1..65535, positive integer weights)."""
+    ParseMembershipTarget, but without the DNS-server form: ports 1..65535, positive integer
+    weights)."""
     if text.startswith("dns:"):
         if not text.startswith(_DNS_SCHEME):
             raise KvpoolError.invalid_argument(
-                f"membership target {text!r}: only dns:///NAME:PORT (the system resolver; no "
-                "DNS authority)")
+                f"membership target {text!r}: the Python package takes only dns:///NAME:PORT "
+                "(the system resolver); a DNS server (dns://SERVER/NAME:PORT) is taken by the "
+                "C++ client, the CLI and the daemon")
         host, port = _split_host_port(text[len(_DNS_SCHEME):])
         return Target(dns_host=host, dns_port=port)
     entries: List[Tuple[str, Optional[int]]] = []

@@ -156,6 +156,9 @@ def test_target_syntax_is_checked():
         with pytest.raises(KvpoolError) as e:
             parse_target(bad)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, bad
+    # A DNS server in the target is the C++ client's (c-ares); Python says so.
+    with pytest.raises(KvpoolError, match="only dns:///NAME:PORT"):
+        parse_target("dns://127.0.0.1:5353/kvpool-headless.test:50051")
 
 
 def test_a_dns_target_resolves_to_every_address(daemon):
