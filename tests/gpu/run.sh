@@ -109,6 +109,9 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
   [ "$MODE" = quick ] && QUICK="--quick"
   step "benchmark (ours, byte floor)" "$OUT/bench.log" "$BIN/kvpool-gpu-bench" \
     --out "$OUT/gpu-kernels.json" $QUICK
+  step "benchmark (attention while scrubbing)" "$OUT/bench.log" "$BIN/kvpool-gpu-bench" \
+    --skip-codec --scrub_cost --model llama70b --batch 8 --batch 32 --context 32768 \
+    --context 131072 --out "$OUT/gpu-scrub-cost.json"
   step "benchmark (torch SDPA BF16)" "$OUT/bench.log" python3 tests/gpu/sdpa_bench.py \
     --ours "$OUT/gpu-kernels.json" --out "$OUT/gpu.json"
   cp "$OUT/gpu.json" bench-results/gpu.json 2>/dev/null
