@@ -38,18 +38,6 @@ bool HaveGpu() {
 #endif
 }
 
-v1::AttendRequest OneQuery(const std::string& id) {
-  v1::AttendRequest req;
-  req.set_model_id("m");
-  req.set_layer(0);
-  req.set_dtype(v1::DTYPE_BF16);
-  v1::SequenceQuery* q = req.add_queries();
-  q->set_sequence_id(id);
-  q->set_num_queries(1);
-  q->set_q(std::string(AsBytes(GaussianBf16(size_t{1} * kShape.q_heads * kShape.head_dim, 9))));
-  return req;
-}
-
 TEST(DeviceHealthTest, APoisonedContextStopsServingAndTheDaemonExits) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
   // A grace long enough to look at the failed daemon before it exits on its own.
@@ -64,7 +52,8 @@ TEST(DeviceHealthTest, APoisonedContextStopsServingAndTheDaemonExits) {
   ASSERT_TRUE(RegisterDataFree(client, "m", kShape, v1::ROTATION_KIND_HADAMARD, 1).ok());
   const SequenceKv kv = MakeSequenceKv(kShape, kTokens, 4);
   ASSERT_TRUE(CreateAndAppend(client, "m", "s", kv, true).ok());
-  const absl::StatusOr<v1::AttendResponse> before = client.Attend(OneQuery("s"));
+  const absl::StatusOr<v1::AttendResponse> before =
+      client.Attend(Bf16QueryRequest("m", 0, "s", kShape, 9));
   ASSERT_TRUE(before.ok()) << before.status();
   absl::StatusOr<v1::GetStatsResponse> stats = client.GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
@@ -80,7 +69,7 @@ TEST(DeviceHealthTest, APoisonedContextStopsServingAndTheDaemonExits) {
   ASSERT_TRUE(poison.ok()) << poison.error_message();
 
   // Compute calls answer UNAVAILABLE, whether they find the error or the monitor found it first.
-  const absl::Status attend = client.Attend(OneQuery("s")).status();
+  const absl::Status attend = client.Attend(Bf16QueryRequest("m", 0, "s", kShape, 9)).status();
   EXPECT_EQ(attend.code(), absl::StatusCode::kUnavailable) << attend;
   EXPECT_NE(attend.message().find("has failed"), std::string::npos) << attend;
   // Health turns NOT_SERVING within a few check periods (polled, generous deadline).
@@ -96,7 +85,7 @@ TEST(DeviceHealthTest, APoisonedContextStopsServingAndTheDaemonExits) {
   // Once the failure is known, calls are refused before they touch the device, and counted.
   const absl::Status append = CreateAndAppend(client, "m", "s2", kv, true).status();
   EXPECT_EQ(append.code(), absl::StatusCode::kUnavailable) << append;
-  const absl::Status again = client.Attend(OneQuery("s")).status();
+  const absl::Status again = client.Attend(Bf16QueryRequest("m", 0, "s", kShape, 9)).status();
   EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
   stats = client.GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();

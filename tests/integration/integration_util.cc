@@ -227,6 +227,20 @@ absl::StatusOr<v1::AppendKvResponse> CreateAndAppend(const KvpoolClient& c,
   return AppendSequence(c, id, kv, end_of_prefill, token_ids);
 }
 
+v1::AttendRequest Bf16QueryRequest(const std::string& model, int layer, const std::string& id,
+                                   const Shape& shape, uint64_t seed, int rows) {
+  v1::AttendRequest r;
+  r.set_model_id(model);
+  r.set_layer(layer);
+  r.set_dtype(v1::DTYPE_BF16);
+  v1::SequenceQuery* q = r.add_queries();
+  q->set_sequence_id(id);
+  q->set_num_queries(rows);
+  q->set_q(std::string(
+      AsBytes(GaussianBf16(static_cast<size_t>(rows) * shape.q_heads * shape.head_dim, seed))));
+  return r;
+}
+
 std::unique_ptr<KvpoolClient> ConnectClient(const std::string& target, absl::Duration deadline) {
   client::ClientOptions options;
   options.deadline = deadline;

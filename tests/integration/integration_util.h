@@ -133,6 +133,11 @@ absl::StatusOr<v1::AppendKvResponse> AppendSequence(const KvpoolClient& c, const
                                                     bool end_of_prefill = false,
                                                     const std::vector<uint32_t>& token_ids = {});
 
+// An Attend request of `rows` BF16 query rows (Gaussian, seeded) over sequence `id` of `model`
+// at `layer`.
+v1::AttendRequest Bf16QueryRequest(const std::string& model, int layer, const std::string& id,
+                                   const Shape& shape, uint64_t seed, int rows = 1);
+
 // A client on its own connection whose calls have `deadline` and wait for the connection (a
 // failure is a test failure and answers null).
 std::unique_ptr<KvpoolClient> ConnectClient(const std::string& target, absl::Duration deadline);

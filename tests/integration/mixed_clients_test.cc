@@ -42,18 +42,6 @@ v1::AppendKvHeader Header(const std::string& id, int tokens) {
   return h;
 }
 
-v1::AttendRequest OneQuery(const std::string& id, uint64_t seed) {
-  v1::AttendRequest r;
-  r.set_model_id("mixed");
-  r.set_layer(1);
-  r.set_dtype(v1::DTYPE_BF16);
-  v1::SequenceQuery* q = r.add_queries();
-  q->set_sequence_id(id);
-  q->set_num_queries(1);
-  q->set_q(std::string(AsBytes(GaussianBf16(size_t{kShape.q_heads} * kShape.head_dim, seed))));
-  return r;
-}
-
 class MixedClientsTest : public DaemonTest {
  protected:
   static void SetUpTestSuite() {
@@ -118,7 +106,8 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
         EXPECT_TRUE(s.ok()) << id << ": " << s;
         absl::StatusOr<v1::AppendKvResponse> appended = AppendSequence(*honest, id, kv);
         EXPECT_TRUE(appended.ok()) << id << ": " << appended.status();
-        absl::StatusOr<v1::AttendResponse> a = honest->Attend(OneQuery(id, round));
+        absl::StatusOr<v1::AttendResponse> a =
+            honest->Attend(Bf16QueryRequest("mixed", 1, id, kShape, round));
         EXPECT_TRUE(a.ok()) << id << ": " << a.status();
         if (a.ok()) {
           const std::vector<float> lse(a->results(0).lse().begin(), a->results(0).lse().end());
@@ -211,7 +200,8 @@ TEST_F(MixedClientsTest, HonestClientsAreServedWhileOthersPinFreezeAndCancel) {
                         ended.code() == absl::StatusCode::kAborted)
                 << ended;
           }
-          const absl::Status attended = impatient->Attend(OneQuery(id, round)).status();
+          const absl::Status attended =
+              impatient->Attend(Bf16QueryRequest("mixed", 1, id, kShape, round)).status();
           EXPECT_TRUE(attended.ok() || attended.code() == absl::StatusCode::kDeadlineExceeded)
               << attended;
         }

@@ -128,13 +128,7 @@ class ReadAdmissionTest : public DaemonTest {
     v1::ReadBlocksRequest blocks;
     blocks.set_sequence_id("small");
     KV_ASSERT_OK(client().ReadBlocks(blocks).status());
-    v1::AttendRequest attend;
-    attend.set_model_id("rd");
-    attend.set_layer(1);
-    attend.set_dtype(v1::DTYPE_BF16);
-    v1::SequenceQuery* q = attend.add_queries();
-    q->set_sequence_id("small");
-    q->set_q(std::string(AsBytes(GaussianBf16(size_t{kShape.q_heads} * kShape.head_dim, 5))));
+    const v1::AttendRequest attend = Bf16QueryRequest("rd", 1, "small", kShape, 5);
     absl::StatusOr<v1::AttendResponse> a = client().Attend(attend);
     ASSERT_TRUE(a.ok()) << a.status();
     ASSERT_EQ(a->results_size(), 1);
@@ -196,14 +190,7 @@ TEST_F(ReadAdmissionTest, AFloodOfLargeReadsIsCappedAndDoesNotStallAnotherClient
 // An Attend whose decoded queries and answer would pass the bytes cap is refused before work.
 TEST_F(ReadAdmissionTest, AnAttendOverTheReadBytesCapIsRefusedUpFront) {
   constexpr int kRows = 1000;  // 4 MiB of FP32 queries and 4 MiB of answer
-  v1::AttendRequest attend;
-  attend.set_model_id("rd");
-  attend.set_layer(0);
-  attend.set_dtype(v1::DTYPE_BF16);
-  v1::SequenceQuery* q = attend.add_queries();
-  q->set_sequence_id("small");
-  q->set_num_queries(kRows);
-  q->set_q(std::string(AsBytes(GaussianBf16(size_t{kRows} * kShape.q_heads * kShape.head_dim, 6))));
+  const v1::AttendRequest attend = Bf16QueryRequest("rd", 0, "small", kShape, 6, kRows);
   const v1::GetStatsResponse before = Stats();
   const absl::Status s = client().Attend(attend).status();
   ExpectLimit(s, "read bytes in flight per connection");
