@@ -16,6 +16,7 @@
 #include "dataplane/ucx_wire.h"
 #include "kernels/rotation_file.h"
 #include "kernels/safetensors.h"
+#include "kvpool/v1/admin_service.pb.h"
 #include "kvpool/v1/attention_service.pb.h"
 #include "kvpool/v1/model_service.pb.h"
 #include "kvpool/v1/read_service.pb.h"
@@ -436,6 +437,7 @@ void RpcSeeds(SeedWriter& w) {
   v1::WatchSessionRequest watch;
   watch.set_session_id(1);
   unary(Rpc::kWatchSession, "watch-session", watch);
+  unary(Rpc::kReloadTenants, "reload-tenants", v1::ReloadTenantsRequest());
 }
 
 }  // namespace

@@ -28,8 +28,10 @@ enum class Rpc : uint8_t {
   kCloseSession,
   kSetAttentionPlan,  // (UNAVAILABLE on the CPU backend: no NCCL attention channels)
   kDropAttentionPlan,
-  kPushKv,        // client-streaming (UNAVAILABLE on the CPU backend: no device transports)
-  kWatchSession,  // server-streaming
+  kPushKv,         // client-streaming (UNAVAILABLE on the CPU backend: no device transports)
+  kWatchSession,   // server-streaming
+  kReloadTenants,  // AdminService (no tenants file here: FAILED_PRECONDITION; Drain is not
+                   // fuzzed, it ends the daemon every later input needs)
   kRpcCount
 };
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "google/protobuf/util/message_differencer.h"
+#include "kvpool/v1/admin_service.grpc.pb.h"
 #include "kvpool/v1/attention_service.grpc.pb.h"
 #include "kvpool/v1/model_service.grpc.pb.h"
 #include "kvpool/v1/read_service.grpc.pb.h"
@@ -252,6 +253,11 @@ class RpcFuzzer {
             rest, [&](ClientContext* c, const auto& req) {
               return stubs_.transport->WatchSession(c, req);
             });
+      case Rpc::kReloadTenants:
+        return Unary<v1::ReloadTenantsRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::ReloadTenantsResponse r;
+          return stubs_.admin->ReloadTenants(c, req, &r);
+        });
       case Rpc::kRpcCount:
         break;
     }
