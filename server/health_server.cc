@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<HealthServer>> HealthServer::Start(const std::str
   // Ours instead of gRPC's default health service (which needs another service beside it).
   builder.SetOption(std::make_unique<grpc::HealthCheckServiceServerBuilderOption>(nullptr));
   builder.RegisterService(&h->service_);
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &h->port_);
   h->server_ = builder.BuildAndStart();
   if (h->server_ == nullptr || h->port_ == 0) {
@@ -93,6 +94,12 @@ grpc::Status HealthServer::Service::Watch(grpc::ServerContext* context,
   bool first = true;
   ServingStatus last = HealthCheckResponse::UNKNOWN;
   absl::MutexLock lock(&owner_->mu_);
+  if (owner_->watches_ >= kMaxWatches) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("at most ", kMaxWatches,
+                                     " Watch calls at once on the health port; probes use Check"));
+  }
+  ++owner_->watches_;
   while (!context->IsCancelled()) {
     const ServingStatus now = owner_->StatusOfLocked(request->service());
     if (first || now != last) {  // the current status, then each change
@@ -108,6 +115,7 @@ grpc::Status HealthServer::Service::Watch(grpc::ServerContext* context,
     if (owner_->shut_down_) break;
     owner_->changed_.WaitWithTimeout(&owner_->mu_, kWatchPoll);
   }
+  --owner_->watches_;
   return grpc::Status::OK;
 }
 

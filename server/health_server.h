@@ -38,9 +38,14 @@ class HealthServer {
 
  private:
   using ServingStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;
+  // Watch calls open at once on the unauthenticated port; more are RESOURCE_EXHAUSTED.
+  static constexpr int kMaxWatches = 8;
+  // Largest request the port accepts (a service name).
+  static constexpr int kMaxRequestBytes = 4096;
 
   // The grpc.health.v1 service over the statuses below (synchronous: a Watch holds one of the
-  // server's threads while it waits for a change).
+  // server's threads while it waits for a change, so at most kMaxWatches run at once and Check,
+  // which probes use, always finds a thread).
   class Service final : public grpc::health::v1::Health::Service {
    public:
     explicit Service(HealthServer* owner) : owner_(owner) {}
@@ -63,6 +68,7 @@ class HealthServer {
   absl::CondVar changed_;
   std::map<std::string, ServingStatus> statuses_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  int watches_ ABSL_GUARDED_BY(mu_) = 0;
   Service service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

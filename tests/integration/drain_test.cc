@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -16,6 +17,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "kernels/rotation_file.h"
 #include "proto/status.h"
@@ -402,6 +406,38 @@ TEST(HealthPortTest, AnswersWithoutCredentialsWhileTheMainPortNeedsTls) {
   EXPECT_EQ(*per_service, grpc::health::v1::HealthCheckResponse::SERVING);
   EXPECT_EQ(plain->GetStats().status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(plain->ListModels().status().code(), absl::StatusCode::kUnimplemented);
+  // Anybody can reach this port: Watch calls that never end are capped, Check still answers,
+  // and an oversized request is refused.
+  {
+    auto channel = grpc::CreateChannel(f.HealthTarget(), grpc::InsecureChannelCredentials());
+    auto stub = grpc::health::v1::Health::NewStub(channel);
+    std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+    std::vector<std::unique_ptr<grpc::ClientReader<grpc::health::v1::HealthCheckResponse>>> watches;
+    grpc::health::v1::HealthCheckRequest req;
+    for (int i = 0; i < 8; ++i) {
+      contexts.push_back(std::make_unique<grpc::ClientContext>());
+      watches.push_back(stub->Watch(contexts.back().get(), req));
+      grpc::health::v1::HealthCheckResponse first;
+      ASSERT_TRUE(watches.back()->Read(&first)) << "watch " << i;  // it holds a thread now
+    }
+    grpc::ClientContext extra;  // without the cap it would wait for a change: give it a deadline
+    extra.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    auto refused_watch = stub->Watch(&extra, req);
+    grpc::health::v1::HealthCheckResponse none;
+    EXPECT_FALSE(refused_watch->Read(&none));
+    EXPECT_EQ(refused_watch->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    auto during = plain->Health();
+    ASSERT_TRUE(during.ok()) << during.status();
+    EXPECT_EQ(*during, grpc::health::v1::HealthCheckResponse::SERVING);
+    grpc::ClientContext big_ctx;
+    grpc::health::v1::HealthCheckRequest big;
+    big.set_service(std::string(64 << 10, 'x'));
+    grpc::health::v1::HealthCheckResponse big_resp;
+    EXPECT_EQ(stub->Check(&big_ctx, big, &big_resp).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+    for (auto& c : contexts) c->TryCancel();
+    for (auto& w : watches) w->Finish();
+  }
   // The daemon's own port refuses a plaintext caller.
   ClientOptions quick;
   quick.deadline = absl::Seconds(5);
