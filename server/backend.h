@@ -93,6 +93,31 @@ struct AttentionRows {
   int rows = 0;
 };
 
+// Attention tables kept where the backend computes (device memory on a GPU backend), for callers
+// that attend the same batch again and again (server/attention_plan.h): written word by word by
+// PatchTables, read by Attend calls whose batch arrays point into words().
+class ResidentTables {
+ public:
+  virtual ~ResidentTables() = default;
+  virtual int32_t* words() const = 0;
+  virtual size_t size() const = 0;  // in words
+};
+
+// One word of a table patch: words()[index] = value.
+struct TableWord {
+  uint32_t index = 0;
+  int32_t value = 0;
+};
+
+// Host memory the backend's kernels read and write in place (pinned and mapped on a GPU): a
+// same-host caller's shared queries and outputs. Unregistered when destroyed.
+class HostRegistration {
+ public:
+  virtual ~HostRegistration() = default;
+  // The address kernels use for host address `p` of the registered range.
+  virtual void* KernelAddress(void* p) const = 0;
+};
+
 // Decode attention of one model and layer: query row i attends over sequence i of `kv` (the
 // paged KV description, kernels/paged_kv.h, made by the sequences' snapshots; its arrays lie in
 // the host words `kv_words`, which a GPU backend copies to the device as they are). The rows of
@@ -102,12 +127,16 @@ struct AttentionRows {
 // (on_device: remote attention over an NCCL channel): then `io` is one run, the caller guarantees
 // the queries are complete (no write pending on any stream) and the buffers stay valid until
 // Attend returns, when the outputs are complete.
+//
+// With `tables` set, kv's arrays already lie in those resident tables (kv_words is empty): nothing
+// is copied per call, and the call is ordered after the tables' last patch.
 struct AttentionCall {
   int layer = 0;
   PagedKvBatch kv;
   absl::Span<const int32_t> kv_words;
   absl::Span<const AttentionRows> io;
   bool on_device = false;
+  const ResidentTables* tables = nullptr;
 };
 
 // Device time spent in the backend's kernels since start (zero where nothing measures it).
@@ -172,6 +201,17 @@ class ComputeBackend {
   // thread, so callers give it one sequence's rows per call and spread the calls over their
   // workers. Device I/O (call.on_device) only where device() >= 0.
   virtual absl::Status Attend(const Model& model, const AttentionCall& call) = 0;
+
+  // Resident attention tables of `words` zeroed words (host memory here; a GPU backend's device
+  // memory). ResourceExhausted when they cannot be had.
+  virtual absl::StatusOr<std::unique_ptr<ResidentTables>> AllocateTables(size_t words);
+  // Applies `patch` (indices below size(), checked) to `tables`, ordered before every later
+  // Attend that reads them; the caller makes no Attend on them meanwhile.
+  virtual absl::Status PatchTables(ResidentTables* tables, absl::Span<const TableWord> patch);
+  // Registers host memory [p, p + bytes) for kernels to use in place (on_device I/O); host
+  // memory needs nothing here.
+  virtual absl::StatusOr<std::unique_ptr<HostRegistration>> RegisterHostMemory(void* p,
+                                                                               size_t bytes);
 
   // Device health: OK while the backend can compute. Unavailable, for good, once it cannot: a
   // sticky CUDA error (an illegal address, say) poisoned the device context, by one of its own

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -23,6 +24,7 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/page_checksum_cuda.h"
+#include "kernels/cuda/word_scatter.h"
 #include "kernels/paged_kv.h"
 #include "server/model_registry.h"
 
@@ -83,6 +85,8 @@ class DeviceBuffer {
 struct Lane {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;  // kernel time of the call
+  cudaEvent_t done =
+      nullptr;         // blocking-sync: the end of an attention call, waited without spinning
   bool dirty = false;  // work may be in flight or the error word set (a call failed midway)
   uint32_t* error_word = nullptr;
   DeviceBuffer rows;       // BF16 rows in flight (arrival, demotion, reads)
@@ -92,6 +96,7 @@ struct Lane {
   ~Lane() {
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
+    if (done != nullptr) cudaEventDestroy(done);
     cudaFree(error_word);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -196,6 +201,20 @@ class CudaBackend final : public ComputeBackend {
   absl::Status Attend(const Model& m, const AttentionCall& call) override {
     return Guarded([&] { return AttendBody(m, call); });
   }
+  absl::StatusOr<std::unique_ptr<ResidentTables>> AllocateTables(size_t words) override {
+    absl::StatusOr<std::unique_ptr<ResidentTables>> t;
+    absl::Status s = Guarded([&] {
+      t = AllocateTablesBody(words);
+      return t.status();
+    });
+    if (!s.ok()) return s;
+    return t;
+  }
+  absl::Status PatchTables(ResidentTables* tables, absl::Span<const TableWord> patch) override {
+    return Guarded([&] { return PatchTablesBody(tables, patch); });
+  }
+  absl::StatusOr<std::unique_ptr<HostRegistration>> RegisterHostMemory(void* p,
+                                                                       size_t bytes) override;
 
   absl::Status DeviceHealth() override {
     return CheckSticky() ? FailureStatus() : absl::OkStatus();
@@ -348,6 +367,75 @@ class CudaBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
 
+  // Resident tables: device words on a stream of their own, and an event after their last patch
+  // that each Attend reading them waits for on its lane (no host wait).
+  class DeviceTables final : public ResidentTables {
+   public:
+    ~DeviceTables() override {
+      if (words_ != nullptr) cudaFreeAsync(words_, stream_);
+      if (patch_ != nullptr) cudaFreeAsync(patch_, stream_);
+      if (ready_ != nullptr) cudaEventDestroy(ready_);
+      if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    }
+    int32_t* words() const override { return words_; }
+    size_t size() const override { return size_; }
+
+    cudaStream_t stream_ = nullptr;
+    cudaEvent_t ready_ = nullptr;
+    int32_t* words_ = nullptr;
+    size_t size_ = 0;
+    cuda::WordWrite* patch_ = nullptr;  // device copy of the last patch
+    size_t patch_capacity_ = 0;
+  };
+
+  absl::StatusOr<std::unique_ptr<ResidentTables>> AllocateTablesBody(size_t words) {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    auto t = std::make_unique<DeviceTables>();
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamCreateWithFlags(&t->stream_, cudaStreamNonBlocking), "stream"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaEventCreateWithFlags(&t->ready_, cudaEventDisableTiming), "event"));
+    void* p = nullptr;
+    const size_t bytes = std::max<size_t>(words, 1) * sizeof(int32_t);
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaMallocAsync(&p, bytes, t->stream_), "cudaMallocAsync (attention tables)"));
+    t->words_ = static_cast<int32_t*>(p);
+    t->size_ = words;
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(p, 0, bytes, t->stream_), "memset"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(t->ready_, t->stream_), "event"));
+    return std::unique_ptr<ResidentTables>(std::move(t));
+  }
+
+  absl::Status PatchTablesBody(ResidentTables* tables, absl::Span<const TableWord> patch) {
+    auto* t = static_cast<DeviceTables*>(tables);
+    for (const TableWord& w : patch) {
+      if (w.index >= t->size_) return absl::InternalError("table patch out of range");
+    }
+    if (patch.empty()) return absl::OkStatus();
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    if (patch.size() > t->patch_capacity_) {
+      if (t->patch_ != nullptr) {
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaFreeAsync(t->patch_, t->stream_), "cudaFreeAsync"));
+        t->patch_ = nullptr;
+      }
+      const size_t want = std::max<size_t>(patch.size(), 2 * t->patch_capacity_);
+      void* p = nullptr;
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(
+          cudaMallocAsync(&p, want * sizeof(cuda::WordWrite), t->stream_), "cudaMallocAsync"));
+      t->patch_ = static_cast<cuda::WordWrite*>(p);
+      t->patch_capacity_ = want;
+    }
+    static_assert(sizeof(TableWord) == sizeof(cuda::WordWrite));
+    // From pageable memory: staged by the driver before the call returns, so `patch` may go.
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(t->patch_, patch.data(), patch.size() * sizeof(TableWord),
+                                   cudaMemcpyHostToDevice, t->stream_),
+                   "H2D table patch"));
+    KVPOOL_RETURN_IF_ERROR(
+        cuda::ScatterWords(t->words_, t->patch_, static_cast<int>(patch.size()), t->stream_));
+    return CudaStatus(cudaEventRecord(t->ready_, t->stream_), "event");
+  }
+
   absl::Status AttendBody(const Model& m, const AttentionCall& call) {
     const PagedKvBatch& kv = call.kv;
     const int n = kv.num_seqs;
@@ -380,6 +468,10 @@ class CudaBackend final : public ComputeBackend {
     }
     // Device layout of the lane's table buffer: the batch's arrays as they are, the copy's plan,
     // then (host I/O) the queries, the outputs and the LSEs.
+    const auto* resident = static_cast<const DeviceTables*>(call.tables);
+    if (resident != nullptr && (copy || !call.kv_words.empty())) {
+      return absl::InternalError("Attend: resident tables are for the INT2 kernel's models");
+    }
     const size_t words_bytes = call.kv_words.size() * sizeof(int32_t);
     const size_t plan_at = AlignUp(words_bytes);
     const size_t plan_bytes = copy ? copy->plan.size() : 0;
@@ -387,12 +479,18 @@ class CudaBackend final : public ComputeBackend {
     const size_t out_at = AlignUp(q_at + (on_device ? 0 : n * per_row * sizeof(float)));
     const size_t lse_at = AlignUp(out_at + (on_device ? 0 : n * per_row * sizeof(float)));
     const size_t total = lse_at + (on_device ? 0 : static_cast<size_t>(n) * m.q_heads * 4);
-    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(total, lane->stream));
-    // From pageable memory: the driver stages it before returning (no device-wide wait, which
-    // pinned allocations can cause; see DeviceBuffer).
-    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev, call.kv_words.data(), words_bytes,
-                                                      cudaMemcpyHostToDevice, lane->stream),
-                                      "H2D block tables"));
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev,
+                            lane->tables.Reserve(std::max<size_t>(total, 16), lane->stream));
+    if (resident != nullptr) {
+      KVPOOL_RETURN_IF_ERROR(
+          CudaStatus(cudaStreamWaitEvent(lane->stream, resident->ready_, 0), "wait tables"));
+    } else {
+      // From pageable memory: the driver stages it before returning (no device-wide wait, which
+      // pinned allocations can cause; see DeviceBuffer).
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dev, call.kv_words.data(), words_bytes,
+                                                        cudaMemcpyHostToDevice, lane->stream),
+                                        "H2D block tables"));
+    }
     if (copy) {
       KVPOOL_RETURN_IF_ERROR(
           CudaStatus(cudaMemcpyAsync(dev + plan_at, copy->plan.data(), plan_bytes,
@@ -408,7 +506,9 @@ class CudaBackend final : public ComputeBackend {
           "H2D queries"));
       row += io.rows;
     }
-    PagedKvBatch batch = RebaseArrays(kv, call.kv_words.data(), reinterpret_cast<int32_t*>(dev));
+    PagedKvBatch batch = resident != nullptr ? kv
+                                             : RebaseArrays(kv, call.kv_words.data(),
+                                                            reinterpret_cast<int32_t*>(dev));
     cuda::DecodeAttentionShape shape;
     shape.cfg = m.codec.quant;
     shape.q_heads = m.q_heads;
@@ -444,10 +544,33 @@ class CudaBackend final : public ComputeBackend {
           "D2H attention LSE"));
       row += r.rows;
     }
-    KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));  // waits: device outputs are complete
+    if (copy) {
+      KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));  // the copy kernels' data checks
+    } else {
+      KVPOOL_RETURN_IF_ERROR(WaitDone(*lane, "attention"));
+    }
     AddTime(*lane, &BackendTimes::attention_seconds);
     return absl::OkStatus();
   }
+
+  // Waits for the lane's work so far without a device or stream synchronisation: polls an event
+  // for a few microseconds (a decode step's short kernels end within them), then blocks on it.
+  absl::Status WaitDone(Lane& lane, absl::string_view what) {
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane.done, lane.stream), what));
+    const auto spin_until = std::chrono::steady_clock::now() + kSpinBeforeBlocking;
+    while (true) {
+      const cudaError_t e = cudaEventQuery(lane.done);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) return CudaStatus(e, what);
+      if (std::chrono::steady_clock::now() >= spin_until) {
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(lane.done), what));
+        break;
+      }
+    }
+    lane.dirty = false;
+    return absl::OkStatus();
+  }
+  static constexpr std::chrono::microseconds kSpinBeforeBlocking{50};
 
  private:
   // Runs a compute call `body` (see the public wrappers).
@@ -527,6 +650,9 @@ class CudaBackend final : public ComputeBackend {
         CudaStatus(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking), "stream"));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(&lane->start), "event"));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(&lane->stop), "event"));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        cudaEventCreateWithFlags(&lane->done, cudaEventBlockingSync | cudaEventDisableTiming),
+        "event"));
     // Stream-ordered, like every allocation after start (see DeviceBuffer).
     void* word = nullptr;
     KVPOOL_RETURN_IF_ERROR(
@@ -955,6 +1081,36 @@ class CudaBackend final : public ComputeBackend {
   std::string failure_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> refused_{0};
 };
+
+// Pinned, mapped host memory (cudaHostRegister), unregistered when destroyed.
+class PinnedHost final : public HostRegistration {
+ public:
+  PinnedHost(uint8_t* host, uint8_t* device) : host_(host), device_(device) {}
+  ~PinnedHost() override { cudaHostUnregister(host_); }
+  void* KernelAddress(void* p) const override {
+    return device_ + (static_cast<uint8_t*>(p) - host_);
+  }
+
+ private:
+  uint8_t* const host_;
+  uint8_t* const device_;
+};
+
+absl::StatusOr<std::unique_ptr<HostRegistration>> CudaBackend::RegisterHostMemory(void* p,
+                                                                                  size_t bytes) {
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+                 "cudaHostRegister"));
+  void* device = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&device, p, 0);
+  if (e != cudaSuccess) {
+    cudaHostUnregister(p);
+    return CudaStatus(e, "cudaHostGetDevicePointer");
+  }
+  return std::unique_ptr<HostRegistration>(
+      new PinnedHost(static_cast<uint8_t*>(p), static_cast<uint8_t*>(device)));
+}
 
 }  // namespace
 

@@ -15,11 +15,7 @@ namespace {
 
 int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
-absl::Status ExpiredError(const std::string& id) {
-  return WithReason(absl::NotFoundError(absl::StrCat("sequence ", Quote(id),
-                                                     " expired: its lease ran out without use")),
-                    ErrorReason::kExpired);
-}
+absl::Status ExpiredError(const std::string& id) { return internal::ReleasedError(id, true); }
 
 // 32 hex characters of a cryptographically secure generator (OpenSSL's RAND_bytes).
 absl::StatusOr<std::string> RandomSequenceId() {
@@ -55,6 +51,7 @@ SequenceStore::~SequenceStore() {
   for (auto& [key, seq] : sequences_) {
     absl::MutexLock seq_lock(&seq->mu);
     seq->released = true;
+    seq->generation.fetch_add(1, std::memory_order_release);
     pool_->UnrefAll(seq->AllPagesLocked());
     seq->layers.clear();
   }
@@ -231,8 +228,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Tena
   {
     absl::MutexLock lock(&seq->mu);
     if (seq->released) {
-      return seq->expired ? ExpiredError(id)
-                          : absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+      return internal::ReleasedError(id, seq->expired);
     }
     if (seq->state == SequenceState::kSealed) {
       return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(id), " is sealed"));
@@ -386,6 +382,7 @@ absl::StatusOr<AppendResult> SequenceStore::Commit(std::unique_ptr<AppendTxn> tx
       if (kind == AppendKind::kFinalPrefill) seq.state = SequenceState::kDecode;
     }
     seq.recent_head = txn->final_recent_head_;
+    seq.generation.fetch_add(1, std::memory_order_release);
     if (seq.token_ids_complete && !txn->token_ids_.empty()) {
       seq.token_ids.insert(seq.token_ids.end(), txn->token_ids_.begin(), txn->token_ids_.end());
     } else {
@@ -461,6 +458,7 @@ size_t SequenceStore::ReleaseLocked(
   {
     absl::MutexLock lock(&seq->mu);
     seq->released = true;
+    seq->generation.fetch_add(1, std::memory_order_release);
     pages = seq->AllPagesLocked();
     seq->layers.assign(seq->layers.size(), LayerPages{});
   }
@@ -548,8 +546,7 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->id_ = seq->id;
   absl::MutexLock lock(&seq->mu);
   if (seq->released) {
-    return seq->expired ? ExpiredError(id)
-                        : absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
+    return internal::ReleasedError(id, seq->expired);
   }
   snap->sink_ = seq->layout.sink();
   snap->history_ = seq->layout.history();
@@ -590,6 +587,24 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->history_pool_ = pool_->View(m.block_layout, m.codec.quant.scale_dtype);
   snap->bf16_pool_ = pool_->View(m.bf16_layout, m.codec.quant.scale_dtype);
   return snap;
+}
+
+absl::StatusOr<std::unique_ptr<LayerWatch>> SequenceStore::WatchLayer(const TenantId& tenant,
+                                                                      const std::string& id,
+                                                                      const Model& model,
+                                                                      int layer) const {
+  std::shared_ptr<Sequence> seq = Find(tenant, id);
+  if (seq == nullptr) return Missing(tenant, id);
+  const Model& m = *seq->model;
+  if (m.id != model.id || m.version != model.version) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", Quote(id), " belongs to model '",
+                                                   m.id, "', not ", Quote(model.id)));
+  }
+  if (layer < 0 || layer >= m.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", m.num_layers, ")"));
+  }
+  return std::unique_ptr<LayerWatch>(new LayerWatch(pool_, std::move(seq), layer));
 }
 
 std::vector<std::pair<TenantId, std::string>> SequenceStore::Keys() const {

@@ -40,6 +40,7 @@
 #include "server/backend.h"
 #include "server/block_pool.h"
 #include "server/demotion_batcher.h"
+#include "server/layer_watch.h"
 #include "server/model_registry.h"
 #include "server/page_verifier.h"
 #include "server/prefix_index.h"
@@ -107,6 +108,13 @@ class SequenceStore {
   // BeginAppend answers the same).
   [[nodiscard]] absl::StatusOr<std::unique_ptr<SequenceSnapshot>> Snapshot(
       const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const;
+
+  // A watch of one layer (layer_watch.h), filled by its first Refresh. NotFound, InvalidArgument
+  // (layer range, or a sequence of another model than `model`: id and version).
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<LayerWatch>> WatchLayer(const TenantId& tenant,
+                                                                       const std::string& id,
+                                                                       const Model& model,
+                                                                       int layer) const;
 
   std::vector<SequenceInfo> List(const TenantId& tenant) const;
   // (tenant, id) of every live sequence, for the scrubber.

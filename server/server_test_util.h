@@ -83,6 +83,16 @@ class ForwardingBackend : public ComputeBackend {
   absl::Status Attend(const Model& m, const AttentionCall& call) override {
     return inner_->Attend(m, call);
   }
+  absl::StatusOr<std::unique_ptr<ResidentTables>> AllocateTables(size_t words) override {
+    return inner_->AllocateTables(words);
+  }
+  absl::Status PatchTables(ResidentTables* tables, absl::Span<const TableWord> patch) override {
+    return inner_->PatchTables(tables, patch);
+  }
+  absl::StatusOr<std::unique_ptr<HostRegistration>> RegisterHostMemory(void* p,
+                                                                       size_t bytes) override {
+    return inner_->RegisterHostMemory(p, bytes);
+  }
 
  protected:
   ComputeBackend* inner() const { return inner_; }

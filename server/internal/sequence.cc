@@ -2,6 +2,10 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "common/quote.h"
+#include "proto/status.h"
+
 namespace kvpool::server::internal {
 
 Sequence::Sequence(TenantId tenant_in, std::string id_in, std::shared_ptr<const Model> model_in)
@@ -40,6 +44,15 @@ SequenceInfo Sequence::InfoLocked(const BlockPool& pool) const {
   info.bf16_equivalent_bytes =
       static_cast<size_t>(info.total()) * model->bf16_token_bytes() * model->num_layers;
   return info;
+}
+
+absl::Status ReleasedError(const std::string& id, bool expired) {
+  if (expired) {
+    return WithReason(absl::NotFoundError(absl::StrCat("sequence ", Quote(id),
+                                                       " expired: its lease ran out without use")),
+                      ErrorReason::kExpired);
+  }
+  return absl::NotFoundError(absl::StrCat("no sequence ", Quote(id)));
 }
 
 }  // namespace kvpool::server::internal

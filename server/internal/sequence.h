@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -52,6 +53,9 @@ class Sequence {
 
   // Set when a page of the sequence failed its checksum; never cleared (release ends it).
   std::atomic<bool> corrupt{false};
+  // Advanced (under `mu`, release order) by every change of the pages or the tier layout and by
+  // the release, so a LayerWatch tells "nothing changed" from one lock-free load.
+  std::atomic<uint64_t> generation{0};
 
   mutable absl::Mutex mu;
   MixedSequenceLayout layout ABSL_GUARDED_BY(mu);
@@ -71,5 +75,9 @@ class Sequence {
   std::vector<PageId> AllPagesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   SequenceInfo InfoLocked(const BlockPool& pool) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
+
+// What a call on a released sequence answers: NotFound, with reason EXPIRED when its lease ran
+// out (proto/status.h).
+absl::Status ReleasedError(const std::string& id, bool expired);
 
 }  // namespace kvpool::server::internal
