@@ -5,28 +5,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "dataplane/little_endian.h"
 
 namespace kvpool::server {
 namespace {
 
-// Little-endian stores and loads, independent of the host's byte order.
-template <typename T>
-void Put(uint8_t* p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) {
-    p[i] = static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i));
-  }
-}
-
-template <typename T>
-T Get(const uint8_t* p) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return static_cast<T>(v);
-}
-
-bool AllZero(const uint8_t* p, size_t n) {
-  return std::all_of(p, p + n, [](uint8_t b) { return b == 0; });
-}
+using wire::AllZero;
+using wire::Get;
+using wire::Put;
 
 constexpr size_t kTokensAt = 64;
 constexpr size_t kMessageAt = kTokensAt + 4 * kMaxPlanSequences;
