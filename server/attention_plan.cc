@@ -51,8 +51,6 @@ absl::StatusOr<std::unique_ptr<AttentionPlan>> AttentionPlan::Create(
   if (num_queries < 1) return absl::InvalidArgumentError("num_queries must be >= 1");
   for (const std::string& id : sequence_ids) {
     if (id.empty()) return absl::InvalidArgumentError("empty sequence id in an attention plan");
-    // Checks existence and model now; the watches themselves are made per layer.
-    KVPOOL_RETURN_IF_ERROR(store->WatchLayer(tenant, id, *model, 0).status());
   }
   return std::unique_ptr<AttentionPlan>(new AttentionPlan(
       store, backend, std::move(tenant), std::move(model), std::move(sequence_ids), num_queries));
@@ -143,12 +141,8 @@ absl::Status AttentionPlan::Refresh(Layer* l) {
   patch_.clear();
   for (size_t i = 0; i < l->watches.size(); ++i) {
     LayerWatch& w = *l->watches[i];
-    absl::StatusOr<bool> changed = w.Refresh();
-    if (!changed.ok()) {
-      l->valid = false;  // rows refreshed before this one are not in the tables yet
-      return changed.status();
-    }
-    if (!*changed || relayout) continue;
+    KVPOOL_ASSIGN_OR_RETURN(bool changed, w.Refresh());
+    if (!changed || relayout) continue;
     if (w.sink_ids().size() > static_cast<size_t>(l->cap[0]) ||
         w.history_ids().size() > static_cast<size_t>(l->cap[1]) ||
         w.recent_ids().size() > static_cast<size_t>(l->cap[2])) {
@@ -191,7 +185,11 @@ absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::Attend(int layer, const
         absl::StrCat("an attention plan call needs ", rows(), " query rows and all buffers"));
   }
   KVPOOL_ASSIGN_OR_RETURN(Layer * l, Prepare(layer));
-  KVPOOL_RETURN_IF_ERROR(Refresh(l));
+  if (absl::Status s = Refresh(l); !s.ok()) {
+    // Sequences are looked up again by the next call: one released since may exist anew.
+    layers_[layer].reset();
+    return s;
+  }
   AttentionCall call;
   call.layer = layer;
   call.kv = l->batch;

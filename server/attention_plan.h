@@ -11,9 +11,11 @@
 //   KVPOOL_ASSIGN_OR_RETURN(absl::Span<const int32_t> tokens,
 //                           plan->Attend(/*layer=*/3, {q, out, lse, plan->rows()}, false));
 //
-// Each layer's watches hold references on the pages they show (as snapshots do) until the plan
-// is destroyed; a released sequence fails the calls that name it (NotFound) and its pages go
-// once the plan is dropped.
+// The sequences are looked up by a layer's first call, and again after a call failed: a call
+// naming a sequence that does not exist (or was released, or is corrupt) fails as a snapshot
+// would, and one created anew under the same id is found by the next call. Each layer's watches
+// hold references on the pages they show (as snapshots do) until the plan is destroyed or the
+// layer's call fails.
 //
 // Not thread-safe: one caller at a time (a channel's loop thread).
 #pragma once
@@ -36,8 +38,8 @@ namespace kvpool::server {
 
 class AttentionPlan {
  public:
-  // NotFound (a sequence), InvalidArgument (empty batch or id, num_queries < 1, a sequence of
-  // another model). Layers are prepared by their first call.
+  // InvalidArgument (empty batch or id, num_queries < 1). Layers are prepared by their first
+  // call.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<AttentionPlan>> Create(
       SequenceStore* store, ComputeBackend* backend, TenantId tenant,
       std::shared_ptr<const Model> model, std::vector<std::string> sequence_ids, int num_queries);
@@ -47,8 +49,8 @@ class AttentionPlan {
   // into io.out and io.lse (as AttentionRows). With `on_device` the io pointers are addresses the
   // backend's kernels use (its device memory, or HostRegistration::KernelAddress); else host
   // memory. Returns the attended tokens per sequence (valid until the next call).
-  // InvalidArgument (layer, io rows), NotFound / DataLoss (a sequence released or corrupt since),
-  // and the backend's errors.
+  // InvalidArgument (layer, io rows, a sequence of another model), NotFound / DataLoss (a
+  // sequence missing, released or corrupt), and the backend's errors.
   [[nodiscard]] absl::StatusOr<absl::Span<const int32_t>> Attend(int layer, const AttentionRows& io,
                                                                  bool on_device);
 

@@ -124,6 +124,12 @@ TEST(AttentionPlanTest, ReleasedSequenceFailsItsCallsAndNothingElse) {
   ASSERT_TRUE(core.store->Release(kDefaultTenant, "b").ok());
   EXPECT_TRUE(absl::IsNotFound(PlanCall(**plan, 1, q).status()));
   EXPECT_TRUE(absl::IsNotFound(PlanCall(**plan, 0, q).status()));
+  // Created anew under the same id, it is found again.
+  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "b", {}).ok());
+  ASSERT_TRUE(AppendAll(*core.store, *m, "b", 0, 12, AppendKind::kFinalPrefill, 5).ok());
+  absl::StatusOr<Answer> again = PlanCall(**plan, 1, q);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tokens[1], 12);
   auto other =
       AttentionPlan::Create(core.store.get(), core.backend.get(), kDefaultTenant, m, {"a"}, 1);
   ASSERT_TRUE(other.ok());
@@ -145,15 +151,19 @@ TEST(AttentionPlanTest, RefusesBadShapes) {
   EXPECT_TRUE(absl::IsInvalidArgument(make({}, 1)));
   EXPECT_TRUE(absl::IsInvalidArgument(make({"a"}, 0)));
   EXPECT_TRUE(absl::IsInvalidArgument(make({""}, 1)));
-  EXPECT_TRUE(absl::IsNotFound(make({"nope"}, 1)));
-  EXPECT_TRUE(absl::IsInvalidArgument(make({"o"}, 1)));
-  EXPECT_TRUE(absl::IsNotFound(AttentionPlan::Create(core.store.get(), core.backend.get(),
-                                                     TenantId("someone-else"), m, {"a"}, 1)
-                                   .status()));
+  std::vector<float> q(static_cast<size_t>(m->q_heads) * m->head_dim, 0.5f);
+  auto call = [&](std::vector<std::string> ids, const TenantId& tenant) {
+    auto p =
+        AttentionPlan::Create(core.store.get(), core.backend.get(), tenant, m, std::move(ids), 1);
+    EXPECT_TRUE(p.ok());
+    return p.ok() ? PlanCall(**p, 0, q).status() : p.status();
+  };
+  EXPECT_TRUE(absl::IsNotFound(call({"nope"}, kDefaultTenant)));
+  EXPECT_TRUE(absl::IsInvalidArgument(call({"o"}, kDefaultTenant)));
+  EXPECT_TRUE(absl::IsNotFound(call({"a"}, TenantId("someone-else"))));
   auto plan =
       AttentionPlan::Create(core.store.get(), core.backend.get(), kDefaultTenant, m, {"a"}, 1);
   ASSERT_TRUE(plan.ok());
-  std::vector<float> q(static_cast<size_t>(m->q_heads) * m->head_dim, 0.5f);
   EXPECT_TRUE(absl::IsInvalidArgument(PlanCall(**plan, -1, q).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(PlanCall(**plan, m->num_layers, q).status()));
   std::vector<float> out(q.size()), lse(m->q_heads);

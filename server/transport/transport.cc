@@ -26,6 +26,8 @@ absl::string_view TransportKindName(TransportKind kind) {
       return "nccl";
     case TransportKind::kCudaIpc:
       return "cuda_ipc";
+    case TransportKind::kSharedMemory:
+      return "shared_memory";
   }
   return "unknown";
 }

@@ -46,7 +46,13 @@ namespace kvpool::server {
 class DevicePush;  // server/transport/device_push.h
 
 // Matches kvpool.v1.TransportKind.
-enum class TransportKind : int { kGrpcInline = 1, kUcx = 2, kNccl = 3, kCudaIpc = 4 };
+enum class TransportKind : int {
+  kGrpcInline = 1,
+  kUcx = 2,
+  kNccl = 3,
+  kCudaIpc = 4,
+  kSharedMemory = 5
+};
 
 // What an NCCL session carries; matches kvpool.v1.NcclChannelUse.
 enum class NcclUse : int { kIngest = 1, kAttention = 2 };
@@ -97,6 +103,9 @@ struct TransportOffer {
   std::string client_name;
   PeerProcess peer_process;
   NcclOfferFields nccl;
+  // Shared memory: slots and the most query bytes of a call the client asks for (0: defaults).
+  uint32_t shm_slots = 0;
+  uint64_t shm_max_query_bytes = 0;
 };
 
 // What the client needs to use an accepted transport (kvpool.v1.UcxSession for UCX).
@@ -127,6 +136,14 @@ struct TransportSession {
   uint32_t call_status_bytes = 0;
   size_t max_query_bytes = 0;
   uint32_t watch_timeout_ms = 0;
+  // Shared memory: the Unix socket to connect to (secret above), the region's layout
+  // (call_header_bytes, call_status_bytes and max_query_bytes above) and how long the daemon
+  // waits for the client's hello.
+  std::string socket_path;
+  uint32_t slots = 0;
+  size_t max_lse_bytes = 0;
+  size_t region_bytes = 0;
+  uint32_t hello_timeout_ms = 0;
 };
 
 // A remote-attention plan's id and the shape of its calls (NCCL attention channels).

@@ -20,6 +20,9 @@ std::optional<TransportOffer> OfferFromProto(const v1::TransportOffer& o,
     case v1::TRANSPORT_KIND_CUDA_IPC:
       offer.kind = TransportKind::kCudaIpc;
       break;
+    case v1::TRANSPORT_KIND_SHARED_MEMORY:
+      offer.kind = TransportKind::kSharedMemory;
+      break;
     default:
       return std::nullopt;  // a transport this daemon does not know
   }
@@ -31,6 +34,8 @@ std::optional<TransportOffer> OfferFromProto(const v1::TransportOffer& o,
   offer.nccl.timeout_ms = o.nccl().timeout_ms();
   offer.nccl.blocking_ops = o.nccl().blocking_ops();
   offer.nccl.use = static_cast<int>(o.nccl().use());
+  offer.shm_slots = o.shared_memory().slots();
+  offer.shm_max_query_bytes = o.shared_memory().max_query_bytes();
   return offer;
 }
 
@@ -74,6 +79,21 @@ void FillNegotiateResponse(const TransportSession& s, const std::string& ucx_lis
       v1::CudaIpcSession* c = out->mutable_cuda_ipc();
       c->set_session_id(s.session_id);
       c->set_device(static_cast<uint32_t>(s.device));
+      break;
+    }
+    case TransportKind::kSharedMemory: {
+      v1::SharedMemorySession* m = out->mutable_shared_memory();
+      m->set_session_id(s.session_id);
+      m->set_socket_path(s.socket_path);
+      m->set_session_secret(s.secret);
+      m->set_slots(s.slots);
+      m->set_max_query_bytes(s.max_query_bytes);
+      m->set_max_lse_bytes(s.max_lse_bytes);
+      m->set_region_bytes(s.region_bytes);
+      m->set_call_header_bytes(s.call_header_bytes);
+      m->set_call_status_bytes(s.call_status_bytes);
+      m->set_hello_timeout_ms(s.hello_timeout_ms);
+      m->set_device(s.device);
       break;
     }
   }

@@ -14,7 +14,7 @@
 #include "server/ingest/ingest_engine.h"
 #include "server/transport/session_registry.h"
 #include "server/transport/ucx/push_begin_header.h"
-#include "server/transport/ucx/session_secret.h"
+#include "server/transport/session_secret.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::server {

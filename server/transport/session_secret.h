@@ -1,6 +1,7 @@
-// Session secrets of the UCX data plane: the daemon hands each negotiated session an
-// unguessable secret over gRPC, and a UCX endpoint is bound to the session only when its first
-// message (HELLO) carries the session id and that secret (ucx_wire.h).
+// Session secrets of the data plane: the daemon hands each negotiated session an unguessable
+// secret over gRPC, and a data-plane connection is bound to the session only when its first
+// message carries the session id and that secret (a UCX endpoint's HELLO, ucx_wire.h; a
+// shared-memory client's hello on the Unix socket, shm_wire.h).
 //
 //   KVPOOL_ASSIGN_OR_RETURN(std::string secret, NewSessionSecret());   // 16 random bytes
 //   if (!SecretsEqual(secret, hello_secret)) ...                       // refuse the endpoint

@@ -1,4 +1,4 @@
-#include "server/transport/ucx/session_secret.h"
+#include "server/transport/session_secret.h"
 
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
