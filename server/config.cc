@@ -156,6 +156,16 @@ ABSL_FLAG(std::string, ucx_listen, "",
 ABSL_FLAG(int32_t, transport_hello_timeout_ms, 10000,
           "A UCX connection must send its HELLO (session id and secret) within this long, and a "
           "negotiated UCX session must be connected within it; else it is closed");
+ABSL_FLAG(std::string, shm_socket_dir, "",
+          "Directory of the Unix socket (mode 0600) through which same-host decode workers "
+          "receive their shared-memory attention channel; '' = a fresh private directory under "
+          "$XDG_RUNTIME_DIR or /tmp");
+ABSL_FLAG(int32_t, shm_max_sessions, 32,
+          "Shared-memory attention channels open at once (each holds one daemon thread and its "
+          "region); 0 = the transport is off");
+ABSL_FLAG(uint64_t, shm_max_region_bytes, uint64_t{64} << 20,
+          "Most shared memory one shared-memory attention channel may have (pinned on a GPU "
+          "daemon)");
 ABSL_FLAG(uint64_t, transport_staging_bytes, uint64_t{64} << 20,
           "Registered staging memory for UCX pushes, shared by all sessions");
 ABSL_FLAG(uint64_t, transport_message_bytes, uint64_t{4} << 20,
@@ -321,6 +331,10 @@ absl::Status ServerConfig::Validate() const {
   if (transport_message_bytes < 4096 || transport_staging_bytes < transport_message_bytes) {
     return absl::InvalidArgumentError(
         "--transport_message_bytes must be >= 4096 and at most --transport_staging_bytes");
+  }
+  if (shm_max_sessions < 0 || shm_max_sessions > 1024 || shm_max_region_bytes < (1u << 20)) {
+    return absl::InvalidArgumentError(
+        "--shm_max_sessions must be in [0, 1024] and --shm_max_region_bytes at least 1 MiB");
   }
   if (transport_keepalive_ms < 1 || transport_hello_timeout_ms < 1) {
     return absl::InvalidArgumentError(
@@ -511,6 +525,9 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.ucx_net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
   c.ucx_listen = absl::GetFlag(FLAGS_ucx_listen);
   c.transport_hello_timeout_ms = absl::GetFlag(FLAGS_transport_hello_timeout_ms);
+  c.shm_socket_dir = absl::GetFlag(FLAGS_shm_socket_dir);
+  c.shm_max_sessions = absl::GetFlag(FLAGS_shm_max_sessions);
+  c.shm_max_region_bytes = absl::GetFlag(FLAGS_shm_max_region_bytes);
   c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);

@@ -99,6 +99,12 @@ struct ServerConfig {
   int transport_idle_timeout_ms = 0;
   int transport_keepalive_ms = 1000;
   int transport_hello_timeout_ms = 10000;
+  // Same-host attention channels (server/transport/shm/): where their Unix socket lives ("" = a
+  // fresh private directory under $XDG_RUNTIME_DIR or /tmp), how many may be open (0: none) and
+  // the most shared memory one may have.
+  std::string shm_socket_dir;
+  int shm_max_sessions = 32;
+  size_t shm_max_region_bytes = 64u << 20;
   // Integrity (server/scrubber.h): one full checksum sweep of the stored pages per period
   // (zero: no scrubber), reading pool memory at most this fast.
   absl::Duration scrub_period = absl::Minutes(5);

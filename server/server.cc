@@ -39,6 +39,7 @@
 #include "server/transport/cuda_ipc/cuda_ipc_transport.h"
 #include "server/transport/grpc_inline/grpc_inline_transport.h"
 #include "server/transport/nccl/nccl_transport.h"
+#include "server/transport/shm/shm_transport.h"
 #include "server/transport/transport_service.h"
 #include "server/transport/ucx/ucx_transport.h"
 #include "spdlog/spdlog.h"
@@ -196,6 +197,21 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
     } else {
       spdlog::warn("data plane: UCX unavailable, offering grpc_inline only: {}",
                    ucx.status().ToString());
+    }
+  }
+  if (config.shm_max_sessions > 0) {
+    ShmTransportOptions shm;
+    shm.socket_dir = config.shm_socket_dir;
+    shm.max_sessions = static_cast<size_t>(config.shm_max_sessions);
+    shm.max_region_bytes = config.shm_max_region_bytes;
+    shm.hello_timeout = absl::Milliseconds(config.transport_hello_timeout_ms);
+    absl::StatusOr<std::unique_ptr<Transport>> t = NewShmTransport(&ctx, shm);
+    if (t.ok()) {
+      spdlog::info("data plane: shared-memory attention channels (up to {})",
+                   config.shm_max_sessions);
+      s->transports_.push_back(*std::move(t));
+    } else {
+      spdlog::warn("data plane: shared memory unavailable: {}", t.status().ToString());
     }
   }
   if (s->backend_->device() >= 0) {

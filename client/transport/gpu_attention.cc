@@ -208,42 +208,12 @@ absl::StatusOr<GpuAttentionPlan> GpuAttentionClient::SetPlan(
     if (comm_ == nullptr || broken_) return absl::FailedPreconditionError("no open channel");
     channel = channel_id_;
   }
-  if (num_queries < 1) return absl::InvalidArgumentError("num_queries must be >= 1");
-  v1::SetAttentionPlanRequest req;
-  req.set_session_id(channel);
-  req.set_model_id(model_id);
-  for (const std::string& id : sequence_ids) req.add_sequence_ids(id);
-  req.set_num_queries(static_cast<uint32_t>(num_queries));
-  v1::SetAttentionPlanResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
-  KVPOOL_RETURN_IF_ERROR(
-      FromGrpcStatus(stub_->SetAttentionPlan(&ctx, req, &resp), "SetAttentionPlan"));
-  GpuAttentionPlan p;
-  p.id = resp.plan_id();
-  p.batch = static_cast<int>(sequence_ids.size());
-  p.num_queries = num_queries;
-  p.q_heads = static_cast<int>(resp.q_heads());
-  p.head_dim = static_cast<int>(resp.head_dim());
-  p.num_layers = static_cast<int>(resp.num_layers());
-  p.query_bytes = resp.query_bytes();
-  p.lse_bytes = resp.lse_bytes();
-  const size_t rows = static_cast<size_t>(p.batch) * p.num_queries;
-  if (p.id == 0 || p.query_bytes != rows * p.q_heads * p.head_dim * sizeof(float) ||
-      p.lse_bytes != rows * p.q_heads * sizeof(float)) {
-    return absl::InternalError("SetAttentionPlan answered an inconsistent plan");
-  }
-  return p;
+  return SetAttentionPlanRpc(*stub_, channel, model_id, sequence_ids, num_queries,
+                             absl::Seconds(30));
 }
 
 absl::Status GpuAttentionClient::DropPlan(const GpuAttentionPlan& plan) {
-  v1::DropAttentionPlanRequest req;
-  req.set_session_id(channel_id());
-  req.set_plan_id(plan.id);
-  v1::DropAttentionPlanResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(DeadlineIn(absl::Seconds(30)));
-  return FromGrpcStatus(stub_->DropAttentionPlan(&ctx, req, &resp), "DropAttentionPlan");
+  return DropAttentionPlanRpc(*stub_, channel_id(), plan.id, absl::Seconds(30));
 }
 
 absl::Status GpuAttentionClient::Broken(absl::Status why) {

@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/transport/attention_plan_rpc.h"
 #include "grpcpp/grpcpp.h"
 #include "kvpool/v1/transport_service.grpc.pb.h"
 
@@ -46,16 +47,7 @@ struct CUstream_st;  // cudaStream_t is CUstream_st*
 namespace kvpool::client {
 
 // A plan of an open channel (SetPlan): the batch shape every call of it moves.
-struct GpuAttentionPlan {
-  uint32_t id = 0;
-  int batch = 0;        // sequences
-  int num_queries = 0;  // query rows per sequence
-  int q_heads = 0;
-  int head_dim = 0;
-  int num_layers = 0;
-  size_t query_bytes = 0;  // queries (and out): [batch][num_queries][q_heads][head_dim] float32
-  size_t lse_bytes = 0;    // lse: [batch][num_queries][q_heads] float32
-};
+using GpuAttentionPlan = RemoteAttentionPlan;
 
 class GpuAttentionClient {
  public:

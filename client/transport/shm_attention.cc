@@ -1,0 +1,226 @@
+#include "client/transport/shm_attention.h"
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "dataplane/fd_passing.h"
+#include "dataplane/shm_doorbell.h"
+#include "proto/status.h"
+
+namespace kvpool::client {
+
+namespace v1 = ::kvpool::v1;
+using server::CallHeader;
+using server::CallStatus;
+using server::SharedWord;
+
+absl::StatusOr<std::unique_ptr<ShmAttentionClient>> ShmAttentionClient::Connect(
+    std::shared_ptr<grpc::Channel> channel, const ShmAttentionOptions& options) {
+  std::unique_ptr<ShmAttentionClient> c(new ShmAttentionClient());
+  c->stub_ = v1::TransportService::NewStub(std::move(channel));
+  c->options_ = options;
+  v1::NegotiateRequest req;
+  v1::TransportOffer* offer = req.add_offers();
+  offer->set_kind(v1::TRANSPORT_KIND_SHARED_MEMORY);
+  offer->mutable_shared_memory()->set_slots(options.slots);
+  offer->mutable_shared_memory()->set_max_query_bytes(options.max_query_bytes);
+  req.set_client_name(absl::StrCat("shm-attention pid ", getpid()));
+  v1::NegotiateResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    KVPOOL_RETURN_IF_ERROR(FromGrpcStatus(c->stub_->Negotiate(&ctx, req, &resp), "Negotiate"));
+  }
+  if (resp.kind() != v1::TRANSPORT_KIND_SHARED_MEMORY) {
+    return absl::FailedPreconditionError(
+        "the daemon does not offer shared-memory attention channels (--shm_max_sessions)");
+  }
+  const v1::SharedMemorySession& m = resp.shared_memory();
+  c->session_id_ = m.session_id();
+  c->device_ = m.device();
+  if (m.call_header_bytes() != server::kCallHeaderBytes ||
+      m.call_status_bytes() != server::kCallStatusBytes) {
+    return absl::FailedPreconditionError("the daemon speaks another attention wire version");
+  }
+  sockaddr_un addr{};
+  if (m.socket_path().size() >= sizeof(addr.sun_path)) {
+    return absl::InternalError("the daemon's socket path is too long");
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, m.socket_path().c_str(), m.socket_path().size() + 1);
+  c->socket_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (c->socket_ < 0 ||
+      connect(c->socket_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("connect ", m.socket_path(), ": ", std::strerror(errno)));
+  }
+  const auto hello = server::EncodeShmHello({m.session_id(), m.session_secret()});
+  KVPOOL_RETURN_IF_ERROR(server::SendWithFd(c->socket_, hello, -1));
+  std::array<uint8_t, server::kShmReplyBytes> reply_bytes;
+  KVPOOL_ASSIGN_OR_RETURN(
+      int fd, server::ReceiveWithFd(c->socket_, absl::MakeSpan(reply_bytes),
+                                    absl::Milliseconds(m.hello_timeout_ms()) + absl::Seconds(5)));
+  absl::StatusOr<server::ShmReply> reply = server::DecodeShmReply(reply_bytes);
+  if (!reply.ok() || !reply->status.ok() || fd < 0 || reply->region_bytes != m.region_bytes()) {
+    if (fd >= 0) close(fd);
+    if (reply.ok() && !reply->status.ok()) return reply->status;
+    return absl::InternalError("the daemon's hello reply is malformed");
+  }
+  void* p = mmap(nullptr, m.region_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap: ", std::strerror(errno)));
+  c->region_ = static_cast<uint8_t*>(p);
+  KVPOOL_ASSIGN_OR_RETURN(
+      c->layout_, server::ReadShmRegionHeader(absl::MakeConstSpan(c->region_, m.region_bytes())));
+  {
+    absl::MutexLock lock(&c->mu_);
+    c->busy_.assign(c->layout_.slots, false);
+  }
+  return c;
+}
+
+ShmAttentionClient::~ShmAttentionClient() { (void)Close(); }
+
+absl::Status ShmAttentionClient::Close() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return absl::OkStatus();
+    closed_ = true;
+  }
+  absl::Status s = absl::OkStatus();
+  if (session_id_ != 0 && stub_ != nullptr) {
+    v1::CloseSessionRequest req;
+    req.set_session_id(session_id_);
+    v1::CloseSessionResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    s = FromGrpcStatus(stub_->CloseSession(&ctx, req, &resp), "CloseSession");
+  }
+  if (socket_ >= 0) close(socket_);
+  socket_ = -1;
+  if (region_ != nullptr) munmap(region_, layout_.region_bytes());
+  region_ = nullptr;
+  return s;
+}
+
+absl::StatusOr<RemoteAttentionPlan> ShmAttentionClient::SetPlan(
+    const std::string& model_id, const std::vector<std::string>& sequence_ids, int num_queries) {
+  return SetAttentionPlanRpc(*stub_, session_id_, model_id, sequence_ids, num_queries,
+                             absl::Seconds(30));
+}
+
+absl::Status ShmAttentionClient::DropPlan(const RemoteAttentionPlan& plan) {
+  return DropAttentionPlanRpc(*stub_, session_id_, plan.id, absl::Seconds(30));
+}
+
+uint32_t ShmAttentionClient::TakeSlot() {
+  absl::MutexLock lock(&mu_);
+  uint32_t slot = 0;
+  std::pair<std::vector<bool>*, uint32_t*> arg(&busy_, &slot);
+  mu_.Await(absl::Condition(
+      +[](std::pair<std::vector<bool>*, uint32_t*>* a) {
+        for (uint32_t i = 0; i < a->first->size(); ++i) {
+          if (!(*a->first)[i]) {
+            *a->second = i;
+            return true;
+          }
+        }
+        return false;
+      },
+      &arg));
+  busy_[slot] = true;
+  return slot;
+}
+
+void ShmAttentionClient::GiveSlot(uint32_t slot) {
+  absl::MutexLock lock(&mu_);
+  busy_[slot] = false;
+}
+
+absl::StatusOr<CallStatus> ShmAttentionClient::Call(uint32_t slot) {
+  uint8_t* s = region_ + layout_.slot_at(slot);
+  std::atomic<uint32_t>& state = *SharedWord(s);
+  std::atomic<uint32_t>& sleeping = *SharedWord(s + 4);
+  state.store(server::kSlotRequest, std::memory_order_seq_cst);
+  server::IncrementAndWake(*SharedWord(region_ + server::kShmDoorbellAt),
+                           *SharedWord(region_ + server::kShmDaemonSleepingAt));
+  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  while (server::WaitWhileEqual(state, server::kSlotRequest, sleeping, options_.spin,
+                                deadline - absl::Now()) == server::kSlotRequest) {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError("the daemon did not answer the call in time");
+    }
+  }
+  absl::StatusOr<CallStatus> st = server::DecodeCallStatus(
+      absl::MakeConstSpan(s + server::kShmSlotStatusAt, server::kCallStatusBytes));
+  state.store(server::kSlotFree, std::memory_order_release);
+  return st;
+}
+
+absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::Attend(const RemoteAttentionPlan& plan,
+                                                                 int layer,
+                                                                 absl::Span<const float> queries,
+                                                                 absl::Span<float> out,
+                                                                 absl::Span<float> lse) {
+  if (queries.size() * sizeof(float) != plan.query_bytes ||
+      out.size() * sizeof(float) != plan.query_bytes ||
+      lse.size() * sizeof(float) != plan.lse_bytes) {
+    return absl::InvalidArgumentError("queries, out and lse must have the plan's sizes");
+  }
+  if (plan.query_bytes > layout_.max_query_bytes || plan.lse_bytes > layout_.max_lse_bytes) {
+    return absl::InvalidArgumentError("the plan's calls do not fit this channel's slots");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return absl::FailedPreconditionError("the channel is closed");
+  }
+  const uint32_t slot = TakeSlot();
+  uint8_t* s = region_ + layout_.slot_at(slot);
+  CallHeader h;
+  h.plan_id = plan.id;
+  h.layer = layer;
+  h.call = next_call_.fetch_add(1);
+  h.query_bytes = plan.query_bytes;
+  h.lse_bytes = plan.lse_bytes;
+  const auto header = server::EncodeCallHeader(h);
+  std::memcpy(s + server::kShmSlotHeaderAt, header.data(), header.size());
+  std::memcpy(s + server::ShmLayout::queries_at(), queries.data(), plan.query_bytes);
+  absl::StatusOr<CallStatus> st = Call(slot);
+  if (st.ok() && st->status.ok()) {
+    std::memcpy(out.data(), s + layout_.out_at(), plan.query_bytes);
+    std::memcpy(lse.data(), s + layout_.lse_at(), plan.lse_bytes);
+  }
+  GiveSlot(slot);
+  if (!st.ok()) {
+    if (absl::IsDeadlineExceeded(st.status())) (void)Close();
+    return st.status();
+  }
+  KVPOOL_RETURN_IF_ERROR(st->status);
+  if (st->call != h.call || st->attended_tokens.size() != static_cast<size_t>(plan.batch)) {
+    return absl::InternalError("the daemon answered another call");
+  }
+  return st->attended_tokens;
+}
+
+absl::Status ShmAttentionClient::SendRawHeaderForTesting(absl::Span<const uint8_t> header) {
+  const uint32_t slot = TakeSlot();
+  uint8_t* s = region_ + layout_.slot_at(slot);
+  std::memset(s + server::kShmSlotHeaderAt, 0, server::kCallHeaderBytes);
+  std::memcpy(s + server::kShmSlotHeaderAt, header.data(),
+              std::min(header.size(), server::kCallHeaderBytes));
+  absl::StatusOr<CallStatus> st = Call(slot);
+  GiveSlot(slot);
+  if (!st.ok()) return st.status();
+  return st->status;
+}
+
+}  // namespace kvpool::client
