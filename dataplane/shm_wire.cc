@@ -21,7 +21,8 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
-size_t ShmLayout::queries_at() { return AlignUp(kShmSlotStatusAt + kCallStatusBytes); }
+size_t ShmLayout::mailbox_at() { return AlignUp(kShmSlotStatusAt + kCallStatusBytes); }
+size_t ShmLayout::queries_at() { return mailbox_at() + kShmMailboxBytes; }
 
 absl::StatusOr<ShmLayout> MakeShmLayout(uint32_t slots, size_t max_query_bytes,
                                         size_t max_lse_bytes, size_t max_region_bytes) {

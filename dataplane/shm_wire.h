@@ -22,8 +22,14 @@
 //  128  slot i at kShmSlotsAt + i * slot_bytes:
 //        0  u32 state (futex word): kSlotFree -> (client) kSlotRequest -> (daemon) kSlotDone
 //        4  u32 client_sleeping: 1 while the client blocks on the state
+//        8  u32 io: kIoRegion (queries and outputs in this slot) or kIoDevice (in the slot's
+//           device mailbox: the daemon waits for its `ready` event on the device, attends and
+//           records `done`, and answers as soon as that work is queued)
 //       64  call header (kCallHeaderBytes, dataplane/attention_wire.h)
 //      128  status block (kCallStatusBytes, the same file)
+//       .. device mailbox (kShmMailboxBytes; zero without one): CUDA IPC handles of its memory
+//           (64 bytes; queries at 0, out at max_query_bytes, lse at 2 x max_query_bytes), of
+//           its `ready` event (64) and of its `done` event (64)
 //       .. queries, then out (max_query_bytes each), then lse (max_lse_bytes), float32
 //
 // A slot in state kSlotRequest belongs to the daemon; in any other state to the client. The
@@ -61,6 +67,11 @@ inline constexpr size_t kShmSlotStatusAt = 128;
 inline constexpr uint32_t kSlotFree = 0;
 inline constexpr uint32_t kSlotRequest = 1;
 inline constexpr uint32_t kSlotDone = 2;
+inline constexpr size_t kShmSlotIoAt = 8;
+inline constexpr uint32_t kIoRegion = 0;
+inline constexpr uint32_t kIoDevice = 1;
+inline constexpr size_t kShmIpcHandleBytes = 64;  // cudaIpcMemHandle_t, cudaIpcEventHandle_t
+inline constexpr size_t kShmMailboxBytes = 256;
 // Bounds a daemon enforces on what a client asks for.
 inline constexpr uint32_t kShmMaxSlots = 16;
 
@@ -74,6 +85,7 @@ struct ShmLayout {
   size_t region_bytes() const { return kShmSlotsAt + slots * slot_bytes; }
   size_t slot_at(uint32_t i) const { return kShmSlotsAt + static_cast<size_t>(i) * slot_bytes; }
   // Offsets inside a slot.
+  static size_t mailbox_at();
   static size_t queries_at();
   size_t out_at() const { return queries_at() + max_query_bytes; }
   size_t lse_at() const { return out_at() + max_query_bytes; }

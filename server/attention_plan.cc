@@ -175,7 +175,8 @@ absl::Status AttentionPlan::Refresh(Layer* l) {
 }
 
 absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::Attend(int layer, const AttentionRows& io,
-                                                                bool on_device) {
+                                                                bool on_device,
+                                                                const DeviceMailbox* mailbox) {
   if (layer < 0 || layer >= model_->num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " out of range [0, ", model_->num_layers, ")"));
@@ -196,6 +197,7 @@ absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::Attend(int layer, const
   call.io = absl::MakeConstSpan(&io, 1);
   call.on_device = on_device;
   call.tables = l->tables.get();
+  call.mailbox = mailbox;
   if (l->tables == nullptr) call.kv_words = l->host;
   KVPOOL_RETURN_IF_ERROR(backend_->Attend(*model_, call));
   for (size_t i = 0; i < l->watches.size(); ++i) attended_[i] = l->watches[i]->total();

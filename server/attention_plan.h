@@ -51,8 +51,10 @@ class AttentionPlan {
   // memory. Returns the attended tokens per sequence (valid until the next call).
   // InvalidArgument (layer, io rows, a sequence of another model), NotFound / DataLoss (a
   // sequence missing, released or corrupt), and the backend's errors.
-  [[nodiscard]] absl::StatusOr<absl::Span<const int32_t>> Attend(int layer, const AttentionRows& io,
-                                                                 bool on_device);
+  // With `mailbox` (on_device, io inside it) the call is ordered on the device after the
+  // mailbox's `ready` and returns once queued (AttentionCall::mailbox).
+  [[nodiscard]] absl::StatusOr<absl::Span<const int32_t>> Attend(
+      int layer, const AttentionRows& io, bool on_device, const DeviceMailbox* mailbox = nullptr);
 
   const Model& model() const { return *model_; }
   const std::vector<std::string>& sequence_ids() const { return ids_; }

@@ -118,6 +118,22 @@ class HostRegistration {
   virtual void* KernelAddress(void* p) const = 0;
 };
 
+// Device memory and two events a GPU process on this host shares with the backend through CUDA
+// IPC (a same-host attention channel's device I/O, server/transport/shm): the process writes its
+// queries into data() and records `ready`; an Attend given the mailbox waits for `ready` on the
+// device, writes the outputs into data() and records `done` for the process to wait on, so no
+// data and no wait cross the host. Its handles are what the process opens.
+class DeviceMailbox {
+ public:
+  virtual ~DeviceMailbox() = default;
+  virtual uint8_t* data() const = 0;  // device memory
+  virtual size_t size() const = 0;
+  // Opaque CUDA IPC handles (cudaIpcMemHandle_t, cudaIpcEventHandle_t bytes).
+  virtual std::string memory_handle() const = 0;
+  virtual std::string ready_handle() const = 0;
+  virtual std::string done_handle() const = 0;
+};
+
 // Decode attention of one model and layer: query row i attends over sequence i of `kv` (the
 // paged KV description, kernels/paged_kv.h, made by the sequences' snapshots; its arrays lie in
 // the host words `kv_words`, which a GPU backend copies to the device as they are). The rows of
@@ -137,6 +153,9 @@ struct AttentionCall {
   absl::Span<const AttentionRows> io;
   bool on_device = false;
   const ResidentTables* tables = nullptr;
+  // With a mailbox (on_device, io inside it): the call waits for its `ready` event on the device
+  // and records `done` after the outputs; Attend returns once the work is queued.
+  const DeviceMailbox* mailbox = nullptr;
 };
 
 // Device time spent in the backend's kernels since start (zero where nothing measures it).
@@ -212,6 +231,10 @@ class ComputeBackend {
   // memory needs nothing here.
   virtual absl::StatusOr<std::unique_ptr<HostRegistration>> RegisterHostMemory(void* p,
                                                                                size_t bytes);
+  // A mailbox of `bytes` device memory; Unimplemented on a host backend.
+  virtual absl::StatusOr<std::unique_ptr<DeviceMailbox>> CreateDeviceMailbox(size_t /*bytes*/) {
+    return absl::UnimplementedError("device mailboxes need a GPU backend");
+  }
 
   // Device health: OK while the backend can compute. Unavailable, for good, once it cannot: a
   // sticky CUDA error (an illegal address, say) poisoned the device context, by one of its own

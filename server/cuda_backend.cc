@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -156,6 +157,54 @@ size_t Append(std::vector<uint8_t>* bytes, const T* v, size_t n) {
   return at;
 }
 
+// Device memory and two interprocess events exported through CUDA IPC (DeviceMailbox). Freed
+// when destroyed: never reused for another caller, who could still hold the old mapping.
+class CudaMailbox final : public DeviceMailbox {
+ public:
+  ~CudaMailbox() override {
+    if (ready_ != nullptr) cudaEventDestroy(ready_);
+    if (done_ != nullptr) cudaEventDestroy(done_);
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  uint8_t* data() const override { return data_; }
+  size_t size() const override { return size_; }
+  std::string memory_handle() const override { return memory_handle_; }
+  std::string ready_handle() const override { return ready_handle_; }
+  std::string done_handle() const override { return done_handle_; }
+  cudaEvent_t ready() const { return ready_; }
+  cudaEvent_t done() const { return done_; }
+
+  static absl::StatusOr<std::unique_ptr<CudaMailbox>> Create(size_t bytes) {
+    auto m = std::unique_ptr<CudaMailbox>(new CudaMailbox());
+    void* p = nullptr;
+    // cudaMalloc, not the stream-ordered pool: only such memory can be exported this way.
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc (mailbox)"));
+    m->data_ = static_cast<uint8_t*>(p);
+    m->size_ = bytes;
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMemset(p, 0, bytes), "cudaMemset (mailbox)"));
+    cudaIpcMemHandle_t mh;
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&mh, p), "cudaIpcGetMemHandle"));
+    m->memory_handle_.assign(reinterpret_cast<const char*>(&mh), sizeof(mh));
+    for (auto [event, handle] :
+         {std::pair{&m->ready_, &m->ready_handle_}, std::pair{&m->done_, &m->done_handle_}}) {
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(
+          cudaEventCreateWithFlags(event, cudaEventDisableTiming | cudaEventInterprocess),
+          "interprocess event"));
+      cudaIpcEventHandle_t eh;
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaIpcGetEventHandle(&eh, *event), "event handle"));
+      handle->assign(reinterpret_cast<const char*>(&eh), sizeof(eh));
+    }
+    return m;
+  }
+
+ private:
+  CudaMailbox() = default;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  std::string memory_handle_, ready_handle_, done_handle_;
+};
+
 class CudaBackend final : public ComputeBackend {
  public:
   CudaBackend(int device, const cuda::KernelTuning& tuning)
@@ -215,6 +264,7 @@ class CudaBackend final : public ComputeBackend {
   }
   absl::StatusOr<std::unique_ptr<HostRegistration>> RegisterHostMemory(void* p,
                                                                        size_t bytes) override;
+  absl::StatusOr<std::unique_ptr<DeviceMailbox>> CreateDeviceMailbox(size_t bytes) override;
 
   absl::Status DeviceHealth() override {
     return CheckSticky() ? FailureStatus() : absl::OkStatus();
@@ -527,9 +577,24 @@ class CudaBackend final : public ComputeBackend {
     io.rotation_v = rot_v;
     io.out = on_device ? first.out : reinterpret_cast<float*>(dev + out_at);
     io.lse = on_device ? first.lse : reinterpret_cast<float*>(dev + lse_at);
+    const auto* mailbox = static_cast<const CudaMailbox*>(call.mailbox);
+    if (mailbox != nullptr) {
+      if (!on_device || copy) return absl::InternalError("Attend: a mailbox needs device I/O");
+      // The caller's queries are written once its `ready` fires: wait for it on the device.
+      KVPOOL_RETURN_IF_ERROR(
+          CudaStatus(cudaStreamWaitEvent(lane->stream, mailbox->ready(), 0), "wait ready"));
+    }
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DecodeAttention(shape, batch, io, ws, ws_bytes, lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
+    if (mailbox != nullptr) {
+      // Answered once queued: the caller waits for `done` on its own stream. Work still in
+      // flight on the lane's stream orders the lane's next use after it.
+      KVPOOL_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(mailbox->done(), lane->stream), "record done"));
+      lane->dirty = false;
+      return absl::OkStatus();
+    }
     // Host I/O: each run's outputs straight into its buffers.
     row = 0;
     for (const AttentionRows& r : call.io) {
@@ -1095,6 +1160,12 @@ class PinnedHost final : public HostRegistration {
   uint8_t* const host_;
   uint8_t* const device_;
 };
+
+absl::StatusOr<std::unique_ptr<DeviceMailbox>> CudaBackend::CreateDeviceMailbox(size_t bytes) {
+  KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<CudaMailbox> m, CudaMailbox::Create(bytes));
+  return std::unique_ptr<DeviceMailbox>(std::move(m));
+}
 
 absl::StatusOr<std::unique_ptr<HostRegistration>> CudaBackend::RegisterHostMemory(void* p,
                                                                                   size_t bytes) {

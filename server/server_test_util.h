@@ -93,6 +93,9 @@ class ForwardingBackend : public ComputeBackend {
                                                                        size_t bytes) override {
     return inner_->RegisterHostMemory(p, bytes);
   }
+  absl::StatusOr<std::unique_ptr<DeviceMailbox>> CreateDeviceMailbox(size_t bytes) override {
+    return inner_->CreateDeviceMailbox(bytes);
+  }
 
  protected:
   ComputeBackend* inner() const { return inner_; }

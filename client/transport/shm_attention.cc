@@ -33,6 +33,7 @@ absl::StatusOr<std::unique_ptr<ShmAttentionClient>> ShmAttentionClient::Connect(
   offer->set_kind(v1::TRANSPORT_KIND_SHARED_MEMORY);
   offer->mutable_shared_memory()->set_slots(options.slots);
   offer->mutable_shared_memory()->set_max_query_bytes(options.max_query_bytes);
+  offer->mutable_shared_memory()->set_device_io(options.device_io);
   req.set_client_name(absl::StrCat("shm-attention pid ", getpid()));
   v1::NegotiateResponse resp;
   {
@@ -88,7 +89,10 @@ absl::StatusOr<std::unique_ptr<ShmAttentionClient>> ShmAttentionClient::Connect(
   return c;
 }
 
-ShmAttentionClient::~ShmAttentionClient() { (void)Close(); }
+ShmAttentionClient::~ShmAttentionClient() {
+  (void)Close();
+  if (region_ != nullptr) munmap(region_, layout_.region_bytes());
+}
 
 absl::Status ShmAttentionClient::Close() {
   {
@@ -107,9 +111,7 @@ absl::Status ShmAttentionClient::Close() {
   }
   if (socket_ >= 0) close(socket_);
   socket_ = -1;
-  if (region_ != nullptr) munmap(region_, layout_.region_bytes());
-  region_ = nullptr;
-  return s;
+  return s;  // the mapping stays until destruction: other threads' calls may still touch it
 }
 
 absl::StatusOr<RemoteAttentionPlan> ShmAttentionClient::SetPlan(
@@ -185,6 +187,23 @@ absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::Attend(const RemoteAtt
   }
   const uint32_t slot = TakeSlot();
   uint8_t* s = region_ + layout_.slot_at(slot);
+  std::memcpy(s + server::ShmLayout::queries_at(), queries.data(), plan.query_bytes);
+  absl::StatusOr<std::vector<uint32_t>> tokens = CallInSlot(slot, plan, layer, server::kIoRegion);
+  if (tokens.ok()) {
+    std::memcpy(out.data(), s + layout_.out_at(), plan.query_bytes);
+    std::memcpy(lse.data(), s + layout_.lse_at(), plan.lse_bytes);
+  }
+  GiveSlot(slot);
+  return tokens;
+}
+
+const uint8_t* ShmAttentionClient::MailboxHandles(uint32_t slot) const {
+  return region_ + layout_.slot_at(slot) + server::ShmLayout::mailbox_at();
+}
+
+absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::CallInSlot(
+    uint32_t slot, const RemoteAttentionPlan& plan, int layer, uint32_t io_kind) {
+  uint8_t* s = region_ + layout_.slot_at(slot);
   CallHeader h;
   h.plan_id = plan.id;
   h.layer = layer;
@@ -193,13 +212,8 @@ absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::Attend(const RemoteAtt
   h.lse_bytes = plan.lse_bytes;
   const auto header = server::EncodeCallHeader(h);
   std::memcpy(s + server::kShmSlotHeaderAt, header.data(), header.size());
-  std::memcpy(s + server::ShmLayout::queries_at(), queries.data(), plan.query_bytes);
+  SharedWord(s + server::kShmSlotIoAt)->store(io_kind, std::memory_order_relaxed);
   absl::StatusOr<CallStatus> st = Call(slot);
-  if (st.ok() && st->status.ok()) {
-    std::memcpy(out.data(), s + layout_.out_at(), plan.query_bytes);
-    std::memcpy(lse.data(), s + layout_.lse_at(), plan.lse_bytes);
-  }
-  GiveSlot(slot);
   if (!st.ok()) {
     if (absl::IsDeadlineExceeded(st.status())) (void)Close();
     return st.status();
@@ -208,13 +222,14 @@ absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::Attend(const RemoteAtt
   if (st->call != h.call || st->attended_tokens.size() != static_cast<size_t>(plan.batch)) {
     return absl::InternalError("the daemon answered another call");
   }
-  return st->attended_tokens;
+  return std::move(st->attended_tokens);
 }
 
 absl::Status ShmAttentionClient::SendRawHeaderForTesting(absl::Span<const uint8_t> header) {
   const uint32_t slot = TakeSlot();
   uint8_t* s = region_ + layout_.slot_at(slot);
   std::memset(s + server::kShmSlotHeaderAt, 0, server::kCallHeaderBytes);
+  SharedWord(s + server::kShmSlotIoAt)->store(server::kIoRegion, std::memory_order_relaxed);
   std::memcpy(s + server::kShmSlotHeaderAt, header.data(),
               std::min(header.size(), server::kCallHeaderBytes));
   absl::StatusOr<CallStatus> st = Call(slot);

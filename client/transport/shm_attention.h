@@ -41,6 +41,7 @@ namespace kvpool::client {
 
 struct ShmAttentionOptions {
   uint32_t slots = 1;            // calls in flight at once
+  bool device_io = false;        // device mailboxes (shm_device_attention.h; GPU daemon only)
   uint64_t max_query_bytes = 0;  // per call; 0 = the daemon's default (4 MiB)
   absl::Duration call_timeout = absl::Seconds(60);
   // How long a call spins on its slot before it blocks (the kernel time of a short call).
@@ -71,7 +72,8 @@ class ShmAttentionClient {
                                                absl::Span<const float> queries,
                                                absl::Span<float> out, absl::Span<float> lse);
 
-  // Ends the session (CloseSession, then the socket and the mapping). Idempotent.
+  // Ends the session (CloseSession, then the socket; the mapping goes with the client).
+  // Idempotent; later calls answer FailedPrecondition.
   absl::Status Close();
 
   uint64_t session_id() const { return session_id_; }
@@ -82,11 +84,19 @@ class ShmAttentionClient {
   // Test hook: writes `header` (any bytes) into a slot as a call and returns the daemon's status.
   absl::Status SendRawHeaderForTesting(absl::Span<const uint8_t> header);
 
- private:
-  ShmAttentionClient() = default;
-  // A free slot, waiting while none is.
+  // The pieces of a call, for callers that bring their own I/O (shm_device_attention.h):
+  // a free slot (waiting while none is), given back after its call.
   uint32_t TakeSlot();
   void GiveSlot(uint32_t slot);
+  // The slot's device mailbox handles (kShmMailboxBytes; zero without device_io).
+  const uint8_t* MailboxHandles(uint32_t slot) const;
+  // Writes the call header of `plan` and `layer` and the I/O kind into `slot` (its queries are in
+  // place), publishes it and waits for the answer: the attended tokens, or the call's error.
+  absl::StatusOr<std::vector<uint32_t>> CallInSlot(uint32_t slot, const RemoteAttentionPlan& plan,
+                                                   int layer, uint32_t io_kind);
+
+ private:
+  ShmAttentionClient() = default;
   // Publishes the call in `slot` (header and queries written) and waits for the answer.
   absl::StatusOr<server::CallStatus> Call(uint32_t slot);
 

@@ -106,6 +106,7 @@ struct TransportOffer {
   // Shared memory: slots and the most query bytes of a call the client asks for (0: defaults).
   uint32_t shm_slots = 0;
   uint64_t shm_max_query_bytes = 0;
+  bool shm_device_io = false;
 };
 
 // What the client needs to use an accepted transport (kvpool.v1.UcxSession for UCX).
@@ -144,6 +145,7 @@ struct TransportSession {
   size_t max_lse_bytes = 0;
   size_t region_bytes = 0;
   uint32_t hello_timeout_ms = 0;
+  bool device_io = false;
 };
 
 // A remote-attention plan's id and the shape of its calls (NCCL attention channels).

@@ -36,6 +36,7 @@ std::optional<TransportOffer> OfferFromProto(const v1::TransportOffer& o,
   offer.nccl.use = static_cast<int>(o.nccl().use());
   offer.shm_slots = o.shared_memory().slots();
   offer.shm_max_query_bytes = o.shared_memory().max_query_bytes();
+  offer.shm_device_io = o.shared_memory().device_io();
   return offer;
 }
 
@@ -94,6 +95,7 @@ void FillNegotiateResponse(const TransportSession& s, const std::string& ucx_lis
       m->set_call_status_bytes(s.call_status_bytes);
       m->set_hello_timeout_ms(s.hello_timeout_ms);
       m->set_device(s.device);
+      m->set_device_io(s.device_io);
       break;
     }
   }

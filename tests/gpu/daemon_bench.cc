@@ -26,6 +26,7 @@
 #include "client/kvpool_client.h"
 #include "client/local_daemon.h"
 #include "common/status_macros.h"
+#include "tests/bench/bench_prefill.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
 #include "tests/support/test_data.h"
@@ -46,23 +47,6 @@ struct Options {
   std::string out = "bench-results/gpu-daemon.json";
   bool quick = false;
 };
-
-// A whole prefill of `tokens` tokens (layer 0, chunks of the client's size), end_of_prefill set.
-absl::Status Prefill(const KvpoolClient& c, const std::string& id, const std::vector<Bf16>& k,
-                     const std::vector<Bf16>& v, int tokens) {
-  v1::AppendKvHeader header;
-  header.set_sequence_id(id);
-  header.set_token_start(0);
-  header.set_num_tokens(tokens);
-  header.set_dtype(v1::DTYPE_BF16);
-  header.set_end_of_prefill(true);
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::AppendStream> stream, c.OpenAppend(header));
-  const size_t bytes = static_cast<size_t>(tokens) * kRow * sizeof(Bf16);
-  KVPOOL_RETURN_IF_ERROR(stream->WriteLayer(
-      0, 0, tokens, absl::string_view(reinterpret_cast<const char*>(k.data()), bytes),
-      absl::string_view(reinterpret_cast<const char*>(v.data()), bytes)));
-  return stream->Finish().status();
-}
 
 absl::Status Run(const Options& opt) {
   const std::vector<int> contexts =
@@ -122,12 +106,13 @@ absl::Status Run(const Options& opt) {
       KVPOOL_RETURN_IF_ERROR(c->CreateSequence("bench", ids[context].back()).status());
     }
     KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse before, c->GetStats());
-    KVPOOL_ASSIGN_OR_RETURN(const double secs, RunParallel(kStreams, [&](int s) {
-                              for (int i = s; i < max_batch; i += kStreams) {
-                                KVPOOL_RETURN_IF_ERROR(Prefill(*c, ids[context][i], k, v, context));
-                              }
-                              return absl::OkStatus();
-                            }));
+    KVPOOL_ASSIGN_OR_RETURN(
+        const double secs, RunParallel(kStreams, [&](int s) {
+          for (int i = s; i < max_batch; i += kStreams) {
+            KVPOOL_RETURN_IF_ERROR(PrefillLayer0(*c, ids[context][i], k, v, context, kRow));
+          }
+          return absl::OkStatus();
+        }));
     KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse after, c->GetStats());
     const double bytes = 2.0 * max_batch * context * kRow * sizeof(Bf16);
     const double kernel_secs =

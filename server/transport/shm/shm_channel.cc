@@ -25,7 +25,8 @@ constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Create(ServiceContext* ctx, TenantId tenant,
-                                                               const ShmLayout& layout) {
+                                                               const ShmLayout& layout,
+                                                               bool device_io) {
   const int fd = memfd_create("kvpool-attention", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) {
     return absl::ResourceExhaustedError(absl::StrCat("memfd_create: ", std::strerror(errno)));
@@ -48,6 +49,20 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Create(ServiceContext* c
   WriteShmRegionHeader(layout, region);
   std::unique_ptr<ShmChannel> ch(new ShmChannel(ctx, std::move(tenant), layout, fd, region));
   KVPOOL_ASSIGN_OR_RETURN(ch->registration_, ctx->backend->RegisterHostMemory(region, bytes));
+  for (uint32_t i = 0; device_io && i < layout.slots; ++i) {
+    KVPOOL_ASSIGN_OR_RETURN(
+        std::unique_ptr<DeviceMailbox> m,
+        ctx->backend->CreateDeviceMailbox(2 * layout.max_query_bytes + layout.max_lse_bytes));
+    uint8_t* at = region + layout.slot_at(i) + ShmLayout::mailbox_at();
+    const std::string handles[3] = {m->memory_handle(), m->ready_handle(), m->done_handle()};
+    for (int h = 0; h < 3; ++h) {
+      if (handles[h].size() != kShmIpcHandleBytes) {
+        return absl::InternalError("a CUDA IPC handle of unexpected size");
+      }
+      std::memcpy(at + h * kShmIpcHandleBytes, handles[h].data(), kShmIpcHandleBytes);
+    }
+    ch->mailboxes_.push_back(std::move(m));
+  }
   return ch;
 }
 
@@ -61,6 +76,7 @@ ShmChannel::~ShmChannel() {
     absl::MutexLock lock(&plans_mu_);
     plans_.clear();  // page references and resident tables go before the backend mapping
   }
+  mailboxes_.clear();
   registration_.reset();
   munmap(region_, layout_.region_bytes());
   close(fd_);
@@ -189,15 +205,29 @@ absl::StatusOr<absl::Span<const int32_t>> ShmChannel::Attend(uint32_t slot, cons
   void* q = s + ShmLayout::queries_at();
   void* out = s + layout_.out_at();
   void* lse = s + layout_.lse_at();
-  const bool on_device = ctx_->backend->device() >= 0;
-  if (on_device) {
+  bool on_device = ctx_->backend->device() >= 0;
+  const DeviceMailbox* mailbox = nullptr;
+  const uint32_t io_kind = SharedWord(s + kShmSlotIoAt)->load(std::memory_order_acquire);
+  if (io_kind == kIoDevice) {
+    if (mailboxes_.empty()) {
+      return absl::InvalidArgumentError("device I/O on a channel negotiated without device_io");
+    }
+    mailbox = mailboxes_[slot].get();
+    q = mailbox->data();
+    out = mailbox->data() + layout_.max_query_bytes;
+    lse = mailbox->data() + 2 * layout_.max_query_bytes;
+  } else if (io_kind != kIoRegion) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown slot I/O kind ", io_kind));
+  } else if (on_device) {
     q = registration_->KernelAddress(q);
     out = registration_->KernelAddress(out);
     lse = registration_->KernelAddress(lse);
   }
+  on_device = on_device || mailbox != nullptr;
   const AttentionRows io{static_cast<const float*>(q), static_cast<float*>(out),
                          static_cast<float*>(lse), plan->rows()};
-  KVPOOL_ASSIGN_OR_RETURN(absl::Span<const int32_t> tokens, plan->Attend(h.layer, io, on_device));
+  KVPOOL_ASSIGN_OR_RETURN(absl::Span<const int32_t> tokens,
+                          plan->Attend(h.layer, io, on_device, mailbox));
   // The plan's buffer outlives this call's use of it (the loop is its only caller).
   return tokens;
 }

@@ -47,8 +47,11 @@ class ShmChannel {
  public:
   // Creates and maps the region of `layout` and registers it with the backend.
   // ResourceExhausted / Internal (memfd, mmap, registration).
+  // With `device_io` each slot also gets a device mailbox (backend->CreateDeviceMailbox) whose
+  // handles are written into the slot.
   static absl::StatusOr<std::unique_ptr<ShmChannel>> Create(ServiceContext* ctx, TenantId tenant,
-                                                            const ShmLayout& layout);
+                                                            const ShmLayout& layout,
+                                                            bool device_io);
   ~ShmChannel();  // Close(), then unmaps and closes the region and the socket
 
   ShmChannel(const ShmChannel&) = delete;
@@ -90,7 +93,8 @@ class ShmChannel {
   const int fd_;
   uint8_t* const region_;
   std::unique_ptr<HostRegistration> registration_;
-  int peer_ = -1;  // the client's Unix socket, from Start
+  std::vector<std::unique_ptr<DeviceMailbox>> mailboxes_;  // per slot, with device_io
+  int peer_ = -1;                                          // the client's Unix socket, from Start
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> calls_{0};
   std::atomic<uint32_t> loop_sleeping_{0};  // unused word for Close's wake-up

@@ -39,6 +39,7 @@ struct ShmSession {
   TenantId tenant;
   std::atomic<uint64_t> id{0};  // set once registered
   ShmLayout layout;
+  bool device_io = false;
   std::string secret;
   absl::Time added;
   mutable absl::Mutex mu;
@@ -98,8 +99,13 @@ class ShmTransport final : public Transport {
                             MakeShmLayout(std::max<uint32_t>(offer.shm_slots, 1), query_bytes,
                                           std::max<size_t>(64, query_bytes / kLseShare / 4 * 4),
                                           options_.max_region_bytes));
+    if (offer.shm_device_io && ctx_->backend->device() < 0) {
+      return absl::FailedPreconditionError(
+          "shared_memory.device_io needs a GPU daemon; this one computes on the CPU");
+    }
     auto session = std::make_shared<ShmSession>();
     session->layout = layout;
+    session->device_io = offer.shm_device_io;
     KVPOOL_ASSIGN_OR_RETURN(session->secret, NewSessionSecret());
     session->added = absl::Now();
     session->tenant = tenant;
@@ -118,6 +124,7 @@ class ShmTransport final : public Transport {
     s.call_status_bytes = kCallStatusBytes;
     s.hello_timeout_ms = static_cast<uint32_t>(absl::ToInt64Milliseconds(options_.hello_timeout));
     s.device = ctx_->backend->device();
+    s.device_io = session->device_io;
     return s;
   }
 
@@ -260,7 +267,8 @@ class ShmTransport final : public Transport {
       }
       s->connected = true;
     }
-    absl::StatusOr<std::unique_ptr<ShmChannel>> made = ShmChannel::Create(ctx_, tenant, s->layout);
+    absl::StatusOr<std::unique_ptr<ShmChannel>> made =
+        ShmChannel::Create(ctx_, tenant, s->layout, s->device_io);
     if (!made.ok()) {
       if (std::shared_ptr<ShmSession> gone = sessions_.EndAny(hello->session_id, made.status())) {
         gone->End();

@@ -1,0 +1,325 @@
+// The decode critical path on one GPU: a real kvpoold --device=cuda:N, and this process as the
+// decode worker beside it on the same host (on the same GPU: it stands for a worker on a
+// neighbouring GPU). For each model (a 70B-class shape and SmolLM2-135M's), batch and context,
+// one layer's remote attention by every path, each against the same stored sequences:
+//
+//   kernel    the decode-attention kernels' device time per call (query rotation, history,
+//             merge: the daemon's own events around them, during the gRPC calls)
+//   grpc      AttentionService.Attend over gRPC (float32 queries), p50
+//   shm_cpu   the same-host channel (shared memory), queries and outputs in host memory, p50;
+//             with the CPU time per call of this thread and of kvpoold
+//   shm_gpu   the same-host channel with device mailboxes: queries and outputs in this
+//             process's GPU memory, p50 from the call until its outputs are in (stream synced)
+//
+// Correctness first: every path's output and LSE must equal the gRPC answer to the bit (the
+// same tables, the same split of the work, the same kernels); any difference fails the run.
+// Writes the raw rows as JSON (docs/operations.md form); tests/gpu/decode_path_table.py adds
+// torch SDPA BF16 on the same shapes and the per-token cost of all layers, and prints the table.
+//
+// Usage: kvpool-gpu-decode-path-bench --kvpoold PATH [--device cuda:0] [--out FILE] [--quick]
+#include <cuda_runtime.h>
+#include <dirent.h>
+#include <time.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/kvpool_client.h"
+#include "client/local_daemon.h"
+#include "client/transport/shm_attention.h"
+#include "client/transport/shm_device_attention.h"
+#include "common/cuda_status.h"
+#include "common/status_macros.h"
+#include "tests/bench/bench_prefill.h"
+#include "tests/bench/bench_report.h"
+#include "tests/bench/bench_timing.h"
+#include "tests/support/test_data.h"
+
+namespace kvpool::bench {
+namespace {
+
+namespace v1 = ::kvpool::v1;
+using client::KvpoolClient;
+using client::RemoteAttentionPlan;
+
+struct Options {
+  std::string kvpoold;
+  std::string device = "cuda:0";
+  std::string out = "bench-results/gpu_decode_path_raw.json";
+  bool quick = false;
+};
+
+struct ModelShape {
+  std::string name;
+  int q_heads, kv_heads, head_dim, layers;
+};
+
+// CPU seconds this thread has run.
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// CPU seconds all threads of process `pid` have run (scheduler nanoseconds per thread).
+double ProcessCpuSeconds(pid_t pid) {
+  double total = 0;
+  const std::string dir = absl::StrCat("/proc/", pid, "/task");
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream f(absl::StrCat(dir, "/", e->d_name, "/schedstat"));
+    double ns = 0;
+    if (f >> ns) total += ns * 1e-9;
+  }
+  closedir(d);
+  return total;
+}
+
+bool SameBits(const std::vector<float>& a, const std::string& b_bytes, size_t offset_values) {
+  return std::memcmp(a.data() + offset_values, b_bytes.data(), b_bytes.size()) == 0;
+}
+
+// The gRPC answer's out and LSE, row after row.
+struct Reference {
+  std::vector<std::string> out, lse;
+};
+
+absl::Status CheckAgainst(const Reference& ref, const std::vector<float>& out,
+                          const std::vector<float>& lse, size_t per_row, size_t heads,
+                          const std::string& path) {
+  for (size_t i = 0; i < ref.out.size(); ++i) {
+    if (!SameBits(out, ref.out[i], i * per_row) || !SameBits(lse, ref.lse[i], i * heads)) {
+      return absl::InternalError(absl::StrCat(path, ": row ", i, " differs from the gRPC answer"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Run(const Options& opt) {
+  const std::vector<int> contexts =
+      opt.quick ? std::vector<int>{8192, 32768} : std::vector<int>{8192, 32768, 131072};
+  const std::vector<int> batches = opt.quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
+  const std::vector<ModelShape> models = {{"llama70b", 64, 8, 128, 80}, {"smollm2", 9, 3, 64, 30}};
+  const int max_batch = batches.back();
+  const int device = std::stoi(opt.device.substr(opt.device.find(':') + 1));
+
+  client::LocalDaemonOptions dopt;
+  dopt.binary = opt.kvpoold;
+  dopt.flags = {absl::StrCat("--device=", opt.device),
+                "--pool_bytes=17179869184",
+                "--slab_bytes=16777216",
+                "--worker_threads=8",
+                "--log_level=warn",
+                "--shm_max_region_bytes=268435456"};
+  dopt.startup_timeout = absl::Seconds(120);
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::LocalDaemon> daemon,
+                          client::LocalDaemon::Start(dopt));
+  client::ClientOptions copt;
+  copt.deadline = absl::Seconds(600);
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<KvpoolClient> c,
+                          KvpoolClient::Connect(daemon->target(), copt));
+
+  client::ShmAttentionOptions so;
+  so.max_query_bytes = uint64_t{max_batch} * 64 * 128 * 4;
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::ShmAttentionClient> shm,
+                          client::ShmAttentionClient::Connect(c->channel(), so));
+  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::ShmDeviceAttention> shm_gpu,
+                          client::ShmDeviceAttention::Open(c->channel(), device, so));
+  cudaStream_t stream = nullptr;
+  KVPOOL_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
+
+  BenchReport report("gpu_decode_path");
+  for (const ModelShape& m : models) {
+    v1::ModelSpec spec;
+    spec.set_model_id(m.name);
+    spec.mutable_shape()->set_num_layers(1);
+    spec.mutable_shape()->set_q_heads(m.q_heads);
+    spec.mutable_shape()->set_kv_heads(m.kv_heads);
+    spec.mutable_shape()->set_head_dim(m.head_dim);
+    spec.mutable_data_free()->set_kind(v1::ROTATION_KIND_RANDOMIZED_HADAMARD);
+    spec.mutable_data_free()->set_seed(4242);
+    KVPOOL_RETURN_IF_ERROR(c->RegisterModel(spec).status());
+    const size_t row = static_cast<size_t>(m.kv_heads) * m.head_dim;
+    const int max_context = contexts.back();
+    const std::vector<Bf16> k =
+        testing::ToBf16(testing::RealLikeRows(max_context * m.kv_heads, m.head_dim, 1));
+    std::vector<float> vf = testing::GaussianValues(static_cast<size_t>(max_context) * row, 2);
+    for (size_t i = 7; i < vf.size(); i += m.head_dim) vf[i] *= 6.0f;
+    const std::vector<Bf16> v = testing::ToBf16(vf);
+
+    for (int context : contexts) {
+      std::vector<std::string> ids;
+      for (int i = 0; i < max_batch; ++i) {
+        ids.push_back(absl::StrCat(m.name, "-", context, "-", i));
+        KVPOOL_RETURN_IF_ERROR(c->CreateSequence(m.name, ids.back()).status());
+      }
+      KVPOOL_RETURN_IF_ERROR(RunParallel(4, [&](int s) {
+                               for (int i = s; i < max_batch; i += 4) {
+                                 KVPOOL_RETURN_IF_ERROR(
+                                     PrefillLayer0(*c, ids[i], k, v, context, row));
+                               }
+                               return absl::OkStatus();
+                             }).status());
+      for (int batch : batches) {
+        const std::vector<std::string> batch_ids(ids.begin(), ids.begin() + batch);
+        const size_t per_row = static_cast<size_t>(m.q_heads) * m.head_dim;
+        const std::vector<float> q =
+            testing::GaussianValues(static_cast<size_t>(batch) * per_row, 7 + batch);
+        auto params = [&](const std::string& path) {
+          return std::map<std::string, std::string>{{"model", m.name},
+                                                    {"Hq", std::to_string(m.q_heads)},
+                                                    {"Hkv", std::to_string(m.kv_heads)},
+                                                    {"D", std::to_string(m.head_dim)},
+                                                    {"layers", std::to_string(m.layers)},
+                                                    {"batch", std::to_string(batch)},
+                                                    {"context", std::to_string(context)},
+                                                    {"path", path}};
+        };
+
+        // gRPC, and the kernels' own time during it.
+        v1::AttendRequest request;
+        request.set_model_id(m.name);
+        request.set_dtype(v1::DTYPE_FP32);
+        for (int i = 0; i < batch; ++i) {
+          v1::SequenceQuery* sq = request.add_queries();
+          sq->set_sequence_id(batch_ids[i]);
+          sq->set_q(reinterpret_cast<const char*>(q.data() + i * per_row), per_row * sizeof(float));
+        }
+        Reference ref;
+        for (int w = 0; w < 3; ++w) {
+          KVPOOL_ASSIGN_OR_RETURN(v1::AttendResponse r, c->Attend(request));
+          ref = {};
+          for (const v1::SequenceAttention& a : r.results()) {
+            ref.out.push_back(a.out());
+            ref.lse.push_back(std::string(reinterpret_cast<const char*>(a.lse().data()),
+                                          a.lse_size() * sizeof(float)));
+          }
+        }
+        const int grpc_reps = context >= 131072 && batch >= 32 ? 20 : 50;
+        KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse before, c->GetStats());
+        std::vector<double> grpc_us;
+        for (int rep = 0; rep < grpc_reps; ++rep) {
+          const auto t0 = SteadyClock::now();
+          KVPOOL_RETURN_IF_ERROR(c->Attend(request).status());
+          grpc_us.push_back(1e6 * SecondsSince(t0));
+        }
+        KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse after, c->GetStats());
+        const double kernel_us = 1e6 *
+                                 (after.service().attention_device_seconds() -
+                                  before.service().attention_device_seconds()) /
+                                 grpc_reps;
+        report.Add(
+            {"decode_attention_us", params("kernel"), kernel_us, "us", {"kernel", kernel_us}});
+        report.Add(
+            {"decode_attention_us", params("grpc"), Median(grpc_us), "us", {"kernel", kernel_us}});
+
+        // Same-host channel, CPU caller.
+        KVPOOL_ASSIGN_OR_RETURN(RemoteAttentionPlan plan, shm->SetPlan(m.name, batch_ids, 1));
+        std::vector<float> out(q.size()), lse(static_cast<size_t>(batch) * m.q_heads);
+        for (int w = 0; w < 3; ++w) {
+          KVPOOL_RETURN_IF_ERROR(
+              shm->Attend(plan, 0, q, absl::MakeSpan(out), absl::MakeSpan(lse)).status());
+        }
+        KVPOOL_RETURN_IF_ERROR(CheckAgainst(ref, out, lse, per_row, m.q_heads, "shm_cpu"));
+        const int reps = 300;
+        std::vector<double> shm_us;
+        const double cpu0 = ThreadCpuSeconds(), d0 = ProcessCpuSeconds(daemon->pid());
+        for (int rep = 0; rep < reps; ++rep) {
+          const auto t0 = SteadyClock::now();
+          KVPOOL_RETURN_IF_ERROR(
+              shm->Attend(plan, 0, q, absl::MakeSpan(out), absl::MakeSpan(lse)).status());
+          shm_us.push_back(1e6 * SecondsSince(t0));
+        }
+        const double client_cpu = 1e6 * (ThreadCpuSeconds() - cpu0) / reps;
+        const double daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - d0) / reps;
+        report.Add({"decode_attention_us",
+                    params("shm_cpu"),
+                    Median(shm_us),
+                    "us",
+                    {"kernel", kernel_us}});
+        report.Add({"caller_cpu_us_per_call", params("shm_cpu"), client_cpu, "us", {"", 0}});
+        report.Add({"daemon_cpu_us_per_call", params("shm_cpu"), daemon_cpu, "us", {"", 0}});
+        KVPOOL_RETURN_IF_ERROR(shm->DropPlan(plan));
+
+        // Same-host channel, GPU caller (device mailboxes).
+        KVPOOL_ASSIGN_OR_RETURN(RemoteAttentionPlan gplan,
+                                shm_gpu->client().SetPlan(m.name, batch_ids, 1));
+        float *d_q = nullptr, *d_out = nullptr, *d_lse = nullptr;
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&d_q, q.size() * 4), "cudaMalloc"));
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&d_out, q.size() * 4), "cudaMalloc"));
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&d_lse, lse.size() * 4), "cudaMalloc"));
+        KVPOOL_RETURN_IF_ERROR(
+            CudaStatus(cudaMemcpy(d_q, q.data(), q.size() * 4, cudaMemcpyHostToDevice), "queries"));
+        auto gpu_call = [&]() -> absl::Status {
+          KVPOOL_RETURN_IF_ERROR(shm_gpu->Attend(gplan, 0, d_q, d_out, d_lse, stream).status());
+          return CudaStatus(cudaStreamSynchronize(stream), "sync");
+        };
+        for (int w = 0; w < 3; ++w) KVPOOL_RETURN_IF_ERROR(gpu_call());
+        std::fill(out.begin(), out.end(), 0.0f);
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpy(out.data(), d_out, out.size() * 4, cudaMemcpyDeviceToHost), "out"));
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost), "lse"));
+        KVPOOL_RETURN_IF_ERROR(CheckAgainst(ref, out, lse, per_row, m.q_heads, "shm_gpu"));
+        std::vector<double> gpu_us;
+        const double gcpu0 = ThreadCpuSeconds(), gd0 = ProcessCpuSeconds(daemon->pid());
+        for (int rep = 0; rep < reps; ++rep) {
+          const auto t0 = SteadyClock::now();
+          KVPOOL_RETURN_IF_ERROR(gpu_call());
+          gpu_us.push_back(1e6 * SecondsSince(t0));
+        }
+        report.Add({"decode_attention_us",
+                    params("shm_gpu"),
+                    Median(gpu_us),
+                    "us",
+                    {"kernel", kernel_us}});
+        report.Add({"caller_cpu_us_per_call",
+                    params("shm_gpu"),
+                    1e6 * (ThreadCpuSeconds() - gcpu0) / reps,
+                    "us",
+                    {"", 0}});
+        report.Add({"daemon_cpu_us_per_call",
+                    params("shm_gpu"),
+                    1e6 * (ProcessCpuSeconds(daemon->pid()) - gd0) / reps,
+                    "us",
+                    {"", 0}});
+        cudaFree(d_q);
+        cudaFree(d_out);
+        cudaFree(d_lse);
+        KVPOOL_RETURN_IF_ERROR(shm_gpu->client().DropPlan(gplan));
+        std::cerr << m.name << " batch " << batch << " x " << context << ": kernel " << kernel_us
+                  << " us, grpc " << Median(grpc_us) << ", shm cpu " << Median(shm_us) << " (cpu "
+                  << client_cpu << " + daemon " << daemon_cpu << "), shm gpu " << Median(gpu_us)
+                  << "\n";
+      }
+      for (const std::string& id : ids) KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
+    }
+  }
+  shm_gpu.reset();
+  shm.reset();
+  KVPOOL_RETURN_IF_ERROR(daemon->Stop());
+  return report.Publish(opt.out);
+}
+
+}  // namespace
+}  // namespace kvpool::bench
+
+int main(int argc, char** argv) {
+  kvpool::bench::Options opt;
+  if (!kvpool::bench::ParseBenchArgs(
+          argc, argv, {{"--kvpoold", &opt.kvpoold}, {"--device", &opt.device}, {"--out", &opt.out}},
+          {{"--quick", &opt.quick}}, "--kvpoold PATH [--device cuda:0] [--out FILE] [--quick]") ||
+      opt.kvpoold.empty()) {
+    return 2;
+  }
+  return kvpool::bench::ExitCode(kvpool::bench::Run(opt));
+}
