@@ -24,7 +24,8 @@ DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip
   integration_cuda_ipc_test kvpoold-fault-injection integration_device_health_test
   integration_integrity_test
   kvpool-gpu-transport-bench
-  kvpool-gpu-attention-bench kvpool-split-replay"
+  kvpool-gpu-attention-bench kvpool-split-replay
+  integration_shm_attention_test kvpool-gpu-decode-path-bench"
 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPOOL_NATIVE=OFF \
   -DKVPOOL_BUILD_SERVICE=ON >/dev/null

@@ -6,8 +6,8 @@
 # tests/gpu/package.sh built on the CPU machine (.gpu-carry/bundle.tar.xz, carried with the
 # call), so nothing needs gRPC, protobuf, Abseil or UCX packages here.
 #
-#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|transport|attention|
-#                          ab|profile|split-replay]
+#   bash tests/gpu/run.sh [all|test|sanitize|bench|quick|daemon|daemon-quick|decode-path|
+#                          transport|attention|ab|profile|split-replay]
 #
 # (default: all). `ab` compares the decode attention of this bundle with a base bundle
 # (.gpu-carry-base, carried too) and with this bundle under the tuning variants of AB_VARIANTS
@@ -243,6 +243,25 @@ if [ "$MODE" = transport ] || [ "$MODE" = attention ]; then
   echo
   grep -E "^check|^fault" "$OUT/attention.log"
   sed -n '/^  context  batch/,/^target/p' "$OUT/attention.log"
+fi
+if [ "$MODE" = all ] || [ "$MODE" = decode-path ]; then
+  # The decode critical path on one GPU: correctness of the same-host channel against a GPU
+  # daemon (its integration test), then every path's latency beside the kernels and SDPA BF16,
+  # each path first checked bit for bit against the gRPC answer.
+  KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
+    "same-host channel conformance (cuda:0)" "$OUT/decode-path.log" \
+    "$BIN/integration_shm_attention_test" --gtest_color=no
+  QUICK=""
+  [ -n "${DECODE_PATH_QUICK:-}" ] && QUICK="--quick"
+  step "decode path benchmark (paths, bit-exact)" "$OUT/decode-path.log" \
+    "$BIN/kvpool-gpu-decode-path-bench" --kvpoold "$BIN/kvpoold" --device cuda:0 \
+    --out "$OUT/decode-path-raw.json" $QUICK
+  step "decode path table (+ SDPA BF16)" "$OUT/decode-path.log" python3 \
+    tests/gpu/decode_path_table.py --raw "$OUT/decode-path-raw.json" \
+    --out "$OUT/gpu_decode_path.json"
+  cp "$OUT/gpu_decode_path.json" bench-results/gpu_decode_path.json 2>/dev/null
+  echo
+  sed -n '/^one layer, us/,$p' "$OUT/decode-path.log"
 fi
 if [ "$MODE" = split-replay ]; then
   # The SmolLM2 split replayed against kvpoold --device=cuda:0 (make gpu-replay-capture made
