@@ -207,11 +207,16 @@ absl::Status Run(const Options& opt) {
         const int grpc_reps = context >= 131072 && batch >= 32 ? 20 : 50;
         KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse before, c->GetStats());
         std::vector<double> grpc_us;
+        const double rcpu0 = ThreadCpuSeconds(), rd0 = ProcessCpuSeconds(daemon->pid());
         for (int rep = 0; rep < grpc_reps; ++rep) {
           const auto t0 = SteadyClock::now();
           KVPOOL_RETURN_IF_ERROR(c->Attend(request).status());
           grpc_us.push_back(1e6 * SecondsSince(t0));
         }
+        const double grpc_client_cpu = 1e6 * (ThreadCpuSeconds() - rcpu0) / grpc_reps;
+        const double grpc_daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - rd0) / grpc_reps;
+        const double grpc_client_cpu = 1e6 * (ThreadCpuSeconds() - rcpu0) / grpc_reps;
+        const double grpc_daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - rd0) / grpc_reps;
         KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse after, c->GetStats());
         const double kernel_us = 1e6 *
                                  (after.service().attention_device_seconds() -
@@ -221,6 +226,8 @@ absl::Status Run(const Options& opt) {
             {"decode_attention_us", params("kernel"), kernel_us, "us", {"kernel", kernel_us}});
         report.Add(
             {"decode_attention_us", params("grpc"), Median(grpc_us), "us", {"kernel", kernel_us}});
+        report.Add({"caller_cpu_us_per_call", params("grpc"), grpc_client_cpu, "us", {"", 0}});
+        report.Add({"daemon_cpu_us_per_call", params("grpc"), grpc_daemon_cpu, "us", {"", 0}});
 
         // Same-host channel, CPU caller.
         KVPOOL_ASSIGN_OR_RETURN(RemoteAttentionPlan plan, shm->SetPlan(m.name, batch_ids, 1));

@@ -76,9 +76,9 @@ def main():
                             "unit": "met", "baseline": {"name": "", "value": 0.0}, "ratio": 0.0})
             misses += 0 if ok else 1
         flags = " ".join(f"{n}:{'ok' if ok else 'MISS'}" for n, ok in checks)
-        cc = cpu_caller.get(key + ("shm_cpu",))
-        cd = cpu_daemon.get(key + ("shm_cpu",))
-        lines.append((row, layers, flags, cc, cd))
+        cpu = {path: (cpu_caller.get(key + (path,)), cpu_daemon.get(key + (path,)))
+               for path in ("grpc", "shm_cpu", "shm_gpu")}
+        lines.append((row, layers, flags, cpu))
     with open(args.out, "w") as f:
         json.dump({"machine": raw.get("machine", {}), "results": results}, f, indent=1)
 
@@ -87,15 +87,22 @@ def main():
 
     print("one layer, us (p50; kernel = the kernels' own device time):")
     print(f"{'model':9s} {'B':>3s} {'ctx':>7s} " + " ".join(f"{p:>8s}" for p in PATHS) +
-          f" {'sdpa':>8s}  {'shm cpu us/call (caller+daemon)':>31s}  targets")
-    for row, layers, flags, cc, cd in lines:
-        cpu = "-" if cc is None else f"{cc:.1f} + {cd:.1f}"
+          f" {'sdpa':>8s}  targets")
+    for row, layers, flags, _ in lines:
         print(f"{row[0]:9s} {row[1]:3d} {row[2]:7d} " + " ".join(fmt(v) for v in row[3:]) +
-              f"  {cpu:>31s}  {flags}")
+              f"  {flags}")
+    print("\nCPU us per call (caller thread + kvpoold, all threads):")
+    print(f"{'model':9s} {'B':>3s} {'ctx':>7s} {'grpc':>16s} {'shm_cpu':>16s} {'shm_gpu':>16s}")
+    for row, _, _, cpu in lines:
+        cells = []
+        for path in ("grpc", "shm_cpu", "shm_gpu"):
+            cc, cd = cpu[path]
+            cells.append("-" if cc is None else f"{cc:.1f} + {cd:.1f}")
+        print(f"{row[0]:9s} {row[1]:3d} {row[2]:7d} " + " ".join(f"{c:>16s}" for c in cells))
     print("\nper token (all layers), ms:")
     print(f"{'model':9s} {'layers':>6s} {'B':>3s} {'ctx':>7s} " +
           " ".join(f"{p:>8s}" for p in PATHS) + f" {'sdpa':>8s}")
-    for row, layers, _, _, _ in lines:
+    for row, layers, _, _ in lines:
         print(f"{row[0]:9s} {layers:6d} {row[1]:3d} {row[2]:7d} " +
               " ".join(fmt(None if v is None else v * layers / 1e3, 8, 2) for v in row[3:]))
     print(f"\ntargets missed: {misses}")
