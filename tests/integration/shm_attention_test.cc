@@ -212,6 +212,39 @@ TEST_F(ShmAttentionTest, SessionIsBoundToItsSecretAndItsLease) {
       [&](const v1::GetStatsResponse& s) { return s.transport().sessions() == before; }));
 }
 
+TEST_F(ShmAttentionTest, AClientThatVanishesEndsItsSession) {
+  const uint32_t before = Stats().transport().sessions();
+  auto stub = v1::TransportService::NewStub(client().channel());
+  v1::NegotiateRequest req;
+  req.add_offers()->set_kind(v1::TRANSPORT_KIND_SHARED_MEMORY);
+  v1::NegotiateResponse resp;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub->Negotiate(&ctx, req, &resp).ok());
+  const v1::SharedMemorySession& m = resp.shared_memory();
+  const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, m.socket_path().c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(connect(s, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_TRUE(
+      server::SendWithFd(s, server::EncodeShmHello({m.session_id(), m.session_secret()}), -1).ok());
+  std::array<uint8_t, server::kShmReplyBytes> reply;
+  absl::StatusOr<int> fd = server::ReceiveWithFd(s, absl::MakeSpan(reply), absl::Seconds(30));
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  ASSERT_GE(*fd, 0);
+  absl::StatusOr<server::ShmReply> r = server::DecodeShmReply(reply);
+  ASSERT_TRUE(r.ok() && r->status.ok());
+  EXPECT_EQ(Stats().transport().sessions(), before + 1);
+  // Gone without CloseSession, as a killed process would be: the socket closes.
+  close(*fd);
+  close(s);
+  EXPECT_TRUE(WaitForStats(
+      [&](const v1::GetStatsResponse& st) { return st.transport().sessions() == before; }));
+  // The daemon serves on.
+  auto attn = Connect();
+  ASSERT_NE(attn, nullptr);
+}
+
 TEST_F(ShmAttentionTest, ConcurrentCallersShareOneChannel) {
   ASSERT_TRUE(CreateAndAppend(client(), "m", "conc-a", MakeSequenceKv(kShape, 120, 8), true).ok());
   auto attn = Connect(/*slots=*/4);

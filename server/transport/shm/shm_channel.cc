@@ -103,7 +103,12 @@ void ShmChannel::Close() {
   std::thread t;
   {
     absl::MutexLock lock(&start_mu_);
-    if (!loop_.joinable() || loop_.get_id() == std::this_thread::get_id()) return;
+    if (!loop_.joinable()) return;
+    if (loop_.get_id() == std::this_thread::get_id()) {
+      // From on_end, which may go on to destroy the channel: the loop's thread ends by itself.
+      loop_.detach();
+      return;
+    }
     t = std::move(loop_);
   }
   t.join();
