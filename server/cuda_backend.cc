@@ -417,14 +417,18 @@ class CudaBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  // Resident tables: device words on a stream of their own, and an event after their last patch
-  // that each Attend reading them waits for on its lane (no host wait).
+  // Resident tables: device words on a stream of their own, an event after their last patch that
+  // each Attend reading them waits for on its lane, and one after the last Attend that read them
+  // that the next patch (or the free) waits for: an Attend that returned before its kernels ended
+  // (a mailbox call) is never overwritten under it. No host waits either way.
   class DeviceTables final : public ResidentTables {
    public:
     ~DeviceTables() override {
+      if (read_ != nullptr && stream_ != nullptr) cudaStreamWaitEvent(stream_, read_, 0);
       if (words_ != nullptr) cudaFreeAsync(words_, stream_);
       if (patch_ != nullptr) cudaFreeAsync(patch_, stream_);
       if (ready_ != nullptr) cudaEventDestroy(ready_);
+      if (read_ != nullptr) cudaEventDestroy(read_);
       if (stream_ != nullptr) cudaStreamDestroy(stream_);
     }
     int32_t* words() const override { return words_; }
@@ -432,6 +436,7 @@ class CudaBackend final : public ComputeBackend {
 
     cudaStream_t stream_ = nullptr;
     cudaEvent_t ready_ = nullptr;
+    cudaEvent_t read_ = nullptr;
     int32_t* words_ = nullptr;
     size_t size_ = 0;
     cuda::WordWrite* patch_ = nullptr;  // device copy of the last patch
