@@ -450,6 +450,8 @@ class CudaBackend final : public ComputeBackend {
         CudaStatus(cudaStreamCreateWithFlags(&t->stream_, cudaStreamNonBlocking), "stream"));
     KVPOOL_RETURN_IF_ERROR(
         CudaStatus(cudaEventCreateWithFlags(&t->ready_, cudaEventDisableTiming), "event"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaEventCreateWithFlags(&t->read_, cudaEventDisableTiming), "event"));
     void* p = nullptr;
     const size_t bytes = std::max<size_t>(words, 1) * sizeof(int32_t);
     KVPOOL_RETURN_IF_ERROR(
@@ -468,6 +470,8 @@ class CudaBackend final : public ComputeBackend {
     }
     if (patch.empty()) return absl::OkStatus();
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    KVPOOL_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamWaitEvent(t->stream_, t->read_, 0), "wait for readers"));
     if (patch.size() > t->patch_capacity_) {
       if (t->patch_ != nullptr) {
         KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaFreeAsync(t->patch_, t->stream_), "cudaFreeAsync"));
@@ -592,6 +596,10 @@ class CudaBackend final : public ComputeBackend {
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->start, lane->stream), "event"));
     KVPOOL_RETURN_IF_ERROR(cuda::DecodeAttention(shape, batch, io, ws, ws_bytes, lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane->stop, lane->stream), "event"));
+    if (resident != nullptr) {
+      KVPOOL_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(resident->read_, lane->stream), "record tables read"));
+    }
     if (mailbox != nullptr) {
       // Answered once queued: the caller waits for `done` on its own stream. Work still in
       // flight on the lane's stream orders the lane's next use after it.
