@@ -174,9 +174,7 @@ absl::Status AttentionPlan::Refresh(Layer* l) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::Attend(int layer, const AttentionRows& io,
-                                                                bool on_device,
-                                                                const DeviceMailbox* mailbox) {
+absl::StatusOr<AttentionPlan::Layer*> AttentionPlan::Ready(int layer, const AttentionRows& io) {
   if (layer < 0 || layer >= model_->num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " out of range [0, ", model_->num_layers, ")"));
@@ -191,6 +189,18 @@ absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::Attend(int layer, const
     layers_[layer].reset();
     return s;
   }
+  return l;
+}
+
+absl::Span<const int32_t> AttentionPlan::Attended(const Layer& l) {
+  for (size_t i = 0; i < l.watches.size(); ++i) attended_[i] = l.watches[i]->total();
+  return absl::MakeConstSpan(attended_);
+}
+
+absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::Attend(int layer, const AttentionRows& io,
+                                                                bool on_device,
+                                                                const DeviceMailbox* mailbox) {
+  KVPOOL_ASSIGN_OR_RETURN(Layer * l, Ready(layer, io));
   AttentionCall call;
   call.layer = layer;
   call.kv = l->batch;
@@ -200,8 +210,17 @@ absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::Attend(int layer, const
   call.mailbox = mailbox;
   if (l->tables == nullptr) call.kv_words = l->host;
   KVPOOL_RETURN_IF_ERROR(backend_->Attend(*model_, call));
-  for (size_t i = 0; i < l->watches.size(); ++i) attended_[i] = l->watches[i]->total();
-  return absl::MakeConstSpan(attended_);
+  return Attended(*l);
+}
+
+absl::StatusOr<absl::Span<const int32_t>> AttentionPlan::AppendTo(
+    int layer, const AttentionRows& io, std::vector<PagedKvTables::Sequence>* sequences,
+    PagedKvView* history_pool, PagedKvView* bf16_pool) {
+  KVPOOL_ASSIGN_OR_RETURN(Layer * l, Ready(layer, io));
+  for (const auto& w : l->watches) sequences->push_back(w->KvSequence(num_queries_));
+  *history_pool = l->batch.history_pool;
+  *bf16_pool = l->batch.bf16_pool;
+  return Attended(*l);
 }
 
 }  // namespace kvpool::server

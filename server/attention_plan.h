@@ -56,6 +56,14 @@ class AttentionPlan {
   [[nodiscard]] absl::StatusOr<absl::Span<const int32_t>> Attend(
       int layer, const AttentionRows& io, bool on_device, const DeviceMailbox* mailbox = nullptr);
 
+  // For a call fused with other plans' (attention_combiner.h): brings `layer` up to date as
+  // Attend does and appends its sequences (num_queries rows each, in order) to `sequences`, and
+  // the pools they are in; returns the attended tokens per sequence. The block ids stay valid
+  // until the plan's next call. Errors as Attend's.
+  [[nodiscard]] absl::StatusOr<absl::Span<const int32_t>> AppendTo(
+      int layer, const AttentionRows& io, std::vector<PagedKvTables::Sequence>* sequences,
+      PagedKvView* history_pool, PagedKvView* bf16_pool);
+
   const Model& model() const { return *model_; }
   const std::vector<std::string>& sequence_ids() const { return ids_; }
   int batch() const { return static_cast<int>(ids_.size()); }
@@ -69,6 +77,10 @@ class AttentionPlan {
   AttentionPlan(SequenceStore* store, ComputeBackend* backend, TenantId tenant,
                 std::shared_ptr<const Model> model, std::vector<std::string> ids, int num_queries);
   absl::StatusOr<Layer*> Prepare(int layer);
+  // Checks the call, prepares and refreshes `layer` (dropped again on error).
+  absl::StatusOr<Layer*> Ready(int layer, const AttentionRows& io);
+  // The attended tokens of each sequence of `l`, in attended_.
+  absl::Span<const int32_t> Attended(const Layer& l);
   // Refreshes the layer's watches and brings its tables up to date.
   absl::Status Refresh(Layer* l);
   // (Re)lays the layer's tables out for its watches' current sizes, with room to grow.

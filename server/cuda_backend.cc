@@ -633,7 +633,7 @@ class CudaBackend final : public ComputeBackend {
 
   // Waits for the lane's work so far without a device or stream synchronisation: polls an event
   // for a few microseconds (a decode step's short kernels end within them), then blocks on it.
-  absl::Status WaitDone(Lane& lane, absl::string_view what) {
+  absl::Status WaitDone(Lane& lane, const char* what) {
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane.done, lane.stream), what));
     const auto spin_until = std::chrono::steady_clock::now() + kSpinBeforeBlocking;
     while (true) {

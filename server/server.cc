@@ -156,6 +156,8 @@ absl::StatusOr<std::unique_ptr<KvpoolServer>> KvpoolServer::Start(
   ctx.store = s->store_.get();
   ctx.workers = s->workers_.get();
   ctx.attention = s->attention_.get();
+  s->combiner_ = std::make_unique<AttentionCombiner>(s->backend_.get());
+  ctx.combiner = s->combiner_.get();
   ctx.ingest = s->ingest_.get();
   ctx.admission = s->admission_.get();
   ctx.drain = &s->drain_;

@@ -120,6 +120,7 @@ class KvpoolServer {
   std::unique_ptr<SequenceReaper> reaper_;  // releases the store's expired leases
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<AttentionEngine> attention_;
+  std::unique_ptr<AttentionCombiner> combiner_;
   std::unique_ptr<CodecHealth> codec_health_;  // sampled by ingest_
   std::unique_ptr<IngestEngine> ingest_;
   std::unique_ptr<TenantPolicy> tenant_policy_;

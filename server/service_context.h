@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/status.h"
+#include "server/attention_combiner.h"
 #include "server/attention_engine.h"
 #include "server/auth/auth_processor.h"
 #include "server/auth/call_identity.h"
@@ -60,6 +61,9 @@ struct ServiceContext {
   SequenceStore* store = nullptr;
   WorkerPool* workers = nullptr;
   AttentionEngine* attention = nullptr;
+  // Plan calls of same-host channels that arrive together share backend calls (null: each
+  // runs alone).
+  AttentionCombiner* combiner = nullptr;
   // Every append of K/V, whatever carries it, goes through it.
   IngestEngine* ingest = nullptr;
   // Tickets of reads and Attend calls (server/read_ticket.h); null: not capped.

@@ -22,6 +22,11 @@ namespace {
 constexpr absl::Duration kSpin = absl::Microseconds(100);
 constexpr absl::Duration kIdleCheck = absl::Milliseconds(100);
 
+absl::StatusOr<std::vector<int32_t>> Copy(absl::StatusOr<absl::Span<const int32_t>> tokens) {
+  if (!tokens.ok()) return tokens.status();
+  return std::vector<int32_t>(tokens->begin(), tokens->end());
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Create(ServiceContext* ctx, TenantId tenant,
@@ -190,7 +195,7 @@ void ShmChannel::Loop() {
   if (on_end) on_end(why);  // may destroy this channel: nothing after it
 }
 
-absl::StatusOr<absl::Span<const int32_t>> ShmChannel::Attend(uint32_t slot, const CallHeader& h) {
+absl::StatusOr<std::vector<int32_t>> ShmChannel::Attend(uint32_t slot, const CallHeader& h) {
   std::shared_ptr<AttentionPlan> plan;
   AttentionPlanShape shape;
   {
@@ -210,31 +215,34 @@ absl::StatusOr<absl::Span<const int32_t>> ShmChannel::Attend(uint32_t slot, cons
   void* q = s + ShmLayout::queries_at();
   void* out = s + layout_.out_at();
   void* lse = s + layout_.lse_at();
-  bool on_device = ctx_->backend->device() >= 0;
-  const DeviceMailbox* mailbox = nullptr;
+  const bool device_backend = ctx_->backend->device() >= 0;
   const uint32_t io_kind = SharedWord(s + kShmSlotIoAt)->load(std::memory_order_acquire);
   if (io_kind == kIoDevice) {
     if (mailboxes_.empty()) {
       return absl::InvalidArgumentError("device I/O on a channel negotiated without device_io");
     }
-    mailbox = mailboxes_[slot].get();
-    q = mailbox->data();
-    out = mailbox->data() + layout_.max_query_bytes;
-    lse = mailbox->data() + 2 * layout_.max_query_bytes;
-  } else if (io_kind != kIoRegion) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown slot I/O kind ", io_kind));
-  } else if (on_device) {
-    q = registration_->KernelAddress(q);
-    out = registration_->KernelAddress(out);
-    lse = registration_->KernelAddress(lse);
+    const DeviceMailbox* m = mailboxes_[slot].get();
+    const AttentionRows io{reinterpret_cast<const float*>(m->data()),
+                           reinterpret_cast<float*>(m->data() + layout_.max_query_bytes),
+                           reinterpret_cast<float*>(m->data() + 2 * layout_.max_query_bytes),
+                           plan->rows()};
+    return Copy(plan->Attend(h.layer, io, /*on_device=*/true, m));
   }
-  on_device = on_device || mailbox != nullptr;
-  const AttentionRows io{static_cast<const float*>(q), static_cast<float*>(out),
-                         static_cast<float*>(lse), plan->rows()};
-  KVPOOL_ASSIGN_OR_RETURN(absl::Span<const int32_t> tokens,
-                          plan->Attend(h.layer, io, on_device, mailbox));
-  // The plan's buffer outlives this call's use of it (the loop is its only caller).
-  return tokens;
+  if (io_kind != kIoRegion) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown slot I/O kind ", io_kind));
+  }
+  const AttentionRows host_io{static_cast<const float*>(q), static_cast<float*>(out),
+                              static_cast<float*>(lse), plan->rows()};
+  AttentionRows kernel_io = host_io;
+  if (device_backend) {
+    // The registered region in place: the kernels read the queries and write the outputs there.
+    kernel_io = {static_cast<const float*>(registration_->KernelAddress(q)),
+                 static_cast<float*>(registration_->KernelAddress(out)),
+                 static_cast<float*>(registration_->KernelAddress(lse)), plan->rows()};
+  }
+  // The tokens are copied while `plan` is held: a DropPlan meanwhile may leave it the last owner.
+  if (ctx_->combiner == nullptr) return Copy(plan->Attend(h.layer, kernel_io, device_backend));
+  return Copy(ctx_->combiner->Attend(plan.get(), h.layer, host_io, kernel_io, device_backend));
 }
 
 void ShmChannel::Serve(uint32_t slot) {
@@ -247,7 +255,7 @@ void ShmChannel::Serve(uint32_t slot) {
     st.status = h.status();
   } else {
     st.call = h->call;
-    absl::StatusOr<absl::Span<const int32_t>> tokens = Attend(slot, *h);
+    absl::StatusOr<std::vector<int32_t>> tokens = Attend(slot, *h);
     if (tokens.ok()) {
       st.attended_tokens.assign(tokens->begin(), tokens->end());
     } else {

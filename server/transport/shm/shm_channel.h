@@ -84,7 +84,7 @@ class ShmChannel {
   void Loop();
   void Serve(uint32_t slot);
   // The outcome of the call in `slot` (header already copied out).
-  absl::StatusOr<absl::Span<const int32_t>> Attend(uint32_t slot, const CallHeader& h);
+  absl::StatusOr<std::vector<int32_t>> Attend(uint32_t slot, const CallHeader& h);
   bool PeerGone() const;
 
   ServiceContext* const ctx_;
