@@ -128,7 +128,7 @@ absl::Status Run(const Options& opt) {
                           KvpoolClient::Connect(daemon->target(), copt));
 
   client::ShmAttentionOptions so;
-  so.max_query_bytes = uint64_t{max_batch} * 64 * 128 * 4;
+  so.max_query_bytes = static_cast<uint64_t>(max_batch) * 64 * 128 * 4;
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::ShmAttentionClient> shm,
                           client::ShmAttentionClient::Connect(c->channel(), so));
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::ShmDeviceAttention> shm_gpu,
@@ -213,8 +213,6 @@ absl::Status Run(const Options& opt) {
           KVPOOL_RETURN_IF_ERROR(c->Attend(request).status());
           grpc_us.push_back(1e6 * SecondsSince(t0));
         }
-        const double grpc_client_cpu = 1e6 * (ThreadCpuSeconds() - rcpu0) / grpc_reps;
-        const double grpc_daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - rd0) / grpc_reps;
         const double grpc_client_cpu = 1e6 * (ThreadCpuSeconds() - rcpu0) / grpc_reps;
         const double grpc_daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - rd0) / grpc_reps;
         KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse after, c->GetStats());
