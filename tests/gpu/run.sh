@@ -251,6 +251,10 @@ if [ "$MODE" = all ] || [ "$MODE" = decode-path ]; then
   KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
     "same-host channel conformance (cuda:0)" "$OUT/decode-path.log" \
     "$BIN/integration_shm_attention_test" --gtest_color=no
+  # Attention over gRPC against the CPU kernels' arithmetic (the backend's attention changed too).
+  KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
+    "conformance attention (cuda:0)" "$OUT/decode-path.log" \
+    "$BIN/integration_attention_test" --gtest_color=no
   QUICK=""
   [ -n "${DECODE_PATH_QUICK:-}" ] && QUICK="--quick"
   step "decode path benchmark (paths, bit-exact)" "$OUT/decode-path.log" \
