@@ -166,6 +166,10 @@ ABSL_FLAG(int32_t, shm_max_sessions, 32,
 ABSL_FLAG(uint64_t, shm_max_region_bytes, uint64_t{64} << 20,
           "Most shared memory one shared-memory attention channel may have (pinned on a GPU "
           "daemon)");
+ABSL_FLAG(uint64_t, shm_in_place_bytes, uint64_t{16} << 10,
+          "On a GPU daemon, shared-memory calls whose queries take at most this many bytes are "
+          "read and written in place by the kernels over the bus; larger ones are copied by DMA "
+          "(in-place access costs more per byte, a copy more per call)");
 ABSL_FLAG(uint64_t, transport_staging_bytes, uint64_t{64} << 20,
           "Registered staging memory for UCX pushes, shared by all sessions");
 ABSL_FLAG(uint64_t, transport_message_bytes, uint64_t{4} << 20,
@@ -528,6 +532,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   c.shm_socket_dir = absl::GetFlag(FLAGS_shm_socket_dir);
   c.shm_max_sessions = absl::GetFlag(FLAGS_shm_max_sessions);
   c.shm_max_region_bytes = absl::GetFlag(FLAGS_shm_max_region_bytes);
+  c.shm_in_place_bytes = absl::GetFlag(FLAGS_shm_in_place_bytes);
   c.transport_staging_bytes = absl::GetFlag(FLAGS_transport_staging_bytes);
   c.transport_message_bytes = absl::GetFlag(FLAGS_transport_message_bytes);
   c.transport_idle_timeout_ms = absl::GetFlag(FLAGS_transport_idle_timeout_ms);

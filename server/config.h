@@ -105,6 +105,9 @@ struct ServerConfig {
   std::string shm_socket_dir;
   int shm_max_sessions = 32;
   size_t shm_max_region_bytes = 64u << 20;
+  // On a GPU daemon, calls whose queries take at most this many bytes are read and written in
+  // place by the kernels (mapped host memory); larger ones move by DMA copies.
+  size_t shm_in_place_bytes = 16u << 10;
   // Integrity (server/scrubber.h): one full checksum sweep of the stored pages per period
   // (zero: no scrubber), reading pool memory at most this fast.
   absl::Duration scrub_period = absl::Minutes(5);

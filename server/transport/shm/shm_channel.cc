@@ -234,15 +234,17 @@ absl::StatusOr<std::vector<int32_t>> ShmChannel::Attend(uint32_t slot, const Cal
   const AttentionRows host_io{static_cast<const float*>(q), static_cast<float*>(out),
                               static_cast<float*>(lse), plan->rows()};
   AttentionRows kernel_io = host_io;
-  if (device_backend) {
+  // Small calls in place (no copy to wait for); larger ones by DMA (the backend's host I/O).
+  const bool in_place = device_backend && h.query_bytes <= ctx_->config->shm_in_place_bytes;
+  if (in_place) {
     // The registered region in place: the kernels read the queries and write the outputs there.
     kernel_io = {static_cast<const float*>(registration_->KernelAddress(q)),
                  static_cast<float*>(registration_->KernelAddress(out)),
                  static_cast<float*>(registration_->KernelAddress(lse)), plan->rows()};
   }
   // The tokens are copied while `plan` is held: a DropPlan meanwhile may leave it the last owner.
-  if (ctx_->combiner == nullptr) return Copy(plan->Attend(h.layer, kernel_io, device_backend));
-  return Copy(ctx_->combiner->Attend(plan.get(), h.layer, host_io, kernel_io, device_backend));
+  if (ctx_->combiner == nullptr) return Copy(plan->Attend(h.layer, kernel_io, in_place));
+  return Copy(ctx_->combiner->Attend(plan.get(), h.layer, host_io, kernel_io, in_place));
 }
 
 void ShmChannel::Serve(uint32_t slot) {
