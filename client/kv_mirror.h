@@ -23,8 +23,10 @@
 // chunk W / T, first token W % T.
 //
 // The arena is host memory the mirror allocates, or a buffer the caller owns (a worker's GPU
-// memory, say) with a `write` function that copies host bytes into it; the daemon never writes
-// it here (TransportService.FetchToDevice is the CUDA IPC path that does).
+// memory, say) with a `write` function that copies host bytes into it (Fetch: the bytes come over
+// gRPC), or that the daemon writes itself (FetchToDevice: CUDA IPC, same host). Tables' arrays
+// are host memory; a GPU kernel takes a device copy of tables->words() and the batch moved there
+// with RebaseArrays (kernels/paged_kv.h).
 //
 // Thread-compatible: one thread fetches; attention reads the arena between fetches (a fetch
 // rewrites a partly held history block and fills recent pages in place).
