@@ -142,6 +142,44 @@ void AddRowCopies(const Model& m, const std::vector<int32_t>& pool_pages, const 
 
 }  // namespace
 
+absl::StatusOr<std::vector<DeviceCopy>> PlanDeviceCopies(
+    ComputeBackend* backend, const SequenceSnapshot& s, const ReadStarts& starts,
+    absl::Span<const LayerFetchSlots> slots, uint8_t* arena_history, uint8_t* arena_bf16) {
+  const Model& m = s.model();
+  const int bt = m.block_tokens();
+  const int layers = static_cast<int>(s.layers().size());
+  // What leaves is verified in the pool first (as ReadBlocks verifies its copies).
+  const int window = s.sink() + s.history();
+  const int total = window + s.recent();
+  std::vector<DeviceCopy> copies;
+  for (int i = 0; i < layers; ++i) {
+    const SequenceSnapshot::Layer& l = s.layers()[i];
+    const LayerFetchSlots& to = slots[i];
+    if (starts.sink_token < s.sink()) {
+      KVPOOL_RETURN_IF_ERROR(
+          s.VerifyTokens(backend, i, starts.sink_token, s.sink() - starts.sink_token));
+      AddRowCopies(m, l.sink, s.bf16_pool(), 0, 0, starts.sink_token, s.sink(), arena_bf16, to.sink,
+                   &copies);
+    }
+    const int history_from = starts.history_block * bt;
+    if (history_from < s.history()) {
+      KVPOOL_RETURN_IF_ERROR(
+          s.VerifyTokens(backend, i, s.sink() + history_from, s.history() - history_from));
+      for (size_t j = 0; j < to.history.size(); ++j) {
+        copies.push_back({arena_history + static_cast<size_t>(to.history[j]) * m.block_bytes,
+                          s.HistoryBlock(i, starts.history_block + j), m.block_bytes});
+      }
+    }
+    if (starts.recent_token < total) {
+      KVPOOL_RETURN_IF_ERROR(
+          s.VerifyTokens(backend, i, starts.recent_token, total - starts.recent_token));
+      AddRowCopies(m, l.recent, s.bf16_pool(), window, s.recent_head(), starts.recent_token, total,
+                   arena_bf16, to.recent, &copies);
+    }
+  }
+  return copies;
+}
+
 absl::Status FetchToDevice(ServiceContext* ctx, const TenantId& tenant,
                            const v1::FetchToDeviceRequest& request,
                            v1::FetchToDeviceResponse* response) {
@@ -178,36 +216,10 @@ absl::Status FetchToDevice(ServiceContext* ctx, const TenantId& tenant,
   uint8_t* const arena_history = mapped->data() + request.arena().offset();
   uint8_t* const arena_bf16 = arena_history + history_bytes;
 
-  // What leaves is verified in the pool first (as ReadBlocks verifies its copies).
-  const int window = s.sink() + s.history();
-  const int total = window + s.recent();
-  std::vector<DeviceCopy> copies;
+  KVPOOL_ASSIGN_OR_RETURN(
+      const std::vector<DeviceCopy> copies,
+      PlanDeviceCopies(ctx->backend, s, starts, slots, arena_history, arena_bf16));
   uint64_t bytes = 0;
-  for (int i = 0; i < layers; ++i) {
-    const SequenceSnapshot::Layer& l = s.layers()[i];
-    const LayerFetchSlots& to = slots[i];
-    if (starts.sink_token < s.sink()) {
-      KVPOOL_RETURN_IF_ERROR(
-          s.VerifyTokens(ctx->backend, i, starts.sink_token, s.sink() - starts.sink_token));
-      AddRowCopies(m, l.sink, s.bf16_pool(), 0, 0, starts.sink_token, s.sink(), arena_bf16, to.sink,
-                   &copies);
-    }
-    const int history_from = starts.history_block * bt;
-    if (history_from < s.history()) {
-      KVPOOL_RETURN_IF_ERROR(
-          s.VerifyTokens(ctx->backend, i, s.sink() + history_from, s.history() - history_from));
-      for (size_t j = 0; j < to.history.size(); ++j) {
-        copies.push_back({arena_history + static_cast<size_t>(to.history[j]) * m.block_bytes,
-                          s.HistoryBlock(i, starts.history_block + j), m.block_bytes});
-      }
-    }
-    if (starts.recent_token < total) {
-      KVPOOL_RETURN_IF_ERROR(
-          s.VerifyTokens(ctx->backend, i, starts.recent_token, total - starts.recent_token));
-      AddRowCopies(m, l.recent, s.bf16_pool(), window, s.recent_head(), starts.recent_token, total,
-                   arena_bf16, to.recent, &copies);
-    }
-  }
   for (const DeviceCopy& c : copies) bytes += c.bytes * c.rows;
   KVPOOL_RETURN_IF_ERROR(ctx->backend->CopyPoolToDevice(copies));
 

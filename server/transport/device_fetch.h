@@ -13,8 +13,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kvpool/v1/transport_service.pb.h"
+#include "server/backend.h"
 #include "server/read_cursor.h"
+#include "server/sequence_snapshot.h"
 #include "server/service_context.h"
 #include "server/tenant.h"
 
@@ -37,6 +40,13 @@ struct LayerFetchSlots {
 absl::StatusOr<std::vector<LayerFetchSlots>> AssignFetchSlots(
     const v1::FetchToDeviceRequest& request, const SequenceTiers& now, const ReadStarts& starts,
     int block_tokens, int layers);
+
+// The copies of a fetch of `snap` from `starts` into an arena whose regions begin at
+// `arena_history` and `arena_bf16` (slots as AssignFetchSlots gave), the pool pages they read
+// verified first: DATA_LOSS (reason CORRUPT) for one failing its checksum.
+absl::StatusOr<std::vector<DeviceCopy>> PlanDeviceCopies(
+    ComputeBackend* backend, const SequenceSnapshot& snap, const ReadStarts& starts,
+    absl::Span<const LayerFetchSlots> slots, uint8_t* arena_history, uint8_t* arena_bf16);
 
 // The whole call for `tenant`: UNAVAILABLE on a daemon whose pool is not on a GPU or that hosts
 // no transport mapping client buffers; otherwise ReadBlocks' errors, the session's, the arena's
