@@ -103,6 +103,13 @@ absl::StatusOr<FetchStats> KvMirror::Fetch(const std::string& sequence_id) {
     read = client_->ReadBlocks(request);
   }
   if (!read.ok()) return read.status();
+  if (it != held_.end() && it->second.cursor.sink_tokens() > 0 &&
+      read->header.sink_token_start() == 0) {
+    // A daemon that predates cursors answered in full: start over from that answer.
+    Free(&it->second);
+    held_.erase(it);
+    it = held_.end();
+  }
   FetchStats stats;
   stats.full = it == held_.end();
   if (stats.full) {

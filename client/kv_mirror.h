@@ -99,9 +99,11 @@ class KvMirror {
 
   // Brings the sequence up to date: everything on the first fetch, then only what it gained.
   // A cursor the daemon calls stale (the id was released and created anew) drops the copy and
-  // reads the new sequence in full. The daemon's errors (NOT_FOUND for a released sequence, ...)
-  // leave the mirror unchanged; RESOURCE_EXHAUSTED when the new data does not fit the free
-  // slots; DATA_LOSS when the daemon's answer does not continue what the mirror holds.
+  // reads the new sequence in full; so does an answer in full from a daemon that predates
+  // cursors (then a failure leaves the sequence out of the mirror). The daemon's errors (NOT_FOUND
+  // for a released sequence, ...) leave the mirror unchanged; RESOURCE_EXHAUSTED when the new data
+  // does not fit the free slots; DATA_LOSS when the daemon's answer does not continue what the
+  // mirror holds.
   [[nodiscard]] absl::StatusOr<FetchStats> Fetch(const std::string& sequence_id);
   // Fetch as above, but the daemon itself copies the new blocks and rows from its pool (on a
   // GPU) into the arena (a worker's GPU buffer exported as `target`, same host: CUDA IPC) and
