@@ -473,7 +473,8 @@ absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest&
   BlocksRead out;
   bool have_header = false;
   size_t row_bytes = 0;
-  int current = -1;  // index into out.layers
+  uint64_t sink_start = 0, block_start = 0, recent_start = 0;  // from the header
+  int current = -1;                                            // index into out.layers
   absl::Status order;
   v1::ReadBlocksResponse message;
 
@@ -500,6 +501,20 @@ absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest&
       have_header = true;
       row_bytes = static_cast<size_t>(out.header.block_layout().kv_heads()) *
                   out.header.block_layout().head_dim() * 2;
+      // An incremental read's starts; a daemon that predates them sends zeros, which reads
+      // as a full read (the recent rows of a full read start after the history).
+      const v1::ReadBlocksHeader& h = out.header;
+      const uint32_t bt = h.block_layout().tokens();
+      sink_start = h.sink_token_start();
+      block_start = h.history_block_start();
+      recent_start = std::max<uint64_t>(h.recent_token_start(),
+                                        uint64_t{h.sink_tokens()} + h.history_tokens());
+      if (bt == 0 || sink_start > h.sink_tokens() ||
+          block_start > (uint64_t{h.history_tokens()} + bt - 1) / bt ||
+          recent_start > uint64_t{h.sink_tokens()} + h.history_tokens() + h.recent_tokens()) {
+        order = StreamOrderError(kRpc, "a header whose starts lie past its tiers");
+        continue;
+      }
       for (int layer : out.header.layers())
         out.layers.push_back(LayerBlocks{layer, {}, {}, {}, {}, {}});
       continue;
@@ -519,9 +534,7 @@ absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest&
       std::string& k = recent ? l.recent_k : l.sink_k;
       std::string& v = recent ? l.recent_v : l.sink_v;
       const uint64_t have_tokens = row_bytes == 0 ? 0 : k.size() / row_bytes;
-      const uint64_t expect_start =
-          recent ? out.header.sink_tokens() + out.header.history_tokens() + have_tokens
-                 : have_tokens;
+      const uint64_t expect_start = (recent ? recent_start : sink_start) + have_tokens;
       if (rows.token_start() != expect_start || rows.k().size() != rows.num_tokens() * row_bytes ||
           rows.v().size() != rows.num_tokens() * row_bytes) {
         order = StreamOrderError(
@@ -537,7 +550,7 @@ absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest&
           break;
         }
         LayerBlocks& l = out.layers[current];
-        if (b.block_index() != l.blocks.size() ||
+        if (b.block_index() != block_start + l.blocks.size() ||
             b.data().size() != out.header.block_layout().block_bytes()) {
           order = StreamOrderError(
               kRpc, absl::StrCat("block ", b.block_index(), " of layer ", b.layer()));
@@ -552,10 +565,12 @@ absl::StatusOr<BlocksRead> KvpoolClient::ReadBlocks(const v1::ReadBlocksRequest&
   if (!order.ok()) return order;
   if (!have_header) return StreamOrderError(kRpc, "no header");
   const uint32_t bt = out.header.block_layout().tokens();
-  const size_t blocks = bt == 0 ? 0 : (out.header.history_tokens() + bt - 1) / bt;
+  const size_t blocks = bt == 0 ? 0 : (out.header.history_tokens() + bt - 1) / bt - block_start;
+  const uint64_t total =
+      uint64_t{out.header.sink_tokens()} + out.header.history_tokens() + out.header.recent_tokens();
   for (const LayerBlocks& l : out.layers) {
-    if (l.sink_k.size() != out.header.sink_tokens() * row_bytes ||
-        l.recent_k.size() != out.header.recent_tokens() * row_bytes || l.blocks.size() != blocks) {
+    if (l.sink_k.size() != (out.header.sink_tokens() - sink_start) * row_bytes ||
+        l.recent_k.size() != (total - recent_start) * row_bytes || l.blocks.size() != blocks) {
       return StreamOrderError(kRpc, absl::StrCat("layer ", l.layer, " is incomplete"));
     }
   }

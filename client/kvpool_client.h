@@ -169,12 +169,14 @@ struct ModelDescription {
   std::vector<v1::RotationLayer> rotation;  // layer order; empty unless requested
 };
 
-// ReadBlocks' answer, gathered per layer: attention-ready storage in the rotated basis.
+// ReadBlocks' answer, gathered per layer: attention-ready storage in the rotated basis. An
+// incremental read (request.since) holds only what it sent: sink rows from the header's
+// sink_token_start, blocks from history_block_start, recent rows from recent_token_start.
 struct LayerBlocks {
   int layer = 0;
   std::vector<v1::KvBlock> blocks;  // history blocks in block_index order
-  std::string sink_k, sink_v;       // BF16 [sink_tokens][kv_heads][head_dim]
-  std::string recent_k, recent_v;   // BF16 [recent_tokens][kv_heads][head_dim]
+  std::string sink_k, sink_v;       // BF16 [sink rows sent][kv_heads][head_dim]
+  std::string recent_k, recent_v;   // BF16 [recent rows sent][kv_heads][head_dim]
 };
 struct BlocksRead {
   v1::ReadBlocksHeader header;

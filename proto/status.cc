@@ -18,7 +18,7 @@ constexpr std::pair<ErrorReason, absl::string_view> kNames[] = {
     {ErrorReason::kEvicted, "EVICTED"},   {ErrorReason::kExpired, "EXPIRED"},
     {ErrorReason::kQuota, "QUOTA"},       {ErrorReason::kLimit, "LIMIT"},
     {ErrorReason::kCorrupt, "CORRUPT"},   {ErrorReason::kWrongOwner, "WRONG_OWNER"},
-    {ErrorReason::kDraining, "DRAINING"},
+    {ErrorReason::kDraining, "DRAINING"}, {ErrorReason::kStaleCursor, "STALE_CURSOR"},
 };
 
 std::optional<google::rpc::ErrorInfo> InfoOf(const absl::Status& status) {

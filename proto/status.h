@@ -23,13 +23,14 @@ namespace kvpool {
 
 // The reasons a client acts on, and their names on the wire (ErrorInfo.reason).
 enum class ErrorReason {
-  kEvicted,     // NOT_FOUND: the sequence was evicted under pressure
-  kExpired,     // NOT_FOUND: the sequence's lease expired
-  kQuota,       // RESOURCE_EXHAUSTED: the tenant is over a quota
-  kLimit,       // RESOURCE_EXHAUSTED: a per-stream or per-connection limit
-  kCorrupt,     // DATA_LOSS: stored bytes failed their checksum
-  kWrongOwner,  // FAILED_PRECONDITION: another daemon owns the sequence (scale-out)
-  kDraining,    // UNAVAILABLE: the daemon is draining
+  kEvicted,      // NOT_FOUND: the sequence was evicted under pressure
+  kExpired,      // NOT_FOUND: the sequence's lease expired
+  kQuota,        // RESOURCE_EXHAUSTED: the tenant is over a quota
+  kLimit,        // RESOURCE_EXHAUSTED: a per-stream or per-connection limit
+  kCorrupt,      // DATA_LOSS: stored bytes failed their checksum
+  kWrongOwner,   // FAILED_PRECONDITION: another daemon owns the sequence (scale-out)
+  kDraining,     // UNAVAILABLE: the daemon is draining
+  kStaleCursor,  // FAILED_PRECONDITION: an incremental read's cursor is of an earlier sequence
 };
 absl::string_view ErrorReasonName(ErrorReason reason);  // "EVICTED", "EXPIRED", ...
 std::optional<ErrorReason> ParseErrorReason(absl::string_view name);

@@ -6,9 +6,9 @@ namespace kvpool {
 namespace {
 
 TEST(StatusTest, ReasonsCrossTheWireWithCodeAndMessage) {
-  for (ErrorReason reason :
-       {ErrorReason::kEvicted, ErrorReason::kExpired, ErrorReason::kQuota, ErrorReason::kLimit,
-        ErrorReason::kCorrupt, ErrorReason::kWrongOwner, ErrorReason::kDraining}) {
+  for (ErrorReason reason : {ErrorReason::kEvicted, ErrorReason::kExpired, ErrorReason::kQuota,
+                             ErrorReason::kLimit, ErrorReason::kCorrupt, ErrorReason::kWrongOwner,
+                             ErrorReason::kDraining, ErrorReason::kStaleCursor}) {
     const absl::Status inside =
         WithReason(absl::ResourceExhaustedError("over quota"), reason, {{"quota", "1024"}});
     EXPECT_EQ(ReasonOf(inside), reason);

@@ -85,6 +85,17 @@ struct SlotRange {
   bool history = false;
 };
 
+// One copy out of pool memory into device memory: `rows` runs of `bytes` bytes, run i from
+// src + i * src_pitch to dst + i * dst_pitch (the pitches matter only when rows > 1).
+struct DeviceCopy {
+  uint8_t* dst = nullptr;
+  const uint8_t* src = nullptr;
+  size_t bytes = 0;
+  size_t rows = 1;
+  size_t dst_pitch = 0;
+  size_t src_pitch = 0;
+};
+
 // Query rows of an attention call and their outputs: `rows` consecutive rows of the batch.
 struct AttentionRows {
   const float* queries = nullptr;  // [rows][Hq][D], original basis
@@ -212,6 +223,12 @@ class ComputeBackend {
                                      absl::Span<uint32_t> out) = 0;
   // Raw bytes out of pool memory (attention-ready blocks for clients).
   virtual absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) = 0;
+  // Pool memory into device memory: this GPU's, or a client's allocation mapped into this
+  // process (CUDA IPC: a decode worker's mirror arena). Stream-ordered on one lane; returns once
+  // every copy has landed. Unimplemented on a host backend.
+  virtual absl::Status CopyPoolToDevice(absl::Span<const DeviceCopy> /*copies*/) {
+    return absl::UnimplementedError("this backend's pool is not in device memory");
+  }
 
   // Decode attention of every query row of `call`: the queries are rotated by M_K, attended
   // over their sequences' sink, history and recent tokens, and the outputs un-rotated by M_V^T

@@ -247,6 +247,9 @@ class CudaBackend final : public ComputeBackend {
   absl::Status CopyFromPool(void* dst, const uint8_t* src, size_t bytes) override {
     return Guarded([&] { return CopyFromPoolBody(dst, src, bytes); });
   }
+  absl::Status CopyPoolToDevice(absl::Span<const DeviceCopy> copies) override {
+    return Guarded([&] { return CopyPoolToDeviceBody(copies); });
+  }
   absl::Status Attend(const Model& m, const AttentionCall& call) override {
     return Guarded([&] { return AttendBody(m, call); });
   }
@@ -406,6 +409,24 @@ class CudaBackend final : public ComputeBackend {
                                    cudaMemcpyDeviceToHost, lane->stream),
                    "D2H checksums"));
     return Finish(*lane, "checksums");
+  }
+
+  // Copy engines, on the lane's stream (cudaMemcpyDefault: the destination may be a peer's
+  // allocation mapped through CUDA IPC); waits for that stream only.
+  absl::Status CopyPoolToDeviceBody(absl::Span<const DeviceCopy> copies) {
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    for (const DeviceCopy& c : copies) {
+      if (c.bytes == 0 || c.rows == 0) continue;
+      const size_t dst_pitch = c.rows > 1 ? c.dst_pitch : c.bytes;
+      const size_t src_pitch = c.rows > 1 ? c.src_pitch : c.bytes;
+      KVPOOL_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpy2DAsync(c.dst, dst_pitch, c.src, src_pitch, c.bytes, c.rows,
+                                       cudaMemcpyDefault, lane->stream),
+                     "D2D pool bytes"));
+    }
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane->stream), "D2D pool bytes"));
+    lane->dirty = false;
+    return absl::OkStatus();
   }
 
   absl::Status CopyFromPoolBody(void* dst, const uint8_t* src, size_t bytes) {

@@ -9,6 +9,7 @@
 #include "proto/status.h"
 #include "server/grpc_reactor_order.h"
 #include "server/proto_convert.h"
+#include "server/read_cursor.h"
 #include "server/read_ticket.h"
 #include "server/scaleout/ownership_check.h"
 
@@ -73,12 +74,18 @@ class ReadBlocksReactor final
     : public OrderedReactor<grpc::ServerWriteReactor<v1::ReadBlocksResponse>> {
  public:
   ReadBlocksReactor(ServiceContext* ctx, std::shared_ptr<CallCancellation> cancel,
-                    std::shared_ptr<ReadTicket> ticket, std::unique_ptr<SequenceSnapshot> snap)
+                    std::shared_ptr<ReadTicket> ticket, std::unique_ptr<SequenceSnapshot> snap,
+                    const ReadStarts& starts)
       : ctx_(ctx),
         cancel_(std::move(cancel)),
         ticket_(std::move(ticket)),
         snap_(std::move(snap)),
-        target_(TargetMessageBytes(*ctx->config)) {
+        target_(TargetMessageBytes(*ctx->config)),
+        // Per phase, the first unit sent: a sink row, a history block, a recent row (relative
+        // to the recent tier).
+        starts_{starts.sink_token, starts.history_block,
+                starts.recent_token - snap_->sink() - snap_->history()},
+        pos_(starts_[0]) {
     const Model& m = snap_->model();
     v1::ReadBlocksHeader* h = message_.mutable_header();
     h->set_sequence_id(snap_->sequence_id());
@@ -89,6 +96,10 @@ class ReadBlocksReactor final
     h->set_history_tokens(snap_->history());
     h->set_recent_tokens(snap_->recent());
     for (const auto& l : snap_->layers()) h->add_layers(l.layer);
+    h->set_sequence_incarnation(snap_->incarnation());
+    h->set_sink_token_start(starts.sink_token);
+    h->set_history_block_start(starts.history_block);
+    h->set_recent_token_start(starts.recent_token);
     Write();
   }
 
@@ -176,11 +187,11 @@ class ReadBlocksReactor final
           return true;
         }
       }
-      pos_ = 0;
       if (++phase_ == 3) {
         phase_ = 0;
         ++layer_;
       }
+      pos_ = starts_[phase_];
     }
     return false;
   }
@@ -199,10 +210,11 @@ class ReadBlocksReactor final
   const std::shared_ptr<ReadTicket> ticket_;
   std::unique_ptr<SequenceSnapshot> snap_;
   const size_t target_;
+  const int starts_[3];
   v1::ReadBlocksResponse message_;
   size_t layer_ = 0;
   int phase_ = 0;  // 0 sink rows, 1 history blocks, 2 recent rows
-  int pos_ = 0;
+  int pos_;
   absl::Status error_;
 };
 
@@ -353,13 +365,21 @@ grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadServiceImpl::ReadBlocks(
   const std::vector<int> layers = RequestedLayers(request->layers());
   auto snap = ctx_->store->Snapshot(tenant, request->sequence_id(), layers);
   if (!snap.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(snap.status());
+  // The cursor is checked against this snapshot, the one the answer comes from.
+  const SequenceSnapshot& s = **snap;
+  const absl::StatusOr<ReadStarts> starts =
+      PlanRead(request->has_since() ? &request->since() : nullptr,
+               {s.incarnation(), s.sink(), s.history(), s.recent()},
+               s.model().codec.quant.sink_tokens, s.model().block_tokens());
+  if (!starts.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(starts.status());
   std::shared_ptr<CallCancellation> cancel = CancellationOf(context, &ctx_->counters.cancellation);
   absl::StatusOr<std::shared_ptr<ReadTicket>> ticket = AdmitRead(
       ctx_, context, tenant, "ReadBlocks",
       ReadBlocksReactor::MessageBytes((*snap)->model(), TargetMessageBytes(*ctx_->config)), 0,
       cancel);
   if (!ticket.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(ticket.status());
-  return new ReadBlocksReactor(ctx_, std::move(cancel), *std::move(ticket), *std::move(snap));
+  return new ReadBlocksReactor(ctx_, std::move(cancel), *std::move(ticket), *std::move(snap),
+                               *starts);
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(

@@ -53,6 +53,8 @@ class SequenceSnapshot {
   const Model& model() const { return *model_; }
   const std::shared_ptr<const Model>& model_ptr() const { return model_; }
   const std::string& sequence_id() const { return id_; }
+  // Which life of the id this is (ReadBlocksCursor.sequence_incarnation).
+  uint64_t incarnation() const { return incarnation_; }
   int sink() const { return sink_; }
   int history() const { return history_; }
   int recent() const { return recent_; }
@@ -104,6 +106,7 @@ class SequenceSnapshot {
   std::shared_ptr<IntegrityCounters> counters_;
   std::shared_ptr<const Model> model_;
   std::string id_;
+  uint64_t incarnation_ = 0;
   int sink_ = 0;
   int history_ = 0;
   int recent_ = 0;

@@ -544,6 +544,7 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->counters_ = integrity_;
   snap->model_ = seq->model;
   snap->id_ = seq->id;
+  snap->incarnation_ = seq->incarnation;
   absl::MutexLock lock(&seq->mu);
   if (seq->released) {
     return internal::ReleasedError(id, seq->expired);

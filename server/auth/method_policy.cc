@@ -33,6 +33,7 @@ const std::vector<MethodRule>& MethodRules() {
       {"/kvpool.v1.TransportService/WatchSession", false, true, true, false},
       {"/kvpool.v1.TransportService/SetAttentionPlan", false, true, true, false},
       {"/kvpool.v1.TransportService/DropAttentionPlan", false, true, true, false},
+      {"/kvpool.v1.TransportService/FetchToDevice", false, true, true, false},
       // Operating the daemon: drain (as SIGTERM) and tenants reload (as SIGHUP).
       {"/kvpool.v1.AdminService/Drain", false, false, true, false},
       {"/kvpool.v1.AdminService/ReloadTenants", false, false, true, false},

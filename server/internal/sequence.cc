@@ -2,16 +2,28 @@
 
 #include <utility>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
 #include "proto/status.h"
 
 namespace kvpool::server::internal {
+namespace {
+
+uint64_t NewIncarnation() {
+  static absl::Mutex mu(absl::kConstInit);
+  static absl::BitGen* gen = new absl::BitGen();
+  absl::MutexLock lock(&mu);
+  return absl::Uniform<uint64_t>(absl::IntervalClosed, *gen, 1, ~uint64_t{0});
+}
+
+}  // namespace
 
 Sequence::Sequence(TenantId tenant_in, std::string id_in, std::shared_ptr<const Model> model_in)
     : tenant(std::move(tenant_in)),
       id(std::move(id_in)),
       model(std::move(model_in)),
+      incarnation(NewIncarnation()),
       layout(TierConfig::FromQuantConfig(model->codec.quant)),
       layers(model->num_layers) {}
 

@@ -41,6 +41,9 @@ class Sequence {
   const TenantId tenant;
   const std::string id;
   const std::shared_ptr<const Model> model;
+  // Random, so two sequences that had the same id (also across restarts) differ: an
+  // incremental read's cursor names the one it was taken from (ReadBlocksCursor).
+  const uint64_t incarnation;
   // Lease: released by the store's reaper after `ttl` without use (zero: never). Set before the
   // sequence is published; `last_use` is renewed by appends, reads and attention, lock-free.
   absl::Duration ttl = absl::ZeroDuration();

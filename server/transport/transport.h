@@ -78,6 +78,8 @@ struct TransportCapabilities {
   bool device_pushes = false;
   // Its attention calls follow plans (TransportService.SetAttentionPlan).
   bool attention_plans = false;
+  // Maps clients' device allocations for fetches into them (TransportService.FetchToDevice).
+  bool device_fetches = false;
 };
 
 // A process that may be watched on the same host (kvpool.v1.TransportOffer's pid fields).
@@ -182,6 +184,14 @@ class RegisteredMemory {
   virtual size_t size() const = 0;
 };
 
+// A client's device allocation mapped into the daemon (CUDA IPC); unmapped when destroyed.
+class MappedClientBuffer {
+ public:
+  virtual ~MappedClientBuffer() = default;
+  virtual uint8_t* data() const = 0;
+  virtual size_t size() const = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -242,6 +252,14 @@ class Transport {
                                                        uint64_t /*session_id*/,
                                                        uint32_t /*plan_id*/) {
     return Unimplemented("carry attention plans");
+  }
+
+  // Device fetches (capabilities().device_fetches): the client allocation exported as `handle`
+  // (a cudaIpcMemHandle_t's bytes), mapped for a fetch over session `session_id` of `tenant`.
+  // NotFound (session), InvalidArgument (a handle that cannot be mapped).
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<MappedClientBuffer>> MapClientBuffer(
+      const TenantId& /*tenant*/, uint64_t /*session_id*/, const std::string& /*handle*/) {
+    return Unimplemented("map client buffers");
   }
 
   // A session's lease: runs `on_end(reason)` once when the session ends (OK after Close). NotFound

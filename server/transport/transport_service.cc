@@ -10,6 +10,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "dataplane/ucx_runtime.h"
+#include "server/scaleout/ownership_check.h"
+#include "server/transport/device_fetch.h"
 #include "server/transport/device_push_reactor.h"
 #include "server/transport/session_routing.h"
 #include "server/transport/session_watch_reactor.h"
@@ -140,6 +142,16 @@ grpc::ServerUnaryReactor* TransportServiceImpl::DropAttentionPlan(
                                 kNoAttentionPlans, id, [&](Transport* t) {
                                   return t->DropAttentionPlan(tenant, id, request->plan_id());
                                 }));
+}
+
+grpc::ServerUnaryReactor* TransportServiceImpl::FetchToDevice(
+    grpc::CallbackServerContext* context, const v1::FetchToDeviceRequest* request,
+    v1::FetchToDeviceResponse* response) {
+  const TenantId tenant = TenantOf(*ctx_, context);
+  absl::Status s = CheckOwnership(*ctx_, context, tenant, {request->read().sequence_id()});
+  if (s.ok()) s = server::FetchToDevice(ctx_, tenant, *request, response);
+  if (!s.ok()) response->Clear();
+  return FinishNow(context, s);
 }
 
 }  // namespace kvpool::server

@@ -6,7 +6,7 @@
 // kind. The transport-specific calls are routed to the transport that holds the session:
 // PushKv (device pushes, NCCL and CUDA IPC: device_push_reactor.h), WatchSession (a session's
 // lease: session_watch_reactor.h), SetAttentionPlan and DropAttentionPlan (NCCL attention
-// channels).
+// channels), FetchToDevice (CUDA IPC: device_fetch.h).
 //
 //   TransportServiceImpl transports(&service_context);   // uses service_context.transports
 //   builder.RegisterService(&transports);
@@ -40,6 +40,9 @@ class TransportServiceImpl final : public ::kvpool::v1::TransportService::Callba
   grpc::ServerUnaryReactor* DropAttentionPlan(
       grpc::CallbackServerContext* context, const ::kvpool::v1::DropAttentionPlanRequest* request,
       ::kvpool::v1::DropAttentionPlanResponse* response) override;
+  grpc::ServerUnaryReactor* FetchToDevice(grpc::CallbackServerContext* context,
+                                          const ::kvpool::v1::FetchToDeviceRequest* request,
+                                          ::kvpool::v1::FetchToDeviceResponse* response) override;
 
  private:
   ServiceContext* const ctx_;

@@ -391,6 +391,13 @@ void RpcSeeds(SeedWriter& w) {
   unary(Rpc::kReadBlocks, "read-blocks", blocks);
   blocks.add_layers(1);
   unary(Rpc::kReadBlocks, "read-blocks-layer", blocks);
+  // An incremental read: a cursor of what a reader holds (its incarnation is nobody's).
+  v1::ReadBlocksCursor* since = blocks.mutable_since();
+  since->set_sequence_incarnation(1);
+  since->set_sink_tokens(16);
+  since->set_history_tokens(32);
+  since->set_recent_tokens(8);
+  unary(Rpc::kReadBlocks, "read-blocks-cursor", blocks);
   v1::ReadKvRequest read;
   read.set_sequence_id(kSequenceId);
   read.add_layers(0);
@@ -422,6 +429,18 @@ void RpcSeeds(SeedWriter& w) {
   drop.set_session_id(1);
   drop.set_plan_id(1);
   unary(Rpc::kDropAttentionPlan, "drop-plan", drop);
+  v1::FetchToDeviceRequest fetch;
+  fetch.set_session_id(1);
+  *fetch.mutable_read() = blocks;
+  fetch.mutable_arena()->set_handle(std::string(64, '\x01'));
+  fetch.set_history_slots(4);
+  fetch.set_bf16_slots(4);
+  for (int32_t slot : {0, 1, 2, 3}) {
+    fetch.add_free_history_slots(slot);
+    fetch.add_free_bf16_slots(slot);
+  }
+  fetch.add_held()->set_history_tail_slot(-1);
+  unary(Rpc::kFetchToDevice, "fetch-to-device", fetch);
   {
     v1::DevicePushRequest header;
     header.mutable_header()->set_session_id(1);

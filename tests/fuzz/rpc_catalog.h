@@ -32,6 +32,7 @@ enum class Rpc : uint8_t {
   kWatchSession,   // server-streaming
   kReloadTenants,  // AdminService (no tenants file here: FAILED_PRECONDITION; Drain is not
                    // fuzzed, it ends the daemon every later input needs)
+  kFetchToDevice,  // TransportService (UNAVAILABLE on the CPU backend: no device fetches)
   kRpcCount
 };
 

@@ -258,6 +258,11 @@ class RpcFuzzer {
           v1::ReloadTenantsResponse r;
           return stubs_.admin->ReloadTenants(c, req, &r);
         });
+      case Rpc::kFetchToDevice:
+        return Unary<v1::FetchToDeviceRequest>(rest, [&](ClientContext* c, const auto& req) {
+          v1::FetchToDeviceResponse r;
+          return stubs_.transport->FetchToDevice(c, req, &r);
+        });
       case Rpc::kRpcCount:
         break;
     }

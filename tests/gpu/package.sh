@@ -22,7 +22,7 @@ DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip
   integration_attention_test integration_prefix_test integration_concurrency_test
   integration_bad_input_test integration_cli_test integration_device_transport_test
   integration_cuda_ipc_test kvpoold-fault-injection integration_device_health_test
-  integration_integrity_test
+  integration_integrity_test integration_incremental_fetch_test integration_device_fetch_test
   kvpool-gpu-transport-bench
   kvpool-gpu-attention-bench kvpool-split-replay
   integration_shm_attention_test kvpool-gpu-decode-path-bench"

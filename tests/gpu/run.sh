@@ -122,13 +122,18 @@ if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
   # The CPU daemon's integration suite, unchanged, against kvpoold --device=cuda:0.
   export KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold KVPOOL_CLI=$BIN/kvpool
   export UCX_TLS=${UCX_TLS:-posix,sysv,self,tcp}
-  for t in roundtrip attention prefix concurrency bad_input cli device_transport; do
+  for t in roundtrip attention prefix concurrency bad_input cli device_transport \
+      incremental_fetch; do
     step "conformance $t (cuda:0)" "$OUT/daemon.log" "$BIN/integration_${t}_test" --gtest_color=no
   done
   # CUDA IPC end to end: this test process pushes from its GPU memory into kvpoold on the same
   # GPU (two processes), checked bit for bit against the same K/V over gRPC.
   step "CUDA IPC push, two processes (cuda:0)" "$OUT/daemon.log" \
     "$BIN/integration_cuda_ipc_test" --gtest_color=no
+  # Incremental fetch into this test process's GPU mirror arena: kvpoold copies the new blocks
+  # and rows over CUDA IPC (FetchToDevice), checked against a full ReadBlocks after each fetch.
+  step "incremental fetch into a worker's GPU arena (cuda:0)" "$OUT/daemon.log" \
+    "$BIN/integration_device_fetch_test" --gtest_color=no
   # kvpoold itself under compute-sanitizer memcheck (a failed check makes the wrapper's exit
   # status, and so the suite's teardown, fail).
   SAN=$OUT/kvpoold-memcheck.sh

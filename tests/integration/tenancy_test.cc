@@ -207,6 +207,12 @@ absl::Status Transport(const KvpoolClient& c, const std::string& method, uint64_
     writer->Write(r);
     writer->WritesDone();
     s = writer->Finish();
+  } else if (method == "FetchToDevice") {
+    v1::FetchToDeviceRequest r;
+    r.set_session_id(session);
+    r.mutable_read()->set_sequence_id("s-a");
+    v1::FetchToDeviceResponse out;
+    s = stub->FetchToDevice(&ctx, r, &out);
   } else {  // Negotiate: grpc_inline only
     v1::NegotiateRequest r;
     r.add_offers()->set_kind(v1::TRANSPORT_KIND_GRPC_INLINE);
@@ -312,7 +318,7 @@ std::vector<Rpc> AllRpcs() {
                  return accepted ? absl::OkStatus() : FromGrpcStatus(s, "SubscribeKvEvents");
                }});
   for (const char* m : {"Negotiate", "CloseSession", "PushKv", "WatchSession", "SetAttentionPlan",
-                        "DropAttentionPlan"}) {
+                        "DropAttentionPlan", "FetchToDevice"}) {
     r.push_back(
         {m, [m](const KvpoolClient& c, const Target& t) { return Transport(c, m, t.session); }});
   }
@@ -345,7 +351,7 @@ TEST_F(TenancyTest, IsolationMatrixOverEveryRpc) {
   missing.sequence = "s-missing";
 
   const std::vector<Rpc> rpcs = AllRpcs();
-  ASSERT_EQ(rpcs.size(), 22u);
+  ASSERT_EQ(rpcs.size(), 23u);
   for (const Rpc& rpc : rpcs) {
     SCOPED_TRACE(rpc.name);
     // No credentials, a wrong token: UNAUTHENTICATED before any handler. A certificate of

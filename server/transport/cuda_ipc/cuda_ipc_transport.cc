@@ -169,6 +169,22 @@ class IpcPush final : public DevicePush, public std::enable_shared_from_this<Ipc
   std::vector<std::string> handles_ ABSL_GUARDED_BY(mu_);  // one reference each
 };
 
+// A fetch's destination: one reference on the mapping of a client allocation.
+class IpcMappedBuffer final : public MappedClientBuffer {
+ public:
+  IpcMappedBuffer(std::shared_ptr<IpcShared> shared, std::string handle, uint8_t* data, size_t size)
+      : shared_(std::move(shared)), handle_(std::move(handle)), data_(data), size_(size) {}
+  ~IpcMappedBuffer() override { shared_->mappings().Close(shared_->device(), handle_); }
+  uint8_t* data() const override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  const std::shared_ptr<IpcShared> shared_;
+  const std::string handle_;
+  uint8_t* const data_;
+  const size_t size_;
+};
+
 // A session holds nothing: each push maps what its chunks name.
 struct IpcSession {};
 
@@ -192,7 +208,8 @@ class CudaIpcTransport final : public Transport {
                                              .layer_notifications = false,
                                              .remote_attention = false,
                                              .device_pushes = true,
-                                             .attention_plans = false};
+                                             .attention_plans = false,
+                                             .device_fetches = true};
     return kCaps;
   }
 
@@ -234,6 +251,14 @@ class CudaIpcTransport final : public Transport {
   absl::Status WatchSession(const TenantId& tenant, uint64_t session_id,
                             std::function<void(absl::Status)> on_end) override {
     return sessions_.Watch(tenant, session_id, std::move(on_end));
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedClientBuffer>> MapClientBuffer(
+      const TenantId& tenant, uint64_t session_id, const std::string& handle) override {
+    KVPOOL_RETURN_IF_ERROR(sessions_.Find(tenant, session_id).status());
+    KVPOOL_ASSIGN_OR_RETURN(auto mapped, shared_->mappings().Open(device_, handle));
+    return std::unique_ptr<MappedClientBuffer>(
+        new IpcMappedBuffer(shared_, handle, mapped.first, mapped.second));
   }
 
   absl::StatusOr<std::shared_ptr<DevicePush>> OpenDevicePush(
