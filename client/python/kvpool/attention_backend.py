@@ -196,9 +196,9 @@ class _Arg:
                 if writable:
                     raise ValueError(f"{name} must be contiguous")
                 x = self.obj = x.contiguous()
-            self.device = x.device.index if x.device.type == "cuda" else HOST
             if x.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name} is on {x.device}; use CPU or CUDA tensors")
+            self.device = x.device.index if x.device.type == "cuda" else HOST
             self.dtype = str(x.dtype).replace("torch.", "")
             self.ptr = x.data_ptr()
             self.nbytes = x.numel() * x.element_size()
@@ -231,7 +231,8 @@ def _from_dlpack(x: Any, name: str) -> Any:
 
 def _check(lib: ctypes.CDLL, code: int) -> None:
     if code != 0:
-        raise AttentionBackendError(code, lib.kvpool_attention_last_error().decode(errors="replace"))
+        message = lib.kvpool_attention_last_error().decode(errors="replace")
+        raise AttentionBackendError(code, message)
 
 
 class AttentionBackend:
@@ -286,7 +287,9 @@ class AttentionBackend:
                                  (bf16_pool, "bf16_pool", True)):
             a = on_device(_Arg(pool.data, name, None))
             stride = pool.block_stride or m.block_bytes(bf16)
-            need = (pool.num_blocks - 1) * stride + m.block_bytes(bf16) if pool.num_blocks > 0 else 0
+            need = 0
+            if pool.num_blocks > 0:
+                need = (pool.num_blocks - 1) * stride + m.block_bytes(bf16)
             if pool.num_blocks < 0 or a.nbytes < need:
                 raise ValueError(f"{name} holds {a.nbytes} bytes, {pool.num_blocks} blocks need "
                                  f"{need}")
