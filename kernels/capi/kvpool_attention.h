@@ -23,8 +23,8 @@
  * lse_j = ln sum_t exp(l_t);  out_j = (sum_t exp(l_t - lse_j) v'_t) * M_V^T.  An empty sequence
  * gives lse = -inf and a zero output.
  *
- * Errors: every function returns a status code with the numbering of absl::StatusCode and gRPC
- * (0 = OK); kvpool_attention_last_error() then says why, in words. A call that fails writes no
+ * Errors: the functions that can fail return a status code with the numbering of
+ * absl::StatusCode and gRPC (0 = OK); kvpool_attention_last_error() then says why, in words. A call that fails writes no
  * output. ABI: the structs begin with struct_size (set it to sizeof, or call the *_init
  * functions); later versions only append fields, and read the fields a caller's size covers.
  * Thread-safety: stateless; calls from many threads may run at once (each device call needs its
