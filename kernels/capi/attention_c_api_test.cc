@@ -130,6 +130,41 @@ TEST(AttentionCApiTest, HostPathEqualsPagedAttentionBitForBitAndTheReference) {
   }
 }
 
+// Pools whose block ids step by block_stride bytes (kvpoold's slab arena) read the same blocks.
+TEST(AttentionCApiTest, BlockStrideAddressesTheSameBlocks) {
+  BatchSpec spec;
+  spec.seqs = {{16, 50, 9}, {3, 17, 30}};
+  TestBatch b = TestBatch::Build(spec);
+  const kvpool_attention_desc dense = b.Desc(b.HostPointers());
+  Outputs want = Poisoned(b, 0.0f);
+  kvpool_attention_io io = IoFor(b, want);
+  ASSERT_EQ(kvpool_attention_decode(&dense, &io), KVPOOL_ATTENTION_OK);
+
+  // Every block moved to id * stride, stride = 3 blocks rounded up to 16 bytes; gaps poisoned.
+  const size_t history_bytes = b.history_layout.block_bytes();
+  const size_t bf16_bytes = b.bf16_layout.block_bytes();
+  const int64_t history_stride = static_cast<int64_t>(3 * history_bytes + 15) / 16 * 16;
+  const int64_t bf16_stride = static_cast<int64_t>(3 * bf16_bytes + 15) / 16 * 16;
+  std::vector<uint8_t> history(b.history_blocks * history_stride, 0xff);
+  std::vector<uint8_t> bf16(b.bf16_blocks * bf16_stride, 0xff);
+  for (int64_t i = 0; i < b.history_blocks; ++i) {
+    std::memcpy(history.data() + i * history_stride, b.history_pool.data() + i * history_bytes,
+                history_bytes);
+  }
+  for (int64_t i = 0; i < b.bf16_blocks; ++i) {
+    std::memcpy(bf16.data() + i * bf16_stride, b.bf16_pool.data() + i * bf16_bytes, bf16_bytes);
+  }
+  kvpool_attention_desc strided = dense;
+  strided.history_pool = {history.data(), b.history_blocks, history_stride};
+  strided.bf16_pool = {bf16.data(), b.bf16_blocks, bf16_stride};
+  Outputs got = Poisoned(b, 0.0f);
+  io = IoFor(b, got);
+  ASSERT_EQ(kvpool_attention_decode(&strided, &io), KVPOOL_ATTENTION_OK)
+      << kvpool_attention_last_error();
+  EXPECT_TRUE(SameBits(got.out, want.out));
+  EXPECT_TRUE(SameBits(got.lse, want.lse));
+}
+
 class AttentionCApiErrorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
