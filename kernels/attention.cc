@@ -350,6 +350,12 @@ AttentionOutput AttendBf16Rows(const AttentionShape& shape, absl::Span<const flo
 AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
                              const BlockLayout& layout, absl::Span<const uint8_t* const> blocks,
                              int tokens, absl::Span<const float> q) {
+  return AttendBlocksFrom(shape, codec, layout, blocks, /*first_slot=*/0, tokens, q);
+}
+
+AttentionOutput AttendBlocksFrom(const AttentionShape& shape, const RowCodec& codec,
+                                 const BlockLayout& layout, absl::Span<const uint8_t* const> blocks,
+                                 int first_slot, int tokens, absl::Span<const float> q) {
   const int d = shape.head_dim;
   const int bits = layout.bits;
   const bool quantized = bits != 16;
@@ -360,7 +366,11 @@ AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
             bits == codec.config().StoredBits() &&
             (!quantized || (layout.group_size > 0 && d % layout.group_size == 0 &&
                             layout.group_size == codec.layout().group_size));
-  const int needed = ok ? (tokens + layout.tokens - 1) / layout.tokens : 0;
+  ok = ok && first_slot >= 0 && first_slot < layout.tokens;
+  const int needed =
+      ok ? static_cast<int>((static_cast<int64_t>(first_slot) + tokens + layout.tokens - 1) /
+                            layout.tokens)
+         : 0;
   ok = ok && blocks.size() >= static_cast<size_t>(needed);
   for (int b = 0; ok && b < needed; ++b) ok = blocks[b] != nullptr;
   if (!ok) {
@@ -381,12 +391,17 @@ AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
   std::vector<float> v_scale(bt * groups, 1.0f), v_min(bt * groups, 0.0f);
 
   // One block at a time, each KV head's codes read once for all its query heads.
+  // Block b holds slots [start, end) of the range (only the first block starts part way).
+  const int64_t end_slot = static_cast<int64_t>(first_slot) + tokens;
   for (int b = 0; b < needed; ++b) {
-    const int count = std::min(bt, tokens - b * bt);
+    const int start = b == 0 ? first_slot : 0;
+    const int count = static_cast<int>(std::min<int64_t>(bt, end_slot - int64_t{b} * bt)) - start;
     const uint8_t* block = blocks[b];
+    const size_t code_skip = start * layout.code_bytes_per_row();
+    const size_t meta_skip = start * layout.meta_bytes_per_row();
     for (int h = 0; h < shape.kv_heads; ++h) {
-      const uint8_t* kc = block + layout.CodesOffset(KvTensor::kKey, h);
-      const uint8_t* vc = block + layout.CodesOffset(KvTensor::kValue, h);
+      const uint8_t* kc = block + layout.CodesOffset(KvTensor::kKey, h) + code_skip;
+      const uint8_t* vc = block + layout.CodesOffset(KvTensor::kValue, h) + code_skip;
       const size_t code_bytes = count * layout.code_bytes_per_row();
       if (bits == 16) {
         WidenBf16(kc, static_cast<size_t>(count) * d, k_tile.data());
@@ -399,9 +414,9 @@ AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
           Unpack4(kc, code_bytes, k_tile.data());
           Unpack4(vc, code_bytes, v_tile.data());
         }
-        WidenMeta(block + layout.MetaOffset(KvTensor::kKey, h), count * groups, dtype,
+        WidenMeta(block + layout.MetaOffset(KvTensor::kKey, h) + meta_skip, count * groups, dtype,
                   k_scale.data(), k_min.data());
-        WidenMeta(block + layout.MetaOffset(KvTensor::kValue, h), count * groups, dtype,
+        WidenMeta(block + layout.MetaOffset(KvTensor::kValue, h) + meta_skip, count * groups, dtype,
                   v_scale.data(), v_min.data());
       }
       Tile tile;

@@ -51,10 +51,15 @@ AttentionOutput AttendBlocks(const AttentionShape& shape, const RowCodec& codec,
                              const BlockLayout& layout, absl::Span<const uint8_t* const> blocks,
                              int tokens, absl::Span<const float> q);
 
+// The same over `tokens` tokens that start at slot `first_slot` (0 <= first_slot < T) of
+// `blocks[0]` and continue through the following blocks. AttendBlocks is first_slot = 0.
+AttentionOutput AttendBlocksFrom(const AttentionShape& shape, const RowCodec& codec,
+                                 const BlockLayout& layout, absl::Span<const uint8_t* const> blocks,
+                                 int first_slot, int tokens, absl::Span<const float> q);
+
 // Folds `part` into `acc` so that `acc` covers the union of both token sets (exact merge
 // through the log-sum-exp). Either side may be empty (lse = -inf).
-void MergeAttention(const AttentionShape& shape, const AttentionOutput& part,
-                    AttentionOutput* acc);
+void MergeAttention(const AttentionShape& shape, const AttentionOutput& part, AttentionOutput* acc);
 
 // Dense reference in float64 over fp32 K/V rows ([n][Hkv][D]); used by tests and benchmarks.
 AttentionOutput DenseAttentionReference(const AttentionShape& shape, absl::Span<const float> q,

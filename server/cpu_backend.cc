@@ -2,16 +2,14 @@
 
 #include <sys/mman.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/arrival_encoder.h"
-#include "kernels/attention.h"
 #include "kernels/page_checksum.h"
+#include "kernels/paged_attention.h"
 #include "server/model_registry.h"
 
 namespace kvpool::server {
@@ -126,91 +124,27 @@ class CpuBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  // Row by row: the query rotated, attended over the BF16 sink and recent rows and the stored
-  // history (per-tier passes merged through the log-sum-exp), the output un-rotated into place.
-  // A rotation's result depends on its row alone, so this equals rotating all rows at once.
+  // One implementation of the CPU decode step for kvpoold and the C API: kernels/paged_attention
+  // (the query rotated, the sink, recent and history passes merged, the output un-rotated).
   absl::Status Attend(const Model& m, const AttentionCall& call) override {
     if (call.on_device) return absl::UnimplementedError("the CPU backend attends host memory");
-    const size_t per_row = static_cast<size_t>(m.q_heads) * m.head_dim;
-    std::vector<float> q(per_row);
+    const PagedAttentionModel model{{m.q_heads, m.kv_heads, m.head_dim}, &m.row_codec};
+    PagedAttentionRotation rotation;
+    rotation.set = &m.codec.rotations;
+    rotation.layer = call.layer;
     int row = 0;
     for (const AttentionRows& io : call.io) {
-      for (int r = 0; r < io.rows; ++r, ++row) {
-        if (row >= call.kv.num_seqs) {
-          return absl::InternalError("Attend: more query rows than the batch holds");
-        }
-        const size_t at = static_cast<size_t>(r) * per_row;
-        KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Rotate(
-            call.layer, KvTensor::kKey, absl::MakeConstSpan(io.queries + at, per_row),
-            absl::MakeSpan(q)));
-        KVPOOL_ASSIGN_OR_RETURN(AttentionOutput o, AttendRow(m, call.kv, row, q));
-        KVPOOL_RETURN_IF_ERROR(m.codec.rotations.Unrotate(call.layer, KvTensor::kValue, o.out,
-                                                          absl::MakeSpan(io.out + at, per_row)));
-        std::copy(o.lse.begin(), o.lse.end(), io.lse + static_cast<size_t>(r) * m.q_heads);
+      if (io.rows < 0 || io.rows > call.kv.num_seqs - row) {
+        return absl::InternalError("Attend: more query rows than the batch holds");
       }
+      const absl::Status s = PagedDecodeAttention(model, call.kv.Rows(row, io.rows), rotation,
+                                                  {io.queries, io.out, io.lse});
+      // The batch comes from the daemon's own tables: a rejected one is a bug here.
+      if (!s.ok()) return absl::InternalError(absl::StrCat("Attend: ", s.message()));
+      row += io.rows;
     }
     if (row != call.kv.num_seqs) {
       return absl::InternalError("Attend: fewer query rows than the batch holds");
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  // Attention of the rotated query `q` over sequence `row` of `kv`, in the rotated V basis.
-  absl::StatusOr<AttentionOutput> AttendRow(const Model& m, const PagedKvBatch& kv, int row,
-                                            absl::Span<const float> q) {
-    const AttentionShape shape{m.q_heads, m.kv_heads, m.head_dim};
-    AttentionOutput acc;
-    acc.out.assign(static_cast<size_t>(shape.q_heads) * shape.head_dim, 0.0f);
-    acc.lse.assign(shape.q_heads, -std::numeric_limits<float>::infinity());
-    std::vector<Bf16> k, v;
-    for (const PagedKvTier* tier : {&kv.sink, &kv.recent}) {
-      const int tokens = tier->num_tokens[row];
-      if (tokens <= 0) continue;
-      KVPOOL_RETURN_IF_ERROR(GatherBf16(m, kv.bf16_pool, *tier, row, KvTensor::kKey, &k));
-      KVPOOL_RETURN_IF_ERROR(GatherBf16(m, kv.bf16_pool, *tier, row, KvTensor::kValue, &v));
-      MergeAttention(shape, AttendBf16Rows(shape, q, k, v, tokens), &acc);
-    }
-    const int history = kv.history.num_tokens[row];
-    if (history > 0) {
-      if (kv.history.first_token[row] != 0) {
-        return absl::InternalError("history tier must start at its first block's slot 0");
-      }
-      const int bt = m.block_tokens();
-      const int needed = (history + bt - 1) / bt;
-      if (needed > kv.history.block_table_stride) {
-        return absl::InternalError("history tier holds more tokens than its blocks");
-      }
-      const int32_t* ids =
-          kv.history.block_tables + static_cast<size_t>(row) * kv.history.block_table_stride;
-      std::vector<const uint8_t*> blocks(needed);
-      for (int b = 0; b < needed; ++b) blocks[b] = kv.history_pool.Block(ids[b]);
-      MergeAttention(shape, AttendBlocks(shape, m.row_codec, m.block_layout, blocks, history, q),
-                     &acc);
-    }
-    return acc;
-  }
-
-  // Sequence `row`'s BF16 rows of `tier`, tensor `t`, in order, [tokens][kv_heads][D].
-  absl::Status GatherBf16(const Model& m, const PagedKvView& pool, const PagedKvTier& tier, int row,
-                          KvTensor t, std::vector<Bf16>* out) {
-    const int bt = m.block_tokens();
-    const size_t width = m.row_values();
-    const int tokens = tier.num_tokens[row];
-    const int first = tier.first_token[row];
-    const int32_t* ids = tier.block_tables + static_cast<size_t>(row) * tier.block_table_stride;
-    out->resize(static_cast<size_t>(tokens) * width);
-    for (int done = 0; done < tokens;) {
-      const int pos = first + done;
-      const int take = std::min(tokens - done, bt - pos % bt);
-      if (pos / bt >= tier.block_table_stride) {
-        return absl::InternalError("a tier holds more tokens than its blocks");
-      }
-      KVPOOL_RETURN_IF_ERROR(
-          ReadBf16Rows(m, pool.Block(ids[pos / bt]), t, pos % bt, take,
-                       absl::MakeSpan(*out).subspan(static_cast<size_t>(done) * width,
-                                                    static_cast<size_t>(take) * width)));
-      done += take;
     }
     return absl::OkStatus();
   }

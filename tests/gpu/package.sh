@@ -6,18 +6,21 @@
 #
 #   bash tests/gpu/package.sh            # then: run with carry [".gpu-carry"]
 #
-# .gpu-carry/bundle.tar.xz holds bin/ (kernel tests and benchmark, kvpoold and
-# kvpoold-fault-injection, the kvpool CLI, the integration tests, the GPU daemon benchmark)
-# and lib/ (every library ldd lists outside glibc and the compiler runtime); run.sh unpacks it
-# and sets LD_LIBRARY_PATH. xz keeps the
-# carry well under the 64 MiB a call may take (the size prints at the end).
+# .gpu-carry/bundle.tar.xz holds bin/ (kernel tests and benchmark, the attention C API's device
+# test, kvpoold and kvpoold-fault-injection, the kvpool CLI, the integration tests, the GPU daemon
+# benchmark) and lib/ (libkvpool_attention.so, and every library ldd lists outside glibc and the
+# compiler runtime); run.sh unpacks it and sets LD_LIBRARY_PATH. xz keeps the carry well under
+# the 64 MiB a call may take (the size prints at the end).
 #
 # Built for x86-64-v3 (not -march=native) so the binaries run on the GPU host's CPU.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu-carry}
 JOBS=${JOBS:-1}
-KERNEL_TARGETS="cuda_codec_test cuda_attention_test page_checksum_cuda_test kvpool-gpu-bench"
+KERNEL_TARGETS="cuda_codec_test cuda_attention_test page_checksum_cuda_test kvpool-gpu-bench
+  attention_c_api_cuda_test"
+# Shared libraries of the project itself, carried in lib/ (the engine attention backend's).
+LIBRARY_TARGETS="kvpool_attention_capi"
 DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip_test
   integration_attention_test integration_prefix_test integration_concurrency_test
   integration_bad_input_test integration_cli_test integration_device_transport_test
@@ -30,7 +33,7 @@ DAEMON_TARGETS="kvpoold kvpool_cli kvpool-gpu-daemon-bench integration_roundtrip
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVPOOL_NATIVE=OFF \
   -DKVPOOL_BUILD_SERVICE=ON >/dev/null
 # shellcheck disable=SC2086
-cmake --build "$BUILD" -j"$JOBS" --target $KERNEL_TARGETS $DAEMON_TARGETS
+cmake --build "$BUILD" -j"$JOBS" --target $KERNEL_TARGETS $DAEMON_TARGETS $LIBRARY_TARGETS
 
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
@@ -40,10 +43,12 @@ for t in $KERNEL_TARGETS $DAEMON_TARGETS; do
   [ "$t" = kvpool_cli ] && f="$BUILD/bin/kvpool"
   cp "$f" "$STAGE/bin/"
 done
-strip --strip-unneeded "$STAGE"/bin/* 2>/dev/null || true
+cp "$BUILD/lib/libkvpool_attention.so" "$STAGE/lib/"
+strip --strip-unneeded "$STAGE"/bin/* "$STAGE"/lib/libkvpool_attention.so 2>/dev/null || true
 # Every shared library outside glibc and the compiler runtime (those exist, newer, there), and
 # outside NCCL (218 MB; the GPU machine has it in the nvidia-nccl wheel: run.sh points there).
-for b in "$STAGE"/bin/*; do ldd "$b"; done | awk '/=> \// {print $3}' | sort -u |
+for b in "$STAGE"/bin/* "$STAGE"/lib/libkvpool_attention.so; do ldd "$b"; done |
+  awk '/=> \// {print $3}' | sort -u |
   grep -v -E '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|ld-linux-x86-64|libnccl)\.so' |
   while read -r lib; do cp -L "$lib" "$STAGE/lib/"; done
 

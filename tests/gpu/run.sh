@@ -82,6 +82,14 @@ if [ "$MODE" = all ] || [ "$MODE" = test ] || [ "$MODE" = quick ]; then
     step "attention test (all, batch 32 x 128K)" "$OUT/test.log" "$BIN/cuda_attention_test" \
       --gtest_color=no
   fi
+  # The engine attention backend (kernels/capi, docs/attention-backend.md): the C API's device
+  # path against cuda::DecodeAttention (bit for bit) and its host path, then the Python entry
+  # point on torch CUDA tensors.
+  step "attention C API (device = kernel, bit-exact)" "$OUT/test.log" \
+    "$BIN/attention_c_api_cuda_test" --gtest_color=no
+  KVPOOL_ATTENTION_LIB=$CARRY/lib/libkvpool_attention.so step \
+    "attention backend (Python, torch CUDA)" "$OUT/test.log" \
+    python3 client/python/tests/test_attention_backend_cuda.py
   # A poisoned CUDA context (kvpoold-fault-injection's PoisonDevice on cuda:0): NOT_SERVING,
   # UNAVAILABLE, the failure in GetStats, exit status 3.
   KVPOOL_FAULT_INJECTION_DAEMON=$BIN/kvpoold-fault-injection step \

@@ -12,6 +12,8 @@
 - kvpool.routing.RoutingClient: one client over many daemons (placement, redirects, fan-out);
 - kvpool.membership: membership targets (list or dns:///NAME:PORT) and the health probe;
 - kvpool.attention: LSE merge of partial attentions, dense reference attention;
+- kvpool.attention_backend: kvpool's decode attention kernel over local blocks (ctypes over
+  libkvpool_attention.so; numpy, torch or DLPack in), an engine attention backend;
 - kvpool.local_daemon.LocalDaemon: a kvpoold process on loopback;
 - kvpool.connectors: vLLM KV connector, SGLang HiCache storage backend, remote attention.
 """
