@@ -10,6 +10,10 @@
 //             with the CPU time per call of this thread and of kvpoold
 //   shm_gpu   the same-host channel with device mailboxes: queries and outputs in this
 //             process's GPU memory, p50 from the call until its outputs are in (stream synced)
+//   fetch_local  attention-ready blocks fetched into this process's GPU memory (KvMirror,
+//             FetchToDevice over CUDA IPC) and attended here with kvpool's kernel through its C
+//             API (libkvpool_attention): p50 of the local call on an unchanged mirror; beside it
+//             the cost of an incremental fetch that finds nothing new, and of the first fetch
 //
 // Correctness first: every path's output and LSE must equal the gRPC answer to the bit (the
 // same tables, the same split of the work, the same kernels); any difference fails the run.
@@ -30,12 +34,17 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/kv_mirror.h"
 #include "client/kvpool_client.h"
 #include "client/local_daemon.h"
 #include "client/transport/shm_attention.h"
 #include "client/transport/shm_device_attention.h"
 #include "common/cuda_status.h"
 #include "common/status_macros.h"
+#include "kernels/capi/kvpool_attention.h"
+#include "kernels/paged_kv.h"
+#include "kernels/rotation.h"
+#include "proto/status.h"
 #include "tests/bench/bench_prefill.h"
 #include "tests/bench/bench_report.h"
 #include "tests/bench/bench_timing.h"
@@ -81,6 +90,61 @@ double ProcessCpuSeconds(pid_t pid) {
   }
   closedir(d);
   return total;
+}
+
+// A device buffer freed at scope exit.
+struct DeviceBuffer {
+  void* p = nullptr;
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (p != nullptr) cudaFree(p);
+  }
+  absl::Status Alloc(size_t bytes) { return CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc"); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+absl::Status CapiStatus(int32_t code, const char* what) {
+  if (code == KVPOOL_ATTENTION_OK) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(code),
+                      absl::StrCat(what, ": ", kvpool_attention_last_error()));
+}
+
+// The C API's description of `b` (arrays and pools in device memory) on `device`.
+kvpool_attention_desc DescOf(const PagedKvBatch& b, int q_heads, int device) {
+  kvpool_attention_desc d;
+  kvpool_attention_desc_init(&d);
+  const BlockLayout& l = b.history_pool.layout;
+  d.q_heads = q_heads;
+  d.kv_heads = l.kv_heads;
+  d.head_dim = l.head_dim;
+  d.bits = l.bits;
+  d.group_size = l.group_size;
+  d.block_tokens = l.tokens;
+  d.history_pool = {b.history_pool.pool, b.history_pool.num_blocks, b.history_pool.block_stride};
+  d.bf16_pool = {b.bf16_pool.pool, b.bf16_pool.num_blocks, b.bf16_pool.block_stride};
+  auto tier = [](const PagedKvTier& t) {
+    return kvpool_attention_tier{t.block_tables, t.block_table_stride, t.first_token, t.num_tokens};
+  };
+  d.sink = tier(b.sink);
+  d.history = tier(b.history);
+  d.recent = tier(b.recent);
+  d.num_seqs = b.num_seqs;
+  d.max_history_tokens = b.max_history_tokens;
+  d.max_bf16_tokens = b.max_bf16_tokens;
+  d.device = device;
+  return d;
+}
+
+absl::Status CopyToDevice(uint8_t* dst, const uint8_t* src, size_t n) {
+  return CudaStatus(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "H2D");
+}
+absl::Status CopyToHost(uint8_t* dst, const uint8_t* src, size_t n) {
+  return CudaStatus(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "D2H");
 }
 
 bool SameBits(const std::vector<float>& a, const std::string& b_bytes, size_t offset_values) {
@@ -137,6 +201,21 @@ absl::Status Run(const Options& opt) {
   KVPOOL_RETURN_IF_ERROR(
       CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
 
+  // A CUDA IPC session for the mirrors' device fetches.
+  uint64_t ipc_session = 0;
+  {
+    auto stub = v1::TransportService::NewStub(c->channel());
+    v1::NegotiateRequest offer;
+    offer.add_offers()->set_kind(v1::TRANSPORT_KIND_CUDA_IPC);
+    v1::NegotiateResponse session;
+    grpc::ClientContext ctx;
+    KVPOOL_RETURN_IF_ERROR(FromGrpcStatus(stub->Negotiate(&ctx, offer, &session), "Negotiate"));
+    if (session.kind() != v1::TRANSPORT_KIND_CUDA_IPC) {
+      return absl::FailedPreconditionError("the daemon offers no CUDA IPC session");
+    }
+    ipc_session = session.cuda_ipc().session_id();
+  }
+
   BenchReport report("gpu_decode_path");
   for (const ModelShape& m : models) {
     v1::ModelSpec spec;
@@ -169,6 +248,66 @@ absl::Status Run(const Options& opt) {
                                }
                                return absl::OkStatus();
                              }).status());
+
+      // The decode worker's mirror of these sequences in its GPU memory, filled by the daemon
+      // (FetchToDevice over CUDA IPC), and the rotations of the layer (data-free: made here).
+      KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::KvMirror> probe,
+                              client::KvMirror::Create(c.get(), m.name, {1, 1}));
+      const BlockLayout hl = probe->history_pool().layout, bl = probe->bf16_pool().layout;
+      const client::KvMirrorOptions mo{max_batch * (context / hl.tokens + 2), max_batch * 64};
+      const size_t arena_bytes = client::KvMirror::ArenaBytes(hl, bl, mo);
+      DeviceBuffer arena;
+      KVPOOL_RETURN_IF_ERROR(arena.Alloc(arena_bytes));
+      KVPOOL_ASSIGN_OR_RETURN(
+          std::unique_ptr<client::KvMirror> mirror,
+          client::KvMirror::Create(
+              c.get(), m.name, mo,
+              client::MirrorArena{arena.as<uint8_t>(), arena_bytes, CopyToDevice, CopyToHost}));
+      cudaIpcMemHandle_t arena_handle;
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&arena_handle, arena.p), "handle"));
+      client::DeviceFetchTarget target;
+      target.session_id = ipc_session;
+      target.handle.assign(reinterpret_cast<const char*>(&arena_handle), sizeof(arena_handle));
+      {
+        const auto t0 = SteadyClock::now();
+        uint64_t bytes = 0;
+        for (const std::string& id : ids) {
+          KVPOOL_ASSIGN_OR_RETURN(client::FetchStats f, mirror->FetchToDevice(id, target));
+          bytes += f.bytes;
+        }
+        const double secs = SecondsSince(t0);
+        report.Add({"first_fetch_GBs",
+                    {{"model", m.name},
+                     {"context", std::to_string(context)},
+                     {"sequences", std::to_string(max_batch)}},
+                    bytes / secs / 1e9,
+                    "GB/s",
+                    {"", 0}});
+        std::vector<double> idle_us;
+        for (int rep = 0; rep < 50; ++rep) {
+          const auto t1 = SteadyClock::now();
+          KVPOOL_ASSIGN_OR_RETURN(client::FetchStats f, mirror->FetchToDevice(ids[0], target));
+          idle_us.push_back(1e6 * SecondsSince(t1));
+          if (f.bytes != 0) return absl::InternalError("an unchanged sequence moved bytes");
+        }
+        report.Add({"unchanged_fetch_us",
+                    {{"model", m.name}, {"context", std::to_string(context)}},
+                    Median(idle_us),
+                    "us",
+                    {"", 0}});
+      }
+      KVPOOL_ASSIGN_OR_RETURN(RotationSet rotation,
+                              RotationSet::RandomizedHadamard(1, m.head_dim, 4242));
+      const std::vector<float> mk = rotation.Matrix(0, KvTensor::kKey);
+      const std::vector<float> mv = rotation.Matrix(0, KvTensor::kValue);
+      DeviceBuffer d_mk, d_mv;
+      KVPOOL_RETURN_IF_ERROR(d_mk.Alloc(mk.size() * 4));
+      KVPOOL_RETURN_IF_ERROR(d_mv.Alloc(mv.size() * 4));
+      KVPOOL_RETURN_IF_ERROR(CopyToDevice(
+          d_mk.as<uint8_t>(), reinterpret_cast<const uint8_t*>(mk.data()), mk.size() * 4));
+      KVPOOL_RETURN_IF_ERROR(CopyToDevice(
+          d_mv.as<uint8_t>(), reinterpret_cast<const uint8_t*>(mv.data()), mv.size() * 4));
+
       for (int batch : batches) {
         const std::vector<std::string> batch_ids(ids.begin(), ids.begin() + batch);
         const size_t per_row = static_cast<size_t>(m.q_heads) * m.head_dim;
@@ -297,6 +436,55 @@ absl::Status Run(const Options& opt) {
                     1e6 * (ProcessCpuSeconds(daemon->pid()) - gd0) / reps,
                     "us",
                     {"", 0}});
+        // Fetch and attend locally: the mirror's tables on the device, kvpool's kernel through its
+        // C API on this process's stream.
+        KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<PagedKvTables> tables,
+                                mirror->Tables(0, batch_ids, 1));
+        DeviceBuffer d_words;
+        const size_t words_bytes = tables->words().size() * sizeof(int32_t);
+        KVPOOL_RETURN_IF_ERROR(d_words.Alloc(words_bytes));
+        KVPOOL_RETURN_IF_ERROR(
+            CopyToDevice(d_words.as<uint8_t>(),
+                         reinterpret_cast<const uint8_t*>(tables->words().data()), words_bytes));
+        const PagedKvBatch local =
+            RebaseArrays(tables->batch(), tables->words().data(), d_words.as<int32_t>());
+        const kvpool_attention_desc desc = DescOf(local, m.q_heads, device);
+        uint64_t ws_bytes = 0;
+        KVPOOL_RETURN_IF_ERROR(
+            CapiStatus(kvpool_attention_workspace_bytes(&desc, &ws_bytes), "workspace"));
+        DeviceBuffer ws;
+        KVPOOL_RETURN_IF_ERROR(ws.Alloc(std::max<uint64_t>(ws_bytes, 16)));
+        kvpool_attention_io io;
+        kvpool_attention_io_init(&io);
+        io.queries = d_q;
+        io.rotation_k = d_mk.as<float>();
+        io.rotation_v = d_mv.as<float>();
+        io.out = d_out;
+        io.lse = d_lse;
+        io.workspace = ws.p;
+        io.workspace_bytes = ws_bytes;
+        io.stream = stream;
+        auto local_call = [&]() -> absl::Status {
+          KVPOOL_RETURN_IF_ERROR(CapiStatus(kvpool_attention_decode(&desc, &io), "decode"));
+          return CudaStatus(cudaStreamSynchronize(stream), "sync");
+        };
+        for (int w = 0; w < 3; ++w) KVPOOL_RETURN_IF_ERROR(local_call());
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpy(out.data(), d_out, out.size() * 4, cudaMemcpyDeviceToHost), "out"));
+        KVPOOL_RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost), "lse"));
+        KVPOOL_RETURN_IF_ERROR(CheckAgainst(ref, out, lse, per_row, m.q_heads, "fetch_local"));
+        std::vector<double> local_us;
+        for (int rep = 0; rep < reps; ++rep) {
+          const auto t0 = SteadyClock::now();
+          KVPOOL_RETURN_IF_ERROR(local_call());
+          local_us.push_back(1e6 * SecondsSince(t0));
+        }
+        report.Add({"decode_attention_us",
+                    params("fetch_local"),
+                    Median(local_us),
+                    "us",
+                    {"kernel", kernel_us}});
         cudaFree(d_q);
         cudaFree(d_out);
         cudaFree(d_lse);
@@ -304,7 +492,7 @@ absl::Status Run(const Options& opt) {
         std::cerr << m.name << " batch " << batch << " x " << context << ": kernel " << kernel_us
                   << " us, grpc " << Median(grpc_us) << ", shm cpu " << Median(shm_us) << " (cpu "
                   << client_cpu << " + daemon " << daemon_cpu << "), shm gpu " << Median(gpu_us)
-                  << "\n";
+                  << ", local " << Median(local_us) << "\n";
       }
       for (const std::string& id : ids) KVPOOL_RETURN_IF_ERROR(c->ReleaseSequence(id).status());
     }

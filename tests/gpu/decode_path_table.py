@@ -105,6 +105,14 @@ def main():
     for row, layers, _, _ in lines:
         print(f"{row[0]:9s} {layers:6d} {row[1]:3d} {row[2]:7d} " +
               " ".join(fmt(None if v is None else v * layers / 1e3, 8, 2) for v in row[3:]))
+    for r in raw["results"]:
+        p = r["params"]
+        if r["name"] == "first_fetch_GBs":
+            print(f"first fetch into the worker's GPU arena: {p['model']} {p['sequences']} x "
+                  f"{p['context']} tokens at {r['value']:.1f} GB/s")
+        elif r["name"] == "unchanged_fetch_us":
+            print(f"incremental fetch that finds nothing new: {p['model']} ctx {p['context']}: "
+                  f"{r['value']:.1f} us")
     print(f"\ntargets missed: {misses}")
 
 
