@@ -71,6 +71,29 @@ step() {  # step NAME LOG cmd...
     sed 's/_ZN6kvpool4cuda8internal//'; done
 } >"$OUT/resources.txt" 2>&1
 
+# kvpoold itself under compute-sanitizer memcheck, for the integration tests to start: prints
+# the wrapper's path (a failed check makes the wrapper's exit status, and so the suite's teardown,
+# fail).
+memcheck_wrapper() {
+  # compute-sanitizer does not pass SIGTERM on: the wrapper does, and exits 0 only on a clean
+  # memcheck summary.
+  local SAN=$OUT/kvpoold-memcheck.sh
+  cat >"$SAN" <<EOS
+#!/bin/bash
+log=\$(mktemp)
+compute-sanitizer --print-limit 20 --tool memcheck --log-file "\$log" $BIN/kvpoold "\$@" &
+cs=\$!
+trap 'pkill -TERM -P \$cs' TERM INT
+wait \$cs
+[ \$? -gt 128 ] && wait \$cs
+cat "\$log" >&2
+# kvpoold's own exit status does not survive the sanitizer; its verdict does.
+grep -q "ERROR SUMMARY: 0 errors" "\$log"
+EOS
+  chmod +x "$SAN"
+  echo "$SAN"
+}
+
 SLOW='*Batch32At128K*'
 if [ "$MODE" = all ] || [ "$MODE" = test ] || [ "$MODE" = quick ]; then
   step "codec test (GPU vs CPU, bit-exact)" "$OUT/test.log" "$BIN/cuda_codec_test" --gtest_color=no
@@ -142,24 +165,7 @@ if [ "$MODE" = all ] || [ "$MODE" = daemon ] || [ "$MODE" = daemon-quick ]; then
   # and rows over CUDA IPC (FetchToDevice), checked against a full ReadBlocks after each fetch.
   step "incremental fetch into a worker's GPU arena (cuda:0)" "$OUT/daemon.log" \
     "$BIN/integration_device_fetch_test" --gtest_color=no
-  # kvpoold itself under compute-sanitizer memcheck (a failed check makes the wrapper's exit
-  # status, and so the suite's teardown, fail).
-  SAN=$OUT/kvpoold-memcheck.sh
-  # compute-sanitizer does not pass SIGTERM on: the wrapper does, and exits 0 only on a clean
-  # memcheck summary.
-  cat >"$SAN" <<EOS
-#!/bin/bash
-log=\$(mktemp)
-compute-sanitizer --print-limit 20 --tool memcheck --log-file "\$log" $BIN/kvpoold "\$@" &
-cs=\$!
-trap 'pkill -TERM -P \$cs' TERM INT
-wait \$cs
-[ \$? -gt 128 ] && wait \$cs
-cat "\$log" >&2
-# kvpoold's own exit status does not survive the sanitizer; its verdict does.
-grep -q "ERROR SUMMARY: 0 errors" "\$log"
-EOS
-  chmod +x "$SAN"
+  SAN=$(memcheck_wrapper)
   for t in roundtrip attention; do
     KVPOOL_KVPOOLD=$SAN step "memcheck kvpoold: $t (cuda:0)" "$OUT/daemon.log" \
       "$BIN/integration_${t}_test" --gtest_color=no
@@ -258,12 +264,27 @@ if [ "$MODE" = transport ] || [ "$MODE" = attention ]; then
   sed -n '/^  context  batch/,/^target/p' "$OUT/attention.log"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = decode-path ]; then
-  # The decode critical path on one GPU: correctness of the same-host channel against a GPU
-  # daemon (its integration test), then every path's latency beside the kernels and SDPA BF16,
-  # each path first checked bit for bit against the gRPC answer.
+  # The decode critical path on one GPU. Correctness first: the same-host channel against a GPU
+  # daemon (also under memcheck), the attention backend's C API and Python entry point, the
+  # incremental fetch into a worker's GPU arena; then every path's latency beside the kernels
+  # and SDPA BF16, each path first checked bit for bit against the gRPC answer.
   KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
     "same-host channel conformance (cuda:0)" "$OUT/decode-path.log" \
     "$BIN/integration_shm_attention_test" --gtest_color=no
+  KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$(memcheck_wrapper) step \
+    "memcheck kvpoold: same-host channel (cuda:0)" "$OUT/decode-path.log" \
+    "$BIN/integration_shm_attention_test" --gtest_color=no
+  step "attention C API (device = kernel, bit-exact)" "$OUT/decode-path.log" \
+    "$BIN/attention_c_api_cuda_test" --gtest_color=no
+  KVPOOL_ATTENTION_LIB=$CARRY/lib/libkvpool_attention.so step \
+    "attention backend (Python, torch CUDA)" "$OUT/decode-path.log" \
+    python3 client/python/tests/test_attention_backend_cuda.py
+  KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
+    "conformance incremental_fetch (cuda:0)" "$OUT/decode-path.log" \
+    "$BIN/integration_incremental_fetch_test" --gtest_color=no
+  KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
+    "incremental fetch into a worker's GPU arena (cuda:0)" "$OUT/decode-path.log" \
+    "$BIN/integration_device_fetch_test" --gtest_color=no
   # Attention over gRPC against the CPU kernels' arithmetic (the backend's attention changed too).
   KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
     "conformance attention (cuda:0)" "$OUT/decode-path.log" \
