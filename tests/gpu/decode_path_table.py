@@ -31,6 +31,8 @@ def main():
     lat, cpu_caller, cpu_daemon, shapes = {}, {}, {}, {}
     for r in raw["results"]:
         p = r["params"]
+        if "path" not in p:
+            continue  # the fetch rows, printed at the end
         key = (p["model"], int(p["batch"]), int(p["context"]))
         shapes[key] = p
         if r["name"] == "decode_attention_us":
