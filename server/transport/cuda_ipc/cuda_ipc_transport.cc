@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -185,8 +186,15 @@ class IpcMappedBuffer final : public MappedClientBuffer {
   const size_t size_;
 };
 
-// A session holds nothing: each push maps what its chunks name.
-struct IpcSession {};
+// A session keeps the arenas its fetches named mapped (a decode worker fetches into the same
+// arena step after step; mapping a large allocation costs milliseconds). Pushes map what their
+// chunks name for themselves.
+struct IpcSession {
+  static constexpr size_t kMaxKeptArenas = 8;
+  absl::Mutex mu;
+  // Most recently used last; each holds one reference on its mapping until the session ends.
+  std::vector<std::pair<std::string, std::unique_ptr<IpcMappedBuffer>>> arenas ABSL_GUARDED_BY(mu);
+};
 
 class CudaIpcTransport final : public Transport {
  public:
@@ -255,10 +263,25 @@ class CudaIpcTransport final : public Transport {
 
   absl::StatusOr<std::unique_ptr<MappedClientBuffer>> MapClientBuffer(
       const TenantId& tenant, uint64_t session_id, const std::string& handle) override {
-    KVPOOL_RETURN_IF_ERROR(sessions_.Find(tenant, session_id).status());
+    KVPOOL_ASSIGN_OR_RETURN(std::shared_ptr<IpcSession> session,
+                            sessions_.Find(tenant, session_id));
+    // This call's own reference (the mapping stays open even if the session ends meanwhile).
     KVPOOL_ASSIGN_OR_RETURN(auto mapped, shared_->mappings().Open(device_, handle));
-    return std::unique_ptr<MappedClientBuffer>(
+    auto buffer = std::unique_ptr<MappedClientBuffer>(
         new IpcMappedBuffer(shared_, handle, mapped.first, mapped.second));
+    absl::MutexLock lock(&session->mu);
+    auto& kept = session->arenas;
+    auto it =
+        std::find_if(kept.begin(), kept.end(), [&](const auto& e) { return e.first == handle; });
+    if (it != kept.end()) {
+      std::rotate(it, it + 1, kept.end());  // most recently used last
+    } else {
+      KVPOOL_ASSIGN_OR_RETURN(auto again, shared_->mappings().Open(device_, handle));
+      if (kept.size() >= IpcSession::kMaxKeptArenas) kept.erase(kept.begin());
+      kept.emplace_back(
+          handle, std::make_unique<IpcMappedBuffer>(shared_, handle, again.first, again.second));
+    }
+    return buffer;
   }
 
   absl::StatusOr<std::shared_ptr<DevicePush>> OpenDevicePush(
