@@ -24,7 +24,8 @@ namespace {
 
 // Why a daemon answers attention-plan calls UNAVAILABLE.
 constexpr absl::string_view kNoAttentionPlans =
-    "NCCL attention channels need kvpoold --device=cuda:N built with CUDA and NCCL";
+    "attention plans need a shared-memory session (--shm_max_sessions > 0) or an NCCL attention "
+    "channel (kvpoold --device=cuda:N built with CUDA and NCCL)";
 
 // The host of a request's :authority ("host:port", "[v6]:port" or "host"); "" when it is
 // implausible (too long, or not a host name or address).

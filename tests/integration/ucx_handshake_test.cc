@@ -190,8 +190,10 @@ class UcxHandshakeTest : public ::testing::TestWithParam<Tls> {
         "/kvpool.v1.TransportService/Negotiate", grpc::internal::RpcMethod::NORMAL_RPC,
         client_->channel());
     const v1::TransportStats t = Transport();
-    ASSERT_EQ(t.available_size(), 2) << "kvpoold's UCX did not start";
+    // grpc_inline, ucx, shared_memory: the order the daemon offers them in.
+    ASSERT_EQ(t.available_size(), 3) << "kvpoold's UCX did not start";
     ASSERT_EQ(t.available(1), "ucx");
+    ASSERT_EQ(t.available(2), "shared_memory");
     v1::QuantConfig bypass;
     bypass.set_method(v1::QUANT_METHOD_BYPASS);
     absl::StatusOr<v1::ModelInfo> m =

@@ -137,9 +137,10 @@ TEST_P(UcxTransportTest, NegotiatesUcxAndReportsIt) {
   auto stats = daemon_->Stats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->transport().sessions(), 1u);
-  ASSERT_EQ(stats->transport().available_size(), 2);
+  ASSERT_EQ(stats->transport().available_size(), 3);
   EXPECT_EQ(stats->transport().available(0), "grpc_inline");
   EXPECT_EQ(stats->transport().available(1), "ucx");
+  EXPECT_EQ(stats->transport().available(2), "shared_memory");
   EXPECT_EQ(stats->transport().ucx_transports(), GetParam().tls);
   ch.reset();  // CloseSession
   EXPECT_TRUE(Eventually([&] { return TransportStats().sessions() == 0; }));
