@@ -43,6 +43,30 @@ class ShmAttentionTest : public DaemonTest {
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *std::move(c) : nullptr;
   }
+  // A raw shared-memory session (Negotiate alone), as a client that speaks the wire itself.
+  v1::SharedMemorySession Negotiate() {
+    auto stub = v1::TransportService::NewStub(client().channel());
+    v1::NegotiateRequest req;
+    req.add_offers()->set_kind(v1::TRANSPORT_KIND_SHARED_MEMORY);
+    v1::NegotiateResponse resp;
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub->Negotiate(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.kind(), v1::TRANSPORT_KIND_SHARED_MEMORY);
+    return resp.shared_memory();
+  }
+  // A connection to the session's Unix socket (-1 when it fails).
+  static int ConnectSocket(const v1::SharedMemorySession& m) {
+    const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, m.socket_path().c_str(), sizeof(addr.sun_path) - 1);
+    if (connect(s, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(s);
+      return -1;
+    }
+    return s;
+  }
   // Attend over gRPC with the same float32 queries: the reference.
   v1::AttendResponse GrpcAttend(const std::vector<std::string>& ids, int nq, int layer,
                                 const std::vector<float>& q) {
@@ -145,13 +169,8 @@ TEST_F(ShmAttentionTest, PerCallErrorsKeepTheChannelServing) {
 
 TEST_F(ShmAttentionTest, SessionIsBoundToItsSecretAndItsLease) {
   auto stub = v1::TransportService::NewStub(client().channel());
-  v1::NegotiateRequest req;
-  req.add_offers()->set_kind(v1::TRANSPORT_KIND_SHARED_MEMORY);
-  v1::NegotiateResponse resp;
-  grpc::ClientContext ctx;
-  ASSERT_TRUE(stub->Negotiate(&ctx, req, &resp).ok());
-  ASSERT_EQ(resp.kind(), v1::TRANSPORT_KIND_SHARED_MEMORY);
-  const v1::SharedMemorySession& m = resp.shared_memory();
+  const v1::SharedMemorySession m = Negotiate();
+  ASSERT_NE(m.session_id(), 0u);
   struct stat st {};
   ASSERT_EQ(stat(m.socket_path().c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
@@ -168,14 +187,8 @@ TEST_F(ShmAttentionTest, SessionIsBoundToItsSecretAndItsLease) {
               grpc::StatusCode::FAILED_PRECONDITION);
   }
   auto hello = [&](const std::string& secret) -> absl::StatusOr<server::ShmReply> {
-    const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strncpy(addr.sun_path, m.socket_path().c_str(), sizeof(addr.sun_path) - 1);
-    if (connect(s, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
-      close(s);
-      return absl::UnavailableError("connect");
-    }
+    const int s = ConnectSocket(m);
+    if (s < 0) return absl::UnavailableError("connect");
     const auto bytes = server::EncodeShmHello({m.session_id(), secret});
     EXPECT_TRUE(server::SendWithFd(s, bytes, -1).ok());
     std::array<uint8_t, server::kShmReplyBytes> reply;
@@ -214,18 +227,9 @@ TEST_F(ShmAttentionTest, SessionIsBoundToItsSecretAndItsLease) {
 
 TEST_F(ShmAttentionTest, AClientThatVanishesEndsItsSession) {
   const uint32_t before = Stats().transport().sessions();
-  auto stub = v1::TransportService::NewStub(client().channel());
-  v1::NegotiateRequest req;
-  req.add_offers()->set_kind(v1::TRANSPORT_KIND_SHARED_MEMORY);
-  v1::NegotiateResponse resp;
-  grpc::ClientContext ctx;
-  ASSERT_TRUE(stub->Negotiate(&ctx, req, &resp).ok());
-  const v1::SharedMemorySession& m = resp.shared_memory();
-  const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, m.socket_path().c_str(), sizeof(addr.sun_path) - 1);
-  ASSERT_EQ(connect(s, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  const v1::SharedMemorySession m = Negotiate();
+  const int s = ConnectSocket(m);
+  ASSERT_GE(s, 0);
   ASSERT_TRUE(
       server::SendWithFd(s, server::EncodeShmHello({m.session_id(), m.session_secret()}), -1).ok());
   std::array<uint8_t, server::kShmReplyBytes> reply;
