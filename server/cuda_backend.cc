@@ -82,6 +82,44 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
+// Page-locked host memory of a lane: an attention call's pageable host I/O (a gRPC request's
+// queries, its answer) goes through it, so its copies are asynchronous DMA and no thread waits
+// inside a copy for the kernels. Grown, never shrunk; buffers outgrown are kept until the lane
+// goes (freeing page-locked memory may wait for the whole device).
+class PinnedStaging {
+ public:
+  ~PinnedStaging() {
+    for (void* p : retired_) cudaFreeHost(p);
+    if (data_ != nullptr) cudaFreeHost(data_);
+  }
+  absl::StatusOr<uint8_t*> Reserve(size_t bytes) {
+    if (bytes <= size_) return data_;
+    const size_t want = std::max(bytes, size_ * 2);
+    void* p = nullptr;
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&p, want, cudaHostAllocPortable),
+                                      "cudaHostAlloc (attention staging)"));
+    if (data_ != nullptr) retired_.push_back(data_);
+    data_ = static_cast<uint8_t*>(p);
+    size_ = want;
+    return data_;
+  }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  std::vector<void*> retired_;
+};
+
+// Whether `p` is page-locked host memory (copies from it are DMA without staging).
+bool PageLocked(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+
 // A CUDA stream and the device memory one call needs; one call uses a lane at a time.
 struct Lane {
   cudaStream_t stream = nullptr;
@@ -94,6 +132,7 @@ struct Lane {
   DeviceBuffer tables;     // int32 row offsets / first tokens / block tables; attention io
   DeviceBuffer workspace;  // attention workspace
   DeviceBuffer bf16_copy;  // BF16 copies of sequences whose history the kernel cannot read
+  PinnedStaging staging;   // attention host I/O from pageable memory
   ~Lane() {
     if (start != nullptr) cudaEventDestroy(start);
     if (stop != nullptr) cudaEventDestroy(stop);
@@ -577,14 +616,37 @@ class CudaBackend final : public ComputeBackend {
                                      cudaMemcpyHostToDevice, lane->stream),
                      "H2D copy plan"));
     }
+    // Host I/O from pageable memory goes through the lane's page-locked staging.
+    const size_t rows_bytes = n * per_row * sizeof(float);
+    uint8_t* stage = nullptr;
+    if (!on_device) {
+      bool locked = true;
+      for (const AttentionRows& r : call.io) {
+        locked = locked && (r.rows == 0 || (PageLocked(r.queries) && PageLocked(r.out)));
+      }
+      if (!locked) {
+        KVPOOL_ASSIGN_OR_RETURN(
+            stage, lane->staging.Reserve(2 * rows_bytes + n * m.q_heads * sizeof(float)));
+      }
+    }
     size_t row = 0;
     for (const AttentionRows& io : call.io) {
       if (on_device || io.rows == 0) continue;
-      KVPOOL_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(dev + q_at + row * per_row * sizeof(float), io.queries,
-                          io.rows * per_row * sizeof(float), cudaMemcpyHostToDevice, lane->stream),
-          "H2D queries"));
+      const size_t bytes = io.rows * per_row * sizeof(float);
+      if (stage != nullptr) {
+        std::memcpy(stage + row * per_row * sizeof(float), io.queries, bytes);
+      } else {
+        KVPOOL_RETURN_IF_ERROR(
+            CudaStatus(cudaMemcpyAsync(dev + q_at + row * per_row * sizeof(float), io.queries,
+                                       bytes, cudaMemcpyHostToDevice, lane->stream),
+                       "H2D queries"));
+      }
       row += io.rows;
+    }
+    if (stage != nullptr) {
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(dev + q_at, stage, rows_bytes, cudaMemcpyHostToDevice, lane->stream),
+          "H2D queries"));
     }
     PagedKvBatch batch = resident != nullptr ? kv
                                              : RebaseArrays(kv, call.kv_words.data(),
@@ -629,10 +691,20 @@ class CudaBackend final : public ComputeBackend {
       lane->dirty = false;
       return absl::OkStatus();
     }
-    // Host I/O: each run's outputs straight into its buffers.
+    // Host I/O: each run's outputs straight into its buffers, or all of them into the staging.
+    uint8_t* const stage_out = stage == nullptr ? nullptr : stage + rows_bytes;
+    if (stage_out != nullptr) {
+      KVPOOL_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(stage_out, io.out, rows_bytes, cudaMemcpyDeviceToHost, lane->stream),
+          "D2H attention output"));
+      KVPOOL_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(stage_out + rows_bytes, io.lse, n * m.q_heads * sizeof(float),
+                                     cudaMemcpyDeviceToHost, lane->stream),
+                     "D2H attention LSE"));
+    }
     row = 0;
     for (const AttentionRows& r : call.io) {
-      if (on_device || r.rows == 0) continue;
+      if (on_device || r.rows == 0 || stage_out != nullptr) continue;
       KVPOOL_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpyAsync(r.out, io.out + row * per_row, r.rows * per_row * sizeof(float),
                           cudaMemcpyDeviceToHost, lane->stream),
@@ -647,6 +719,16 @@ class CudaBackend final : public ComputeBackend {
       KVPOOL_RETURN_IF_ERROR(Finish(*lane, "attention"));  // the copy kernels' data checks
     } else {
       KVPOOL_RETURN_IF_ERROR(WaitDone(*lane, "attention"));
+    }
+    if (stage_out != nullptr) {
+      row = 0;
+      for (const AttentionRows& r : call.io) {
+        std::memcpy(r.out, stage_out + row * per_row * sizeof(float),
+                    r.rows * per_row * sizeof(float));
+        std::memcpy(r.lse, stage_out + rows_bytes + row * m.q_heads * sizeof(float),
+                    r.rows * m.q_heads * sizeof(float));
+        row += r.rows;
+      }
     }
     AddTime(*lane, &BackendTimes::attention_seconds);
     return absl::OkStatus();
