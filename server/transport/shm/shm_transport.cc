@@ -276,6 +276,12 @@ class ShmTransport final : public Transport {
       return Refuse(conn, made.status());
     }
     std::shared_ptr<ShmChannel> ch = std::move(*made);
+    {
+      // Before the reply: a client that has its region may set a plan at once.
+      absl::MutexLock lock(&s->mu);
+      if (s->ended) return Refuse(conn, absl::NotFoundError("the session has ended"));
+      s->channel = ch;
+    }
     const auto reply = EncodeShmReply({absl::OkStatus(), s->layout.region_bytes()});
     if (!SendWithFd(conn, reply, ch->region_fd()).ok()) {
       close(conn);
@@ -284,14 +290,6 @@ class ShmTransport final : public Transport {
         gone->End();
       }
       return;
-    }
-    {
-      absl::MutexLock lock(&s->mu);
-      if (s->ended) {
-        close(conn);
-        return;
-      }
-      s->channel = ch;
     }
     const uint64_t id = hello->session_id;
     ch->Start(conn, [this, id, ch_raw = ch.get()](absl::Status why) {
