@@ -59,6 +59,20 @@ bool ParseBenchArgs(int argc, char** argv, const std::map<std::string, std::stri
   return true;
 }
 
+bool ParseDaemonBenchArgs(int argc, char** argv, DaemonBenchOptions* o) {
+  const char* usage = "--kvpoold PATH [--device cuda:0] [--out FILE] [--quick]";
+  if (!ParseBenchArgs(argc, argv,
+                      {{"--kvpoold", &o->kvpoold}, {"--device", &o->device}, {"--out", &o->out}},
+                      {{"--quick", &o->quick}}, usage)) {
+    return false;
+  }
+  if (o->kvpoold.empty()) {
+    std::cerr << "usage: " << argv[0] << " " << usage << "\n";
+    return false;
+  }
+  return true;
+}
+
 int ExitCode(const absl::Status& s) {
   if (s.ok()) return 0;
   std::cerr << "error: " << s << "\n";

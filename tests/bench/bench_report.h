@@ -57,6 +57,17 @@ class BenchReport {
 bool ParseBenchArgs(int argc, char** argv, const std::map<std::string, std::string*>& values,
                     const std::map<std::string, bool*>& switches, const char* usage);
 
+// The options of a benchmark that starts its own kvpoold (the GPU daemon benchmarks):
+// --kvpoold PATH (required) [--device cuda:N] [--out FILE] [--quick]. `out` keeps its default
+// unless given. False after printing the usage.
+struct DaemonBenchOptions {
+  std::string kvpoold;
+  std::string device = "cuda:0";
+  std::string out;
+  bool quick = false;
+};
+bool ParseDaemonBenchArgs(int argc, char** argv, DaemonBenchOptions* options);
+
 // A benchmark main's exit status: 0, or 1 after printing the error.
 int ExitCode(const absl::Status& s);
 

@@ -41,12 +41,7 @@ using Clock = SteadyClock;
 constexpr int kQHeads = 64, kKvHeads = 8, kHeadDim = 128;
 constexpr size_t kRow = size_t{kKvHeads} * kHeadDim;
 
-struct Options {
-  std::string kvpoold;
-  std::string device = "cuda:0";
-  std::string out = "bench-results/gpu-daemon.json";
-  bool quick = false;
-};
+using Options = DaemonBenchOptions;
 
 absl::Status Run(const Options& opt) {
   const std::vector<int> contexts =
@@ -232,12 +227,8 @@ absl::Status Run(const Options& opt) {
 }  // namespace kvpool::bench
 
 int main(int argc, char** argv) {
-  kvpool::bench::Options opt;
-  if (!kvpool::bench::ParseBenchArgs(
-          argc, argv, {{"--kvpoold", &opt.kvpoold}, {"--device", &opt.device}, {"--out", &opt.out}},
-          {{"--quick", &opt.quick}}, "--kvpoold PATH [--device cuda:0] [--out FILE] [--quick]") ||
-      opt.kvpoold.empty()) {
-    return 2;
-  }
+  kvpool::bench::DaemonBenchOptions opt;
+  opt.out = "bench-results/gpu-daemon.json";
+  if (!kvpool::bench::ParseDaemonBenchArgs(argc, argv, &opt)) return 2;
   return kvpool::bench::ExitCode(kvpool::bench::Run(opt));
 }

@@ -57,12 +57,7 @@ namespace v1 = ::kvpool::v1;
 using client::KvpoolClient;
 using client::RemoteAttentionPlan;
 
-struct Options {
-  std::string kvpoold;
-  std::string device = "cuda:0";
-  std::string out = "bench-results/gpu_decode_path_raw.json";
-  bool quick = false;
-};
+using Options = DaemonBenchOptions;
 
 struct ModelShape {
   std::string name;
@@ -507,12 +502,8 @@ absl::Status Run(const Options& opt) {
 }  // namespace kvpool::bench
 
 int main(int argc, char** argv) {
-  kvpool::bench::Options opt;
-  if (!kvpool::bench::ParseBenchArgs(
-          argc, argv, {{"--kvpoold", &opt.kvpoold}, {"--device", &opt.device}, {"--out", &opt.out}},
-          {{"--quick", &opt.quick}}, "--kvpoold PATH [--device cuda:0] [--out FILE] [--quick]") ||
-      opt.kvpoold.empty()) {
-    return 2;
-  }
+  kvpool::bench::DaemonBenchOptions opt;
+  opt.out = "bench-results/gpu_decode_path_raw.json";
+  if (!kvpool::bench::ParseDaemonBenchArgs(argc, argv, &opt)) return 2;
   return kvpool::bench::ExitCode(kvpool::bench::Run(opt));
 }
