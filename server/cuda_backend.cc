@@ -735,23 +735,34 @@ class CudaBackend final : public ComputeBackend {
   }
 
   // Waits for the lane's work so far without a device or stream synchronisation: polls an event
-  // for a few microseconds (a decode step's short kernels end within them), then blocks on it.
+  // for about twice as long as the last wait took (a decode step's kernels take about as long
+  // each time; a blocked thread wakes tens of microseconds late), at least 50 us and at most
+  // 2 ms, then blocks on it.
   absl::Status WaitDone(Lane& lane, const char* what) {
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane.done, lane.stream), what));
-    const auto spin_until = std::chrono::steady_clock::now() + kSpinBeforeBlocking;
+    const auto start = std::chrono::steady_clock::now();
+    const auto spin =
+        std::clamp(std::chrono::nanoseconds(2 * last_wait_ns_.load(std::memory_order_relaxed)),
+                   kMinSpin, kMaxSpin);
     while (true) {
       const cudaError_t e = cudaEventQuery(lane.done);
       if (e == cudaSuccess) break;
       if (e != cudaErrorNotReady) return CudaStatus(e, what);
-      if (std::chrono::steady_clock::now() >= spin_until) {
+      if (std::chrono::steady_clock::now() >= start + spin) {
         KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(lane.done), what));
         break;
       }
     }
+    last_wait_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - start)
+                            .count(),
+                        std::memory_order_relaxed);
     lane.dirty = false;
     return absl::OkStatus();
   }
-  static constexpr std::chrono::microseconds kSpinBeforeBlocking{50};
+  static constexpr std::chrono::nanoseconds kMinSpin = std::chrono::microseconds(50);
+  static constexpr std::chrono::nanoseconds kMaxSpin = std::chrono::milliseconds(2);
+  std::atomic<int64_t> last_wait_ns_{0};
 
  private:
   // Runs a compute call `body` (see the public wrappers).

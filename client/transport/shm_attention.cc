@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -155,13 +156,18 @@ absl::StatusOr<CallStatus> ShmAttentionClient::Call(uint32_t slot) {
   state.store(server::kSlotRequest, std::memory_order_seq_cst);
   server::IncrementAndWake(*SharedWord(region_ + server::kShmDoorbellAt),
                            *SharedWord(region_ + server::kShmDaemonSleepingAt));
-  const absl::Time deadline = absl::Now() + options_.call_timeout;
-  while (server::WaitWhileEqual(state, server::kSlotRequest, sleeping, options_.spin,
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + options_.call_timeout;
+  const absl::Duration spin =
+      std::clamp(2 * absl::Nanoseconds(last_call_ns_.load(std::memory_order_relaxed)),
+                 absl::Microseconds(50), std::max(options_.spin, absl::Microseconds(50)));
+  while (server::WaitWhileEqual(state, server::kSlotRequest, sleeping, spin,
                                 deadline - absl::Now()) == server::kSlotRequest) {
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError("the daemon did not answer the call in time");
     }
   }
+  last_call_ns_.store(absl::ToInt64Nanoseconds(absl::Now() - start), std::memory_order_relaxed);
   absl::StatusOr<CallStatus> st = server::DecodeCallStatus(
       absl::MakeConstSpan(s + server::kShmSlotStatusAt, server::kCallStatusBytes));
   state.store(server::kSlotFree, std::memory_order_release);

@@ -44,8 +44,9 @@ struct ShmAttentionOptions {
   bool device_io = false;        // device mailboxes (shm_device_attention.h; GPU daemon only)
   uint64_t max_query_bytes = 0;  // per call; 0 = the daemon's default (4 MiB)
   absl::Duration call_timeout = absl::Seconds(60);
-  // How long a call spins on its slot before it blocks (the kernel time of a short call).
-  absl::Duration spin = absl::Microseconds(200);
+  // How long a call spins on its slot before it blocks, at most: it spins about twice as long
+  // as the last call took (at least 50 us), then blocks on a futex.
+  absl::Duration spin = absl::Milliseconds(2);
 };
 
 class ShmAttentionClient {
@@ -108,6 +109,7 @@ class ShmAttentionClient {
   uint8_t* region_ = nullptr;
   server::ShmLayout layout_;
   std::atomic<uint64_t> next_call_{1};
+  std::atomic<int64_t> last_call_ns_{0};
   absl::Mutex mu_;
   std::vector<bool> busy_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
