@@ -85,7 +85,8 @@ class AttentionPlan {
   absl::Status Refresh(Layer* l);
   // (Re)lays the layer's tables out for its watches' current sizes, with room to grow.
   absl::Status Relayout(Layer* l);
-  // The words of row `row`, tier `t` of `l` into its host image, recording the writes.
+  // Every tier's words of query row `row` of `l` (from `w`) into its host image, recording
+  // the words that change in patch_.
   void WriteRow(Layer* l, int row, const LayerWatch& w);
 
   SequenceStore* const store_;

@@ -97,7 +97,6 @@ class ShmChannel {
   int peer_ = -1;                                          // the client's Unix socket, from Start
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> calls_{0};
-  std::atomic<uint32_t> loop_sleeping_{0};  // unused word for Close's wake-up
 
   absl::Mutex start_mu_;
   std::thread loop_ ABSL_GUARDED_BY(start_mu_);
