@@ -150,7 +150,9 @@ TEST_F(AdmissionTest, HeaderOnlyStreamsAreCappedAndExpireSoAnHonestAppendSucceed
     const absl::Status refused = extra.ok() ? (*extra)->Finish().status() : extra.status();
     ExpectLimit(refused, absl::StatusCode::kResourceExhausted);
   }
-  EXPECT_EQ(Stats().admission().reserved_bytes(), pinned);
+  // Nothing more reserved (less once a pin's idle limit passes, which a loaded machine can reach
+  // by now).
+  EXPECT_LE(Stats().admission().reserved_bytes(), pinned);
 
   // Meanwhile an honest client on its own connection cannot get the pages it needs.
   const absl::Status pinned_out = AppendAll(*honest, "honest", honest_kv).status();
