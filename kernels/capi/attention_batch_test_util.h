@@ -288,4 +288,28 @@ class TestBatch {
   }
 };
 
+// Expects `out` and `lse` ([B][Hq][D], [B][Hq]) within float32 rounding of b's float64
+// reference: LSE within 1e-4 relative, outputs within 1e-4 of each row's largest value; an
+// empty sequence answers LSE -inf and zeros.
+inline void ExpectNearReference(const TestBatch& b, const std::vector<float>& out,
+                                const std::vector<float>& lse) {
+  std::vector<double> ref_out, ref_lse;
+  b.Reference(&ref_out, &ref_lse);
+  const int d = b.spec.head_dim;
+  for (size_t row = 0; row < ref_lse.size(); ++row) {
+    if (std::isinf(ref_lse[row])) {
+      EXPECT_TRUE(std::isinf(lse[row]) && lse[row] < 0) << "row " << row;
+      for (int j = 0; j < d; ++j) EXPECT_EQ(out[row * d + j], 0.0f);
+      continue;
+    }
+    EXPECT_NEAR(lse[row], ref_lse[row], 1e-4 * std::max(1.0, std::fabs(ref_lse[row]))) << row;
+    double scale = 0;
+    for (int j = 0; j < d; ++j) scale = std::max(scale, std::fabs(ref_out[row * d + j]));
+    for (int j = 0; j < d; ++j) {
+      EXPECT_NEAR(out[row * d + j], ref_out[row * d + j], 1e-4 * scale + 1e-6)
+          << "row " << row << " dim " << j;
+    }
+  }
+}
+
 }  // namespace kvpool::testing
