@@ -10,33 +10,32 @@
 namespace kvpool::server {
 namespace {
 
-// Brings `have` (pages this watch references) to `now`, keeping the references right: pages
-// that appeared are referenced (into *added), pages that left are returned in *left. A tier
-// either grows at its end (sink, history) or also loses its front (recent: demotion), so the
-// common case finds `have`'s kept part as a run of `now`; anything else is a full swap.
+// Brings `have` (pages this watch references) and `ids` (their block ids) to `now`, keeping the
+// references right: pages that appeared are referenced (into *added), pages that left are
+// returned in *left. A tier's pages never change in place: it grows at its end (sink, history)
+// and may lose its front (recent: demotion), so the common case finds `have`'s kept part as a
+// run of `now` by its two ends and touches only what changed; anything else is a full swap.
 template <typename Have, typename Now>
-void Follow(const Have& have_in, const Now& now, Have* have, std::vector<PageId>* added,
-            std::vector<PageId>* left) {
-  size_t drop = 0;
+void Follow(const Now& now, const BlockPool& pool, Have* have, std::vector<int32_t>* ids,
+            std::vector<PageId>* added, std::vector<PageId>* left) {
+  size_t drop = have->size();
   if (!now.empty()) {
-    auto it = std::find(have_in.begin(), have_in.end(), now.front());
-    drop = it == have_in.end() ? have_in.size() : static_cast<size_t>(it - have_in.begin());
-  } else {
-    drop = have_in.size();
+    drop = static_cast<size_t>(std::find(have->begin(), have->end(), now.front()) - have->begin());
   }
-  const size_t kept = have_in.size() - drop;
-  bool run = kept <= now.size();
-  for (size_t i = 0; run && i < kept; ++i) run = have_in[drop + i] == now[i];
+  size_t kept = have->size() - drop;
+  const bool run = kept <= now.size() && (kept == 0 || have->back() == now[kept - 1]);
   if (!run) {
-    left->insert(left->end(), have_in.begin(), have_in.end());
-    added->insert(added->end(), now.begin(), now.end());
-    have->assign(now.begin(), now.end());
-    return;
+    drop = have->size();
+    kept = 0;
   }
-  left->insert(left->end(), have_in.begin(), have_in.begin() + drop);
-  added->insert(added->end(), now.begin() + kept, now.end());
+  left->insert(left->end(), have->begin(), have->begin() + drop);
   have->erase(have->begin(), have->begin() + drop);
-  have->insert(have->end(), now.begin() + kept, now.end());
+  ids->erase(ids->begin(), ids->begin() + drop);
+  for (size_t i = kept; i < now.size(); ++i) {
+    added->push_back(now[i]);
+    have->push_back(now[i]);
+    ids->push_back(pool.BlockId(now[i]));
+  }
 }
 
 }  // namespace
@@ -62,9 +61,9 @@ absl::StatusOr<bool> LayerWatch::Refresh() {
     if (seq.released) return internal::ReleasedError(id_, seq.expired);
     generation_ = seq.generation.load(std::memory_order_relaxed);
     const internal::LayerPages& p = seq.layers[layer_];
-    Follow(std::vector<PageId>(sink_pages_), p.sink, &sink_pages_, &added, &left);
-    Follow(std::vector<PageId>(history_pages_), p.history, &history_pages_, &added, &left);
-    Follow(std::deque<PageId>(recent_pages_), p.recent, &recent_pages_, &added, &left);
+    Follow(p.sink, *pool_, &sink_pages_, &ids_[0], &added, &left);
+    Follow(p.history, *pool_, &history_pages_, &ids_[1], &added, &left);
+    Follow(p.recent, *pool_, &recent_pages_, &ids_[2], &added, &left);
     sink_ = seq.layout.sink();
     history_ = seq.layout.history();
     recent_ = seq.layout.recent();
@@ -73,13 +72,6 @@ absl::StatusOr<bool> LayerWatch::Refresh() {
     pool_->RefAll(added);
   }
   pool_->UnrefAll(left);
-  auto ids = [&](const auto& pages, std::vector<int32_t>* out) {
-    out->resize(pages.size());
-    for (size_t i = 0; i < pages.size(); ++i) (*out)[i] = pool_->BlockId(pages[i]);
-  };
-  ids(sink_pages_, &ids_[0]);
-  ids(history_pages_, &ids_[1]);
-  ids(recent_pages_, &ids_[2]);
   return true;
 }
 
