@@ -152,7 +152,7 @@ fidelity: build venv
 # $(FUZZ_BUILD)/fuzz-corpus/, findings to $(FUZZ_BUILD)/crashes/.
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= safetensors_fuzz rotation_file_fuzz npy_fuzz ucx_wire_fuzz gpu_channel_fuzz \
+FUZZ_TARGETS ?= safetensors_fuzz rotation_file_fuzz npy_fuzz ucx_wire_fuzz shm_wire_fuzz gpu_channel_fuzz \
   negotiate_fuzz rpc_fuzz admission_fuzz
 
 fuzz: deps
