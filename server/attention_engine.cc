@@ -333,6 +333,39 @@ absl::StatusOr<std::vector<int>> AttentionEngine::RunOnDevice(const TenantId& te
   return attended;  // the snapshots' page references go now
 }
 
+void AttentionEngine::Begin(std::shared_ptr<Batch> b, bool on_caller) {
+  // Abandoned while it waited: none of its sequences are looked at.
+  if (StopIfCancelled(b.get(), b->request.sequence_ids.size())) {
+    b->done(b->cancel->status());
+    return;
+  }
+  if (absl::Status s = Prepare(b.get()); !s.ok()) {
+    b->snapshots.clear();
+    b->done(s);
+    return;
+  }
+  if (backend_->device() >= 0) {
+    AttendCoalesced(std::move(b));  // with whatever other requests are waiting
+    return;
+  }
+  const size_t n = b->snapshots.size();
+  uint64_t units = 0;
+  for (size_t i = 0; i < n; ++i) units += AttentionUnits(*b, i);
+  if (on_caller && units <= kInlineHostUnits) {
+    for (size_t i = 0; i < n; ++i) AttendOne(b.get(), i);
+    b->done(Finish(b.get()));
+    return;
+  }
+  b->pending.store(n);
+  // Never refused: the request was admitted. The last sequence to finish answers.
+  for (size_t i = 0; i < n; ++i) {
+    workers_->Submit(b->tenant, AttentionUnits(*b, i), [this, b, i]() {
+      AttendOne(b.get(), i);
+      if (b->pending.fetch_sub(1) == 1) b->done(Finish(b.get()));
+    });
+  }
+}
+
 absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<const Model> model,
                                     int layer, AttentionRequest request, AttentionDone done,
                                     std::shared_ptr<CallCancellation> cancellation) {
@@ -348,39 +381,20 @@ absl::Status AttentionEngine::Start(const TenantId& tenant, std::shared_ptr<cons
     b->done(Run(b->tenant, b->model, b->layer, std::move(b->request)));
     return absl::OkStatus();
   }
-  auto finish_one = [this, b]() {
-    // The last sequence to finish answers.
-    if (b->pending.fetch_sub(1) == 1) b->done(Finish(b.get()));
-  };
+  // A call that finds no work waiting runs on the thread that received it: the hop to a worker
+  // and back is most of a short call's latency, and with nothing queued fair queueing has no
+  // one to put first. At most as many such calls at once as there are workers.
+  if (inline_calls_.fetch_add(1) < workers_->threads() && workers_->queue_depth() == 0) {
+    Begin(b, /*on_caller=*/true);
+    inline_calls_.fetch_sub(1);
+    return absl::OkStatus();
+  }
+  inline_calls_.fetch_sub(1);
   // The request's first task only snapshots its sequences; each sequence's attention is then a
   // task of its own, costed by the work it does, so tenants share the workers by weighted fair
   // queueing (worker_pool.h) sequence by sequence.
-  const bool queued = workers_->TrySubmit(b->tenant, 1, [this, b, finish_one]() {
-    // Abandoned while it waited in the queue: none of its sequences are looked at.
-    if (StopIfCancelled(b.get(), b->request.sequence_ids.size())) {
-      b->done(b->cancel->status());
-      return;
-    }
-    absl::Status s = Prepare(b.get());
-    if (s.ok() && backend_->device() >= 0) {
-      AttendCoalesced(b);  // with whatever other requests are waiting
-      return;
-    }
-    if (!s.ok()) {
-      b->snapshots.clear();
-      b->done(s);
-      return;
-    }
-    const size_t n = b->snapshots.size();
-    b->pending.store(n);
-    // Never refused: the request was admitted.
-    for (size_t i = 0; i < n; ++i) {
-      workers_->Submit(b->tenant, AttentionUnits(*b, i), [this, b, i, finish_one]() {
-        AttendOne(b.get(), i);
-        finish_one();
-      });
-    }
-  });
+  const bool queued =
+      workers_->TrySubmit(b->tenant, 1, [this, b]() { Begin(b, /*on_caller=*/false); });
   if (!queued) {
     return absl::ResourceExhaustedError("server busy: worker queue full, retry later");
   }

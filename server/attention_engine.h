@@ -17,6 +17,7 @@
 // Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -69,8 +70,10 @@ class AttentionEngine {
       : store_(store), backend_(backend), workers_(workers) {}
 
   // Checks shapes and values of the request (InvalidArgument), then queues the work; `done`
-  // is called exactly once, on a worker thread, with the answer (sequences in request order) or
+  // is called exactly once, with the answer (sequences in request order) or
   // the first error (NotFound for an unknown sequence, InvalidArgument for one of another model).
+  // It runs on a worker thread, or on the calling thread before Start returns when no work is
+  // waiting for the workers (on the host backend only for a call of at most kInlineHostUnits).
   // ResourceExhausted when the worker queue is full (`done` is then not called). With
   // `cancellation`, each sequence's work is skipped once the caller has gone or its deadline
   // passed (counted there); `done` then gets CANCELLED or DEADLINE_EXCEEDED.
@@ -104,10 +107,15 @@ class AttentionEngine {
                                                                const Model& m, int layer,
                                                                const std::string& id) const;
   absl::Status Prepare(Batch* batch);
+  // Snapshots, then attends (device backends: coalesced) or queues each sequence's attention;
+  // `on_caller` says it runs on the thread that called Start.
+  void Begin(std::shared_ptr<Batch> batch, bool on_caller);
   void AttendOne(Batch* batch, size_t i);  // one sequence's rows (host backend)
   // Sequence i's attention in work units for fair queueing: 1 + tokens * query rows / 256.
   static constexpr uint64_t kAttentionUnitTokens = 256;
   static uint64_t AttentionUnits(const Batch& batch, size_t i);
+  // The most work units a host-backend call may take on the thread that received it.
+  static constexpr uint64_t kInlineHostUnits = 16;
   // Whether the batch's caller is gone; if so, counts `units` sequences as skipped.
   static bool StopIfCancelled(Batch* batch, size_t units);
   // Device backends: one backend call for a group of requests of one model and layer.
@@ -122,6 +130,7 @@ class AttentionEngine {
   WorkerPool* const workers_;
   absl::Mutex coalesce_mu_;
   bool coalescing_ ABSL_GUARDED_BY(coalesce_mu_) = false;
+  std::atomic<int> inline_calls_{0};  // calls running on the thread that called Start
   std::vector<std::shared_ptr<Batch>> waiting_ ABSL_GUARDED_BY(coalesce_mu_);
 };
 

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <thread>
 
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
@@ -201,6 +202,52 @@ TEST(AttentionEngineTest, FullQueueIsResourceExhausted) {
       engine.Start(kDefaultTenant, m, 0, RequestOf(Queries(*m, {"s"})), [](auto) { FAIL(); });
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
   release.Notify();
+  workers.Shutdown();
+}
+
+TEST(AttentionEngineTest, SmallCallRunsOnTheCallerOnlyWhenNoWorkIsWaiting) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());
+  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "s", {}).ok());
+  ASSERT_TRUE(AppendAll(*core.store, *m, "s", 0, 40, AppendKind::kFinalPrefill, 1).ok());
+  WorkerPool workers(1, 8);
+  AttentionEngine engine(core.store.get(), core.backend.get(), &workers);
+  const std::thread::id caller = std::this_thread::get_id();
+
+  // Idle workers: answered on this thread before Start returns.
+  std::thread::id answered_on;
+  bool answered = false;
+  ASSERT_TRUE(engine
+                  .Start(kDefaultTenant, m, 0, RequestOf(Queries(*m, {"s"})),
+                         [&](absl::StatusOr<AttentionAnswer> a) {
+                           EXPECT_TRUE(a.ok()) << a.status();
+                           answered_on = std::this_thread::get_id();
+                           answered = true;
+                         })
+                  .ok());
+  EXPECT_TRUE(answered);
+  EXPECT_EQ(answered_on, caller);
+
+  // Work waiting for the busy worker: the call queues behind it and runs on the worker.
+  absl::Notification release, started, done;
+  ASSERT_TRUE(workers.TrySubmit([&] {
+    started.Notify();
+    release.WaitForNotification();
+  }));
+  started.WaitForNotification();
+  ASSERT_TRUE(workers.TrySubmit([] {}));
+  ASSERT_TRUE(engine
+                  .Start(kDefaultTenant, m, 0, RequestOf(Queries(*m, {"s"})),
+                         [&](absl::StatusOr<AttentionAnswer> a) {
+                           EXPECT_TRUE(a.ok()) << a.status();
+                           answered_on = std::this_thread::get_id();
+                           done.Notify();
+                         })
+                  .ok());
+  EXPECT_FALSE(done.HasBeenNotified());
+  release.Notify();
+  done.WaitForNotification();
+  EXPECT_NE(answered_on, caller);
   workers.Shutdown();
 }
 
