@@ -184,6 +184,40 @@ absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::Attend(const RemoteAtt
       lse.size() * sizeof(float) != plan.lse_bytes) {
     return absl::InvalidArgumentError("queries, out and lse must have the plan's sizes");
   }
+  KVPOOL_ASSIGN_OR_RETURN(InPlaceCall call, HoldSlot(plan));
+  std::copy(queries.begin(), queries.end(), call.queries().begin());
+  KVPOOL_ASSIGN_OR_RETURN(std::vector<uint32_t> tokens, AttendInPlace(call, layer));
+  std::copy(call.out().begin(), call.out().end(), out.begin());
+  std::copy(call.lse().begin(), call.lse().end(), lse.begin());
+  return tokens;
+}
+
+ShmAttentionClient::InPlaceCall::InPlaceCall(ShmAttentionClient* client, uint32_t slot,
+                                             const RemoteAttentionPlan& plan)
+    : client_(client), slot_(slot), plan_(plan) {
+  uint8_t* s = client->region_ + client->layout_.slot_at(slot);
+  const size_t values = plan.query_bytes / sizeof(float);
+  // The region is page-aligned and every offset in a slot a multiple of 64 bytes.
+  queries_ = absl::MakeSpan(reinterpret_cast<float*>(s + server::ShmLayout::queries_at()), values);
+  out_ = absl::MakeSpan(reinterpret_cast<float*>(s + client->layout_.out_at()), values);
+  lse_ = absl::MakeSpan(reinterpret_cast<float*>(s + client->layout_.lse_at()),
+                        plan.lse_bytes / sizeof(float));
+}
+
+ShmAttentionClient::InPlaceCall::InPlaceCall(InPlaceCall&& other) noexcept
+    : client_(std::exchange(other.client_, nullptr)),
+      slot_(other.slot_),
+      plan_(other.plan_),
+      queries_(other.queries_),
+      out_(other.out_),
+      lse_(other.lse_) {}
+
+ShmAttentionClient::InPlaceCall::~InPlaceCall() {
+  if (client_ != nullptr) client_->GiveSlot(slot_);
+}
+
+absl::StatusOr<ShmAttentionClient::InPlaceCall> ShmAttentionClient::HoldSlot(
+    const RemoteAttentionPlan& plan) {
   if (plan.query_bytes > layout_.max_query_bytes || plan.lse_bytes > layout_.max_lse_bytes) {
     return absl::InvalidArgumentError("the plan's calls do not fit this channel's slots");
   }
@@ -191,16 +225,15 @@ absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::Attend(const RemoteAtt
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::FailedPreconditionError("the channel is closed");
   }
-  const uint32_t slot = TakeSlot();
-  uint8_t* s = region_ + layout_.slot_at(slot);
-  std::memcpy(s + server::ShmLayout::queries_at(), queries.data(), plan.query_bytes);
-  absl::StatusOr<std::vector<uint32_t>> tokens = CallInSlot(slot, plan, layer, server::kIoRegion);
-  if (tokens.ok()) {
-    std::memcpy(out.data(), s + layout_.out_at(), plan.query_bytes);
-    std::memcpy(lse.data(), s + layout_.lse_at(), plan.lse_bytes);
+  return InPlaceCall(this, TakeSlot(), plan);
+}
+
+absl::StatusOr<std::vector<uint32_t>> ShmAttentionClient::AttendInPlace(const InPlaceCall& call,
+                                                                        int layer) {
+  if (call.client_ != this) {
+    return absl::InvalidArgumentError("the call holds no slot of this channel");
   }
-  GiveSlot(slot);
-  return tokens;
+  return CallInSlot(call.slot_, call.plan_, layer, server::kIoRegion);
 }
 
 const uint8_t* ShmAttentionClient::MailboxHandles(uint32_t slot) const {

@@ -12,6 +12,14 @@
 //     lse));
 //   }
 //
+// A worker that can compute its projections straight into the region saves the copies in and
+// out: it holds a slot and reads and writes the call's buffers where the daemon does.
+//
+//   KVPOOL_ASSIGN_OR_RETURN(ShmAttentionClient::InPlaceCall call, attn->HoldSlot(plan));
+//   ProjectQueries(layer, call.queries());                         // written in place
+//   KVPOOL_RETURN_IF_ERROR(attn->AttendInPlace(call, layer).status());
+//   Consume(call.out(), call.lse());                                // read in place
+//
 // A call that fails for its own reasons (a released sequence: NOT_FOUND, a bad layer:
 // INVALID_ARGUMENT, ...) returns the daemon's status and the channel keeps working; a daemon that
 // does not answer within the call timeout gives DEADLINE_EXCEEDED and the channel is closed.
@@ -72,6 +80,34 @@ class ShmAttentionClient {
   absl::StatusOr<std::vector<uint32_t>> Attend(const RemoteAttentionPlan& plan, int layer,
                                                absl::Span<const float> queries,
                                                absl::Span<float> out, absl::Span<float> lse);
+
+  // A slot held for calls whose queries and answers stay in the region (shared memory the
+  // daemon reads and writes). Gives the slot back when destroyed; movable, not copyable. The
+  // spans stay valid while the call object lives; the daemon writes out() and lse() only during
+  // AttendInPlace.
+  class InPlaceCall {
+   public:
+    InPlaceCall(InPlaceCall&& other) noexcept;
+    InPlaceCall& operator=(InPlaceCall&& other) = delete;
+    ~InPlaceCall();
+    absl::Span<float> queries() const { return queries_; }  // [rows][q_heads][head_dim]
+    absl::Span<const float> out() const { return out_; }    // same shape, original basis
+    absl::Span<const float> lse() const { return lse_; }    // [rows][q_heads], natural log
+
+   private:
+    friend class ShmAttentionClient;
+    InPlaceCall(ShmAttentionClient* client, uint32_t slot, const RemoteAttentionPlan& plan);
+    ShmAttentionClient* client_;  // null once moved from
+    uint32_t slot_;
+    RemoteAttentionPlan plan_;
+    absl::Span<float> queries_, out_, lse_;
+  };
+  // Takes a free slot for `plan`'s calls (waiting while none is free). InvalidArgument when the
+  // plan's calls do not fit the slots, FailedPrecondition once the channel is closed.
+  absl::StatusOr<InPlaceCall> HoldSlot(const RemoteAttentionPlan& plan);
+  // One call of the held slot's plan over `layer`, its queries already in call.queries().
+  // Returns the attended tokens per sequence; on error out() and lse() are unspecified.
+  absl::StatusOr<std::vector<uint32_t>> AttendInPlace(const InPlaceCall& call, int layer);
 
   // Ends the session (CloseSession, then the socket; the mapping goes with the client).
   // Idempotent; later calls answer FailedPrecondition.

@@ -8,6 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <thread>
@@ -130,6 +131,57 @@ TEST_F(ShmAttentionTest, AnswersBitForBitAsAttendOverGrpc) {
     }
     ASSERT_TRUE(attn->DropPlan(*plan).ok());
   }
+}
+
+TEST_F(ShmAttentionTest, InPlaceCallsAnswerAsCopyingCallsAndGiveTheirSlotBack) {
+  const std::vector<std::string> ids = {"inplace-a", "inplace-b"};
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(
+        CreateAndAppend(client(), "m", ids[i], MakeSequenceKv(kShape, 90 + 40 * i, 30 + i), true)
+            .ok());
+  }
+  auto attn = Connect(/*slots=*/1);
+  ASSERT_NE(attn, nullptr);
+  absl::StatusOr<RemoteAttentionPlan> plan = attn->SetPlan("m", ids, 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::vector<float>> want_out, want_lse;
+  std::vector<std::vector<float>> qs;
+  for (int layer = 0; layer < kShape.num_layers; ++layer) {
+    qs.push_back(kvpool::testing::GaussianValues(plan->query_bytes / sizeof(float), 40 + layer));
+    std::vector<float> out(qs.back().size()), lse(plan->lse_bytes / sizeof(float));
+    ASSERT_TRUE(
+        attn->Attend(*plan, layer, qs.back(), absl::MakeSpan(out), absl::MakeSpan(lse)).ok());
+    want_out.push_back(out);
+    want_lse.push_back(lse);
+  }
+  {
+    // One held slot for every layer, as a decode step would use it.
+    absl::StatusOr<ShmAttentionClient::InPlaceCall> call = attn->HoldSlot(*plan);
+    ASSERT_TRUE(call.ok()) << call.status();
+    ASSERT_EQ(call->queries().size(), qs[0].size());
+    ASSERT_EQ(call->lse().size(), want_lse[0].size());
+    for (int layer = 0; layer < kShape.num_layers; ++layer) {
+      std::copy(qs[layer].begin(), qs[layer].end(), call->queries().begin());
+      absl::StatusOr<std::vector<uint32_t>> got = attn->AttendInPlace(*call, layer);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, (std::vector<uint32_t>{90, 130}));
+      EXPECT_TRUE(std::equal(call->out().begin(), call->out().end(), want_out[layer].begin()))
+          << "layer " << layer;
+      EXPECT_TRUE(std::equal(call->lse().begin(), call->lse().end(), want_lse[layer].begin()))
+          << "layer " << layer;
+    }
+    // A call object moved from holds nothing; the slot goes back once, with the last owner.
+    ShmAttentionClient::InPlaceCall moved = *std::move(call);
+    EXPECT_TRUE(absl::IsInvalidArgument(attn->AttendInPlace(*call, 0).status()));
+    EXPECT_TRUE(attn->AttendInPlace(moved, 0).ok());
+  }
+  // The only slot is free again.
+  std::vector<float> out(qs[0].size()), lse(plan->lse_bytes / sizeof(float));
+  EXPECT_TRUE(attn->Attend(*plan, 0, qs[0], absl::MakeSpan(out), absl::MakeSpan(lse)).ok());
+  // A plan whose calls do not fit the slots holds nothing.
+  RemoteAttentionPlan too_big = *plan;
+  too_big.query_bytes = attn->layout().max_query_bytes + 64;
+  EXPECT_TRUE(absl::IsInvalidArgument(attn->HoldSlot(too_big).status()));
 }
 
 TEST_F(ShmAttentionTest, PerCallErrorsKeepTheChannelServing) {
