@@ -7,6 +7,8 @@
 //             merge: the daemon's own events around them, during the gRPC calls)
 //   grpc      AttentionService.Attend over gRPC (float32 queries), p50
 //   shm_cpu   the same-host channel (shared memory), queries and outputs in host memory, p50;
+//             shm_cpu_in_place the same with the queries and answers read and written in the
+//             slot (HoldSlot/AttendInPlace), as a worker that projects straight into it;
 //             with the CPU time per call of this thread and of kvpoold
 //   shm_gpu   the same-host channel with device mailboxes: queries and outputs in this
 //             process's GPU memory, p50 from the call until its outputs are in (stream synced)
@@ -25,6 +27,7 @@
 #include <dirent.h>
 #include <time.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -87,6 +90,41 @@ double ProcessCpuSeconds(pid_t pid) {
   return total;
 }
 
+// CPU seconds per thread name of process `pid` (threads of one name summed).
+std::map<std::string, double> CpuSecondsByThreadName(pid_t pid) {
+  std::map<std::string, double> by_name;
+  const std::string dir = absl::StrCat("/proc/", pid, "/task");
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return by_name;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream comm(absl::StrCat(dir, "/", e->d_name, "/comm"));
+    std::ifstream stat(absl::StrCat(dir, "/", e->d_name, "/schedstat"));
+    std::string name;
+    double ns = 0;
+    if (std::getline(comm, name) && (stat >> ns)) by_name[name] += ns * 1e-9;
+  }
+  closedir(d);
+  return by_name;
+}
+
+// "name us, ..." for the threads that ran most between `before` and `after`, per call.
+std::string TopThreads(const std::map<std::string, double>& before,
+                       const std::map<std::string, double>& after, int calls) {
+  std::vector<std::pair<double, std::string>> delta;
+  for (const auto& [name, secs] : after) {
+    const auto it = before.find(name);
+    delta.push_back({secs - (it == before.end() ? 0.0 : it->second), name});
+  }
+  std::sort(delta.rbegin(), delta.rend());
+  std::string out;
+  for (size_t i = 0; i < delta.size() && i < 6; ++i) {
+    absl::StrAppend(&out, i ? ", " : "", delta[i].second, " ",
+                    static_cast<int>(1e6 * delta[i].first / calls), " us");
+  }
+  return out;
+}
+
 // A device buffer freed at scope exit.
 struct DeviceBuffer {
   void* p = nullptr;
@@ -142,7 +180,8 @@ absl::Status CopyToHost(uint8_t* dst, const uint8_t* src, size_t n) {
   return CudaStatus(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "D2H");
 }
 
-bool SameBits(const std::vector<float>& a, const std::string& b_bytes, size_t offset_values) {
+bool SameBits(absl::Span<const float> a, const std::string& b_bytes, size_t offset_values) {
+  if ((offset_values * sizeof(float)) + b_bytes.size() > a.size() * sizeof(float)) return false;
   return std::memcmp(a.data() + offset_values, b_bytes.data(), b_bytes.size()) == 0;
 }
 
@@ -151,8 +190,8 @@ struct Reference {
   std::vector<std::string> out, lse;
 };
 
-absl::Status CheckAgainst(const Reference& ref, const std::vector<float>& out,
-                          const std::vector<float>& lse, size_t per_row, size_t heads,
+absl::Status CheckAgainst(const Reference& ref, absl::Span<const float> out,
+                          absl::Span<const float> lse, size_t per_row, size_t heads,
                           const std::string& path) {
   for (size_t i = 0; i < ref.out.size(); ++i) {
     if (!SameBits(out, ref.out[i], i * per_row) || !SameBits(lse, ref.lse[i], i * heads)) {
@@ -341,6 +380,7 @@ absl::Status Run(const Options& opt) {
         const int grpc_reps = context >= 131072 && batch >= 32 ? 20 : 50;
         KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse before, c->GetStats());
         std::vector<double> grpc_us;
+        const std::map<std::string, double> threads0 = CpuSecondsByThreadName(daemon->pid());
         const double rcpu0 = ThreadCpuSeconds(), rd0 = ProcessCpuSeconds(daemon->pid());
         for (int rep = 0; rep < grpc_reps; ++rep) {
           const auto t0 = SteadyClock::now();
@@ -349,6 +389,9 @@ absl::Status Run(const Options& opt) {
         }
         const double grpc_client_cpu = 1e6 * (ThreadCpuSeconds() - rcpu0) / grpc_reps;
         const double grpc_daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - rd0) / grpc_reps;
+        std::cerr << m.name << " batch " << batch << " context " << context
+                  << ": kvpoold CPU per gRPC call by thread: "
+                  << TopThreads(threads0, CpuSecondsByThreadName(daemon->pid()), grpc_reps) << "\n";
         KVPOOL_ASSIGN_OR_RETURN(v1::GetStatsResponse after, c->GetStats());
         const double kernel_us = 1e6 *
                                  (after.service().attention_device_seconds() -
@@ -387,6 +430,39 @@ absl::Status Run(const Options& opt) {
                     {"kernel", kernel_us}});
         report.Add({"caller_cpu_us_per_call", params("shm_cpu"), client_cpu, "us", {"", 0}});
         report.Add({"daemon_cpu_us_per_call", params("shm_cpu"), daemon_cpu, "us", {"", 0}});
+
+        // Same-host channel, CPU caller with its queries and answers in place (a worker that
+        // writes its projections into the slot): no copy on the caller's side.
+        {
+          KVPOOL_ASSIGN_OR_RETURN(client::ShmAttentionClient::InPlaceCall call,
+                                  shm->HoldSlot(plan));
+          std::copy(q.begin(), q.end(), call.queries().begin());
+          KVPOOL_RETURN_IF_ERROR(shm->AttendInPlace(call, 0).status());
+          KVPOOL_RETURN_IF_ERROR(
+              CheckAgainst(ref, call.out(), call.lse(), per_row, m.q_heads, "shm_cpu_in_place"));
+          std::vector<double> inplace_us;
+          const double icpu0 = ThreadCpuSeconds(), id0 = ProcessCpuSeconds(daemon->pid());
+          for (int rep = 0; rep < reps; ++rep) {
+            const auto t0 = SteadyClock::now();
+            KVPOOL_RETURN_IF_ERROR(shm->AttendInPlace(call, 0).status());
+            inplace_us.push_back(1e6 * SecondsSince(t0));
+          }
+          report.Add({"decode_attention_us",
+                      params("shm_cpu_in_place"),
+                      Median(inplace_us),
+                      "us",
+                      {"kernel", kernel_us}});
+          report.Add({"caller_cpu_us_per_call",
+                      params("shm_cpu_in_place"),
+                      1e6 * (ThreadCpuSeconds() - icpu0) / reps,
+                      "us",
+                      {"", 0}});
+          report.Add({"daemon_cpu_us_per_call",
+                      params("shm_cpu_in_place"),
+                      1e6 * (ProcessCpuSeconds(daemon->pid()) - id0) / reps,
+                      "us",
+                      {"", 0}});
+        }
         KVPOOL_RETURN_IF_ERROR(shm->DropPlan(plan));
 
         // Same-host channel, GPU caller (device mailboxes).
