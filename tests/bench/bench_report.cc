@@ -9,6 +9,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 
 namespace kvpool::bench {
@@ -60,12 +61,18 @@ bool ParseBenchArgs(int argc, char** argv, const std::map<std::string, std::stri
 }
 
 bool ParseDaemonBenchArgs(int argc, char** argv, DaemonBenchOptions* o) {
-  const char* usage = "--kvpoold PATH [--device cuda:0] [--out FILE] [--quick]";
+  const char* usage =
+      "--kvpoold PATH [--device cuda:0] [--out FILE] [--quick] [--kvpoold_flags 'FLAG ...']";
+  std::string flags;
   if (!ParseBenchArgs(argc, argv,
-                      {{"--kvpoold", &o->kvpoold}, {"--device", &o->device}, {"--out", &o->out}},
+                      {{"--kvpoold", &o->kvpoold},
+                       {"--device", &o->device},
+                       {"--out", &o->out},
+                       {"--kvpoold_flags", &flags}},
                       {{"--quick", &o->quick}}, usage)) {
     return false;
   }
+  o->kvpoold_flags = absl::StrSplit(flags, ' ', absl::SkipEmpty());
   if (o->kvpoold.empty()) {
     std::cerr << "usage: " << argv[0] << " " << usage << "\n";
     return false;

@@ -65,6 +65,7 @@ struct DaemonBenchOptions {
   std::string device = "cuda:0";
   std::string out;
   bool quick = false;
+  std::vector<std::string> kvpoold_flags;  // more kvpoold flags, for A/B runs
 };
 bool ParseDaemonBenchArgs(int argc, char** argv, DaemonBenchOptions* options);
 

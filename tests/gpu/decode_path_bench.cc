@@ -17,6 +17,8 @@
 //             API (libkvpool_attention): p50 of the local call on an unchanged mirror; beside it
 //             the cost of an incremental fetch that finds nothing new, and of the first fetch
 //
+// Beside them, gRPC's own floor on the machine: the p50 of the health check (an empty call).
+//
 // Correctness first: every path's output and LSE must equal the gRPC answer to the bit (the
 // same tables, the same split of the work, the same kernels); any difference fails the run.
 // Writes the raw rows as JSON (docs/operations.md form); tests/gpu/decode_path_table.py adds
@@ -217,6 +219,7 @@ absl::Status Run(const Options& opt) {
                 "--worker_threads=8",
                 "--log_level=warn",
                 "--shm_max_region_bytes=268435456"};
+  dopt.flags.insert(dopt.flags.end(), opt.kvpoold_flags.begin(), opt.kvpoold_flags.end());
   dopt.startup_timeout = absl::Seconds(120);
   KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<client::LocalDaemon> daemon,
                           client::LocalDaemon::Start(dopt));
@@ -251,6 +254,16 @@ absl::Status Run(const Options& opt) {
   }
 
   BenchReport report("gpu_decode_path");
+  // gRPC's own floor on this machine: the health check, an empty unary call on the same channel.
+  {
+    std::vector<double> health_us;
+    for (int rep = 0; rep < 300; ++rep) {
+      const auto t0 = SteadyClock::now();
+      KVPOOL_RETURN_IF_ERROR(c->Health().status());
+      if (rep >= 20) health_us.push_back(1e6 * SecondsSince(t0));
+    }
+    report.Add({"grpc_health_check_us", {}, Median(health_us), "us", {"", 0}});
+  }
   for (const ModelShape& m : models) {
     v1::ModelSpec spec;
     spec.set_model_id(m.name);

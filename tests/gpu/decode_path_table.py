@@ -115,7 +115,10 @@ def main():
               " ".join(fmt(None if v is None else v * layers / 1e3, 8, 2) for v in row[3:]))
     for r in raw["results"]:
         p = r["params"]
-        if r["name"] == "first_fetch_GBs":
+        if r["name"] == "grpc_health_check_us":
+            print(f"gRPC's floor on this machine (health check, an empty call): "
+                  f"{r['value']:.1f} us")
+        elif r["name"] == "first_fetch_GBs":
             print(f"first fetch into the worker's GPU arena: {p['model']} {p['sequences']} x "
                   f"{p['context']} tokens at {r['value']:.1f} GB/s")
         elif r["name"] == "unchanged_fetch_us":
