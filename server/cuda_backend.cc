@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/cuda_status.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/copy_ranges.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_codec.h"
 #include "kernels/cuda/page_checksum_cuda.h"
@@ -453,16 +454,24 @@ class CudaBackend final : public ComputeBackend {
   // Copy engines, on the lane's stream (cudaMemcpyDefault: the destination may be a peer's
   // allocation mapped through CUDA IPC); waits for that stream only.
   absl::Status CopyPoolToDeviceBody(absl::Span<const DeviceCopy> copies) {
-    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    // One launch for every range: a fetch is many small blocks and rows, and a copy call per
+    // block cost more than its bytes take to move.
+    std::vector<cuda::CopyRange> ranges;
+    ranges.reserve(copies.size());
     for (const DeviceCopy& c : copies) {
       if (c.bytes == 0 || c.rows == 0) continue;
-      const size_t dst_pitch = c.rows > 1 ? c.dst_pitch : c.bytes;
-      const size_t src_pitch = c.rows > 1 ? c.src_pitch : c.bytes;
-      KVPOOL_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpy2DAsync(c.dst, dst_pitch, c.src, src_pitch, c.bytes, c.rows,
-                                       cudaMemcpyDefault, lane->stream),
-                     "D2D pool bytes"));
+      ranges.push_back({c.dst, c.src, c.bytes, c.rows, c.dst_pitch, c.src_pitch});
     }
+    if (ranges.empty()) return absl::OkStatus();
+    KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
+    const size_t bytes = ranges.size() * sizeof(cuda::CopyRange);
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * host, lane->staging.Reserve(bytes));
+    std::memcpy(host, ranges.data(), bytes);
+    KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(bytes, lane->stream));
+    KVPOOL_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, lane->stream), "copy ranges"));
+    KVPOOL_RETURN_IF_ERROR(cuda::CopyRanges(reinterpret_cast<const cuda::CopyRange*>(dev),
+                                            static_cast<int>(ranges.size()), lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane->stream), "D2D pool bytes"));
     lane->dirty = false;
     return absl::OkStatus();

@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu-carry}
 JOBS=${JOBS:-1}
-KERNEL_TARGETS="cuda_codec_test cuda_attention_test page_checksum_cuda_test kvpool-gpu-bench
+KERNEL_TARGETS="cuda_codec_test cuda_attention_test page_checksum_cuda_test copy_ranges_cuda_test kvpool-gpu-bench
   attention_c_api_cuda_test"
 # Shared libraries of the project itself, carried in lib/ (the engine attention backend's).
 LIBRARY_TARGETS="kvpool_attention_capi"

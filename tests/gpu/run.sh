@@ -98,6 +98,7 @@ SLOW='*Batch32At128K*'
 if [ "$MODE" = all ] || [ "$MODE" = test ] || [ "$MODE" = quick ]; then
   step "codec test (GPU vs CPU, bit-exact)" "$OUT/test.log" "$BIN/cuda_codec_test" --gtest_color=no
   step "page checksums (GPU vs CPU)" "$OUT/test.log" "$BIN/page_checksum_cuda_test" --gtest_color=no
+  step "batched device copies" "$OUT/test.log" "$BIN/copy_ranges_cuda_test" --gtest_color=no
   if [ "$MODE" = quick ]; then
     step "attention test (fast cases)" "$OUT/test.log" "$BIN/cuda_attention_test" \
       --gtest_color=no --gtest_filter="-$SLOW"
@@ -282,6 +283,8 @@ if [ "$MODE" = all ] || [ "$MODE" = decode-path ]; then
   KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
     "conformance incremental_fetch (cuda:0)" "$OUT/decode-path.log" \
     "$BIN/integration_incremental_fetch_test" --gtest_color=no
+  step "batched device copies (the fetch's copy kernel)" "$OUT/decode-path.log" \
+    "$BIN/copy_ranges_cuda_test" --gtest_color=no
   KVPOOL_TEST_DEVICE=cuda:0 KVPOOL_KVPOOLD=$BIN/kvpoold step \
     "incremental fetch into a worker's GPU arena (cuda:0)" "$OUT/decode-path.log" \
     "$BIN/integration_device_fetch_test" --gtest_color=no
