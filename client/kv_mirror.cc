@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <new>
 #include <utility>
 
@@ -260,7 +261,9 @@ absl::StatusOr<FetchStats> KvMirror::FetchToDevice(const std::string& sequence_i
                                                    const DeviceFetchTarget& target) {
   const int64_t bt = history_layout_.tokens;
   auto stub = v1::TransportService::NewStub(client_->channel());
-  auto call = [&](const HeldSequence* held) -> absl::StatusOr<v1::FetchToDeviceResponse> {
+  // A request carries at most `limit` free slots of each kind, from the lists' backs.
+  auto call = [&](const HeldSequence* held,
+                  size_t limit) -> absl::StatusOr<v1::FetchToDeviceResponse> {
     v1::FetchToDeviceRequest request;
     request.set_session_id(target.session_id);
     request.mutable_read()->set_sequence_id(sequence_id);
@@ -269,8 +272,10 @@ absl::StatusOr<FetchStats> KvMirror::FetchToDevice(const std::string& sequence_i
     request.set_history_slots(static_cast<uint32_t>(slots_.history_slots));
     request.set_bf16_slots(static_cast<uint32_t>(slots_.bf16_slots));
     // The free lists hand out their backs first; the daemon takes from the front.
-    request.mutable_free_history_slots()->Add(free_history_.rbegin(), free_history_.rend());
-    request.mutable_free_bf16_slots()->Add(free_bf16_.rbegin(), free_bf16_.rend());
+    request.mutable_free_history_slots()->Add(
+        free_history_.rbegin(), free_history_.rbegin() + std::min(limit, free_history_.size()));
+    request.mutable_free_bf16_slots()->Add(
+        free_bf16_.rbegin(), free_bf16_.rbegin() + std::min(limit, free_bf16_.size()));
     if (held != nullptr) {
       const v1::ReadBlocksCursor& c = held->cursor;
       *request.mutable_read()->mutable_since() = c;
@@ -290,13 +295,23 @@ absl::StatusOr<FetchStats> KvMirror::FetchToDevice(const std::string& sequence_i
     if (!s.ok()) return FromGrpcStatus(s, "FetchToDevice");
     return response;
   };
+  // A held sequence usually gained a few pages per layer since its last fetch: its request
+  // offers that many free slots, not the whole arena's (a request and a search per slot that
+  // grew with the arena), and asks again with every free slot when the daemon needs more. A
+  // sequence fetched for the first time is offered every free slot.
+  const size_t all = std::max(free_history_.size(), free_bf16_.size());
+  const size_t few = static_cast<size_t>(kHeldFetchSlotsPerLayer) * num_layers_;
   auto it = held_.find(sequence_id);
-  absl::StatusOr<v1::FetchToDeviceResponse> r = call(it == held_.end() ? nullptr : &it->second);
+  absl::StatusOr<v1::FetchToDeviceResponse> r =
+      it == held_.end() ? call(nullptr, all) : call(&it->second, few);
+  if (!r.ok() && it != held_.end() && absl::IsResourceExhausted(r.status()) && few < all) {
+    r = call(&it->second, all);
+  }
   if (!r.ok() && it != held_.end() && ReasonOf(r.status()) == ErrorReason::kStaleCursor) {
     Free(&it->second);
     held_.erase(it);
     it = held_.end();
-    r = call(nullptr);
+    r = call(nullptr, all);
   }
   if (!r.ok()) return r.status();
   FetchStats stats;
@@ -312,9 +327,10 @@ absl::StatusOr<FetchStats> KvMirror::FetchToDevice(const std::string& sequence_i
 }
 
 bool KvMirror::TakeFree(std::vector<int32_t>* free, int32_t slot) {
-  auto at = std::find(free->begin(), free->end(), slot);
-  if (at == free->end()) return false;
-  free->erase(at);
+  // Slots are handed out from the list's back (a request offers it reversed): found there first.
+  auto at = std::find(free->rbegin(), free->rend(), slot);
+  if (at == free->rend()) return false;
+  free->erase(std::next(at).base());
   return true;
 }
 

@@ -157,6 +157,8 @@ class KvMirror {
   absl::Status ApplyDeviceWrites(const v1::FetchToDeviceResponse& r, HeldSequence* held,
                                  FetchStats* stats);
   static void SetCursor(const v1::ReadBlocksHeader& h, HeldSequence* held);
+  // Free slots of each kind a fetch of a held sequence offers per layer at first.
+  static constexpr int kHeldFetchSlotsPerLayer = 4;
   // Takes `slot` out of a free list; false when it is not free.
   static bool TakeFree(std::vector<int32_t>* free, int32_t slot);
 

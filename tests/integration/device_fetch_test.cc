@@ -139,8 +139,10 @@ TEST_F(DeviceFetchTest, DaemonCopiesOnlyNewBlocksAndRowsIntoTheWorkersArena) {
   absl::StatusOr<std::unique_ptr<KvMirror>> host = KvMirror::Create(client_.get(), "gpu", kSlots);
   ASSERT_TRUE(host.ok()) << host.status();
 
-  // A final prefill of the first 100 tokens, then decode steps from the rest.
-  const SequenceKv kv = MakeSequenceKv(kShape, 200, 7);
+  // A final prefill of the first 100 tokens, then decode steps from the rest. The last round
+  // adds more history blocks than a held sequence's first request offers slots for (the mirror
+  // asks again with every free slot).
+  const SequenceKv kv = MakeSequenceKv(kShape, 320, 7);
   SequenceKv prefill = kv;
   prefill.tokens = 100;
   const size_t row = static_cast<size_t>(kShape.kv_heads) * kShape.head_dim;
@@ -150,7 +152,7 @@ TEST_F(DeviceFetchTest, DaemonCopiesOnlyNewBlocksAndRowsIntoTheWorkersArena) {
   }
   KV_ASSERT_OK(CreateAndAppend(*client_, "gpu", "s", prefill, /*end_of_prefill=*/true).status());
   int at = 100;
-  for (int steps : {0, 1, 8, 13, 40}) {
+  for (int steps : {0, 1, 8, 13, 40, 150}) {
     SCOPED_TRACE(absl::StrCat(steps, " decode steps, at ", at));
     KV_ASSERT_OK(Decode("s", kv, at, steps));
     at += steps;
