@@ -31,6 +31,7 @@
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
 #include "kernels/cuda/kernel_tuning.h"
+#include "kernels/device_copy.h"
 #include "kernels/paged_kv.h"
 #include "kernels/rotation.h"
 #include "kernels/row_codec.h"
@@ -83,17 +84,6 @@ struct SlotRange {
   int first_slot = 0;
   int count = 0;
   bool history = false;
-};
-
-// One copy out of pool memory into device memory: `rows` runs of `bytes` bytes, run i from
-// src + i * src_pitch to dst + i * dst_pitch (the pitches matter only when rows > 1).
-struct DeviceCopy {
-  uint8_t* dst = nullptr;
-  const uint8_t* src = nullptr;
-  size_t bytes = 0;
-  size_t rows = 1;
-  size_t dst_pitch = 0;
-  size_t src_pitch = 0;
 };
 
 // Query rows of an attention call and their outputs: `rows` consecutive rows of the batch.

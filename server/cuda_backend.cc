@@ -456,21 +456,20 @@ class CudaBackend final : public ComputeBackend {
   absl::Status CopyPoolToDeviceBody(absl::Span<const DeviceCopy> copies) {
     // One launch for every range: a fetch is many small blocks and rows, and a copy call per
     // block cost more than its bytes take to move.
-    std::vector<cuda::CopyRange> ranges;
+    std::vector<DeviceCopy> ranges;
     ranges.reserve(copies.size());
     for (const DeviceCopy& c : copies) {
-      if (c.bytes == 0 || c.rows == 0) continue;
-      ranges.push_back({c.dst, c.src, c.bytes, c.rows, c.dst_pitch, c.src_pitch});
+      if (c.bytes != 0 && c.rows != 0) ranges.push_back(c);
     }
     if (ranges.empty()) return absl::OkStatus();
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
-    const size_t bytes = ranges.size() * sizeof(cuda::CopyRange);
+    const size_t bytes = ranges.size() * sizeof(DeviceCopy);
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * host, lane->staging.Reserve(bytes));
     std::memcpy(host, ranges.data(), bytes);
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(bytes, lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, lane->stream), "copy ranges"));
-    KVPOOL_RETURN_IF_ERROR(cuda::CopyRanges(reinterpret_cast<const cuda::CopyRange*>(dev),
+    KVPOOL_RETURN_IF_ERROR(cuda::CopyRanges(reinterpret_cast<const DeviceCopy*>(dev),
                                             static_cast<int>(ranges.size()), lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane->stream), "D2D pool bytes"));
     lane->dirty = false;

@@ -13,7 +13,7 @@ constexpr int kMaxBlocks = 2048;
 
 // One range: the threads of the block take its (row, 16-byte vector) pairs in turn, or its bytes
 // one by one when the range is not 16-byte aligned (BF16 rows starting mid-page).
-__device__ void CopyOne(const CopyRange& c) {
+__device__ void CopyOne(const DeviceCopy& c) {
   const uint64_t aligned = reinterpret_cast<uintptr_t>(c.dst) | reinterpret_cast<uintptr_t>(c.src) |
                            c.bytes | (c.rows > 1 ? (c.dst_pitch | c.src_pitch) : 0);
   if (aligned % 16 == 0) {
@@ -33,9 +33,9 @@ __device__ void CopyOne(const CopyRange& c) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) CopyRangesKernel(const CopyRange* ranges, int n) {
+__global__ void __launch_bounds__(kThreads) DeviceCopysKernel(const DeviceCopy* ranges, int n) {
   for (int r = blockIdx.x; r < n; r += gridDim.x) {
-    const CopyRange c = ranges[r];
+    const DeviceCopy c = ranges[r];
     if (c.bytes == 0 || c.rows == 0) continue;
     CopyOne(c);
   }
@@ -43,11 +43,11 @@ __global__ void __launch_bounds__(kThreads) CopyRangesKernel(const CopyRange* ra
 
 }  // namespace
 
-absl::Status CopyRanges(const CopyRange* ranges, int n, Stream stream) {
+absl::Status DeviceCopys(const DeviceCopy* ranges, int n, Stream stream) {
   if (n <= 0) return absl::OkStatus();
   const unsigned grid = static_cast<unsigned>(n < kMaxBlocks ? n : kMaxBlocks);
-  CopyRangesKernel<<<grid, kThreads, 0, stream>>>(ranges, n);
-  return CudaStatus(cudaGetLastError(), "CopyRanges");
+  DeviceCopysKernel<<<grid, kThreads, 0, stream>>>(ranges, n);
+  return CudaStatus(cudaGetLastError(), "DeviceCopys");
 }
 
 }  // namespace kvpool::cuda

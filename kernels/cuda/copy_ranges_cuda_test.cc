@@ -29,11 +29,11 @@ TEST(CopyRangesCudaTest, WritesEveryRangeAndNothingElse) {
   // Ranges laid out one after another in the destination (never overlapping), of three kinds:
   // 16-byte aligned blocks, pitched rows at odd offsets and lengths, and empty ranges. More of
   // them than the kernel's grid, so blocks take several each.
-  std::vector<CopyRange> ranges;
+  std::vector<DeviceCopy> ranges;
   std::vector<uint8_t> want = dst;
   size_t at = 0;
   for (int i = 0; i < 5000; ++i) {
-    CopyRange c;
+    DeviceCopy c;
     const int kind = i % 3;
     if (kind == 0) {
       c.bytes = 16 * (1 + rng() % 96);
@@ -64,10 +64,10 @@ TEST(CopyRangesCudaTest, WritesEveryRangeAndNothingElse) {
     at += span;
   }
   ASSERT_GT(ranges.size(), 3000u);
-  CopyRange* d_ranges = nullptr;
+  DeviceCopy* d_ranges = nullptr;
   ASSERT_EQ(cudaSuccess,
-            cudaMalloc(reinterpret_cast<void**>(&d_ranges), ranges.size() * sizeof(CopyRange)));
-  ASSERT_EQ(cudaSuccess, cudaMemcpy(d_ranges, ranges.data(), ranges.size() * sizeof(CopyRange),
+            cudaMalloc(reinterpret_cast<void**>(&d_ranges), ranges.size() * sizeof(DeviceCopy)));
+  ASSERT_EQ(cudaSuccess, cudaMemcpy(d_ranges, ranges.data(), ranges.size() * sizeof(DeviceCopy),
                                     cudaMemcpyHostToDevice));
   ASSERT_TRUE(CopyRanges(d_ranges, static_cast<int>(ranges.size()), nullptr).ok());
   ASSERT_EQ(cudaSuccess, cudaDeviceSynchronize());
