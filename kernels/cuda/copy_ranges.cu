@@ -33,7 +33,7 @@ __device__ void CopyOne(const DeviceCopy& c) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) DeviceCopysKernel(const DeviceCopy* ranges, int n) {
+__global__ void __launch_bounds__(kThreads) CopyRangesKernel(const DeviceCopy* ranges, int n) {
   for (int r = blockIdx.x; r < n; r += gridDim.x) {
     const DeviceCopy c = ranges[r];
     if (c.bytes == 0 || c.rows == 0) continue;
@@ -43,11 +43,11 @@ __global__ void __launch_bounds__(kThreads) DeviceCopysKernel(const DeviceCopy* 
 
 }  // namespace
 
-absl::Status DeviceCopys(const DeviceCopy* ranges, int n, Stream stream) {
+absl::Status CopyRanges(const DeviceCopy* ranges, int n, Stream stream) {
   if (n <= 0) return absl::OkStatus();
   const unsigned grid = static_cast<unsigned>(n < kMaxBlocks ? n : kMaxBlocks);
-  DeviceCopysKernel<<<grid, kThreads, 0, stream>>>(ranges, n);
-  return CudaStatus(cudaGetLastError(), "DeviceCopys");
+  CopyRangesKernel<<<grid, kThreads, 0, stream>>>(ranges, n);
+  return CudaStatus(cudaGetLastError(), "CopyRanges");
 }
 
 }  // namespace kvpool::cuda
