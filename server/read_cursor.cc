@@ -45,4 +45,10 @@ absl::StatusOr<ReadStarts> PlanRead(const v1::ReadBlocksCursor* since, const Seq
   return starts;
 }
 
+bool SendsNothing(const ReadStarts& starts, const SequenceTiers& now, int block_tokens) {
+  const int blocks = (now.history + block_tokens - 1) / block_tokens;
+  return starts.sink_token >= now.sink && starts.history_block >= blocks &&
+         starts.recent_token >= now.total();
+}
+
 }  // namespace kvpool::server

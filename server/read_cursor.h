@@ -39,4 +39,7 @@ struct ReadStarts {
 absl::StatusOr<ReadStarts> PlanRead(const v1::ReadBlocksCursor* since, const SequenceTiers& now,
                                     int sink_size, int block_tokens);
 
+// Whether a read of `now` from `starts` sends no row and no block (the reader is up to date).
+bool SendsNothing(const ReadStarts& starts, const SequenceTiers& now, int block_tokens);
+
 }  // namespace kvpool::server

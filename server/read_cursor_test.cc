@@ -36,6 +36,21 @@ TEST(ReadCursorTest, AnUnchangedSequenceSendsNothing) {
   EXPECT_EQ(s->sink_token, 4);
   EXPECT_EQ(s->history_block, 3);  // 20 history tokens: 3 blocks, none sent
   EXPECT_EQ(s->recent_token, 30);
+  EXPECT_TRUE(SendsNothing(*s, {7, 4, 20, 6}, kBlockTokens));
+}
+
+TEST(ReadCursorTest, AnyNewRowOrBlockIsSomethingToSend) {
+  const v1::ReadBlocksCursor c = Cursor(7, 4, 20, 6);
+  for (const SequenceTiers now :
+       {SequenceTiers{7, 4, 20, 7}, SequenceTiers{7, 4, 21, 5}, SequenceTiers{7, 4, 28, 0}}) {
+    const auto s = PlanRead(&c, now, kSink, kBlockTokens);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_FALSE(SendsNothing(*s, now, kBlockTokens)) << now.history << " " << now.recent;
+  }
+  const auto full = PlanRead(nullptr, {7, 4, 20, 6}, kSink, kBlockTokens);
+  EXPECT_FALSE(SendsNothing(*full, {7, 4, 20, 6}, kBlockTokens));
+  const auto empty = PlanRead(nullptr, {7, 0, 0, 0}, kSink, kBlockTokens);
+  EXPECT_TRUE(SendsNothing(*empty, {7, 0, 0, 0}, kBlockTokens));
 }
 
 TEST(ReadCursorTest, APartlyHeldBlockIsSentAgainAndNewRecentRowsFollowTheHeldOnes) {

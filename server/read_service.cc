@@ -10,6 +10,7 @@
 #include "server/grpc_reactor_order.h"
 #include "server/proto_convert.h"
 #include "server/read_cursor.h"
+#include "server/read_snapshot.h"
 #include "server/read_ticket.h"
 #include "server/scaleout/ownership_check.h"
 
@@ -363,23 +364,19 @@ grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadServiceImpl::ReadBlocks(
     return new ErrorReactor<v1::ReadBlocksResponse>(owner);
   }
   const std::vector<int> layers = RequestedLayers(request->layers());
-  auto snap = ctx_->store->Snapshot(tenant, request->sequence_id(), layers);
-  if (!snap.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(snap.status());
-  // The cursor is checked against this snapshot, the one the answer comes from.
-  const SequenceSnapshot& s = **snap;
-  const absl::StatusOr<ReadStarts> starts =
-      PlanRead(request->has_since() ? &request->since() : nullptr,
-               {s.incarnation(), s.sink(), s.history(), s.recent()},
-               s.model().codec.quant.sink_tokens, s.model().block_tokens());
-  if (!starts.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(starts.status());
+  // The cursor is checked against the snapshot the answer comes from.
+  absl::StatusOr<ReadSnapshot> read =
+      SnapshotForRead(*ctx_->store, tenant, request->sequence_id(), layers,
+                      request->has_since() ? &request->since() : nullptr);
+  if (!read.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(read.status());
   std::shared_ptr<CallCancellation> cancel = CancellationOf(context, &ctx_->counters.cancellation);
   absl::StatusOr<std::shared_ptr<ReadTicket>> ticket = AdmitRead(
       ctx_, context, tenant, "ReadBlocks",
-      ReadBlocksReactor::MessageBytes((*snap)->model(), TargetMessageBytes(*ctx_->config)), 0,
+      ReadBlocksReactor::MessageBytes(read->snap->model(), TargetMessageBytes(*ctx_->config)), 0,
       cancel);
   if (!ticket.ok()) return new ErrorReactor<v1::ReadBlocksResponse>(ticket.status());
-  return new ReadBlocksReactor(ctx_, std::move(cancel), *std::move(ticket), *std::move(snap),
-                               *starts);
+  return new ReadBlocksReactor(ctx_, std::move(cancel), *std::move(ticket), std::move(read->snap),
+                               read->starts);
 }
 
 grpc::ServerWriteReactor<v1::ReadKvResponse>* ReadServiceImpl::ReadKv(

@@ -527,7 +527,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Describe(const TenantId& tenant,
 }
 
 absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
-    const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const {
+    const TenantId& tenant, const std::string& id, absl::Span<const int> layers,
+    SnapshotPages pages) const {
   std::shared_ptr<Sequence> seq = Find(tenant, id);
   if (seq == nullptr) return Missing(tenant, id);
   seq->Touch();  // reads and attention renew the lease
@@ -555,9 +556,10 @@ absl::StatusOr<std::unique_ptr<SequenceSnapshot>> SequenceStore::Snapshot(
   snap->recent_head_ = seq->recent_head;
   snap->chain_ = seq->chain;
   // The snapshot's references, and the block ids its readers address the pages by.
-  auto take = [&](const auto& pages, std::vector<int32_t>* ids) {
-    ids->reserve(pages.size());
-    for (PageId page : pages) {
+  auto take = [&](const auto& layer_pages, std::vector<int32_t>* ids) {
+    if (pages == SnapshotPages::kNone) return;
+    ids->reserve(layer_pages.size());
+    for (PageId page : layer_pages) {
       ids->push_back(pool_->BlockId(page));
       snap->refs_.push_back(page);
     }

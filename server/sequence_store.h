@@ -64,6 +64,9 @@ struct StoreTotals {
   size_t bf16_equivalent_bytes = 0;
 };
 
+// Whether a snapshot takes references on the pages it shows (SequenceStore::Snapshot).
+enum class SnapshotPages { kAll, kNone };
+
 class SequenceStore {
  public:
   // All pointers outlive the store. `default_ttl`: the lease of a sequence created without one
@@ -105,9 +108,12 @@ class SequenceStore {
                                                       const std::string& id) const;
   // A snapshot of `layers` (all when empty; repeats merged, first occurrence kept). NotFound,
   // InvalidArgument (layer range), DataLoss (reason CORRUPT: the sequence failed a checksum;
-  // BeginAppend answers the same).
+  // BeginAppend answers the same). With SnapshotPages::kNone it holds the tiers, the layers'
+  // ids, the model and the prefix chain but no page (its layers' page lists are empty): for an
+  // answer that reads no page, at a cost that does not grow with the sequence.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<SequenceSnapshot>> Snapshot(
-      const TenantId& tenant, const std::string& id, absl::Span<const int> layers) const;
+      const TenantId& tenant, const std::string& id, absl::Span<const int> layers,
+      SnapshotPages pages = SnapshotPages::kAll) const;
 
   // A watch of one layer (layer_watch.h), filled by its first Refresh. NotFound, InvalidArgument
   // (layer range, or a sequence of another model than `model`: id and version).

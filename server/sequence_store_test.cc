@@ -364,6 +364,32 @@ TEST(SequenceStoreTest, SnapshotSurvivesDemotionAndRelease) {
   EXPECT_EQ(core.pool->used_bytes(), 0u);
 }
 
+TEST(SequenceStoreTest, SnapshotWithoutPagesHoldsNoneAndShowsTheTiers) {
+  TestCore core;
+  auto m = core.AddModel("m", RotationKind::kIdentity, BypassQuant());
+  ASSERT_TRUE(core.store->Create(kDefaultTenant, m, "s", {}).ok());
+  ASSERT_TRUE(AppendAll(*core.store, *m, "s", 0, 40, AppendKind::kFinalPrefill, 1).ok());
+  auto full = *core.store->Snapshot(kDefaultTenant, "s", {});
+  auto bare = *core.store->Snapshot(kDefaultTenant, "s", {}, SnapshotPages::kNone);
+  EXPECT_EQ(bare->sink(), full->sink());
+  EXPECT_EQ(bare->history(), full->history());
+  EXPECT_EQ(bare->recent(), full->recent());
+  EXPECT_EQ(bare->incarnation(), full->incarnation());
+  ASSERT_EQ(bare->layers().size(), full->layers().size());
+  for (const auto& l : bare->layers()) {
+    EXPECT_TRUE(l.sink.empty() && l.history.empty() && l.recent.empty());
+  }
+  // The same checks as a full snapshot.
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      core.store->Snapshot(kDefaultTenant, "s", std::vector<int>{9}, SnapshotPages::kNone)
+          .status()));
+  EXPECT_TRUE(absl::IsNotFound(
+      core.store->Snapshot(kDefaultTenant, "x", {}, SnapshotPages::kNone).status()));
+  full.reset();
+  ASSERT_TRUE(core.store->Release(kDefaultTenant, "s").ok());
+  EXPECT_EQ(core.pool->used_bytes(), 0u);  // the bare snapshot kept nothing alive
+}
+
 TEST(SequenceStoreTest, PrefixUnitsAreSharedAndCachedAfterRelease) {
   TestCore core;
   auto m = core.AddModel("m", RotationKind::kHadamard, SmallQuant());

@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "server/backend.h"
 #include "server/proto_convert.h"
+#include "server/read_snapshot.h"
 #include "server/sequence_snapshot.h"
 #include "server/transport/cuda_ipc/ipc_range_check.h"
 #include "server/transport/session_routing.h"
@@ -186,15 +187,14 @@ absl::Status FetchToDevice(ServiceContext* ctx, const TenantId& tenant,
   if (ctx->backend->device() < 0) return absl::UnavailableError(kNoDeviceFetches);
   const v1::ReadBlocksRequest& read = request.read();
   const std::vector<int> layer_ids(read.layers().begin(), read.layers().end());
-  KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<SequenceSnapshot> snap,
-                          ctx->store->Snapshot(tenant, read.sequence_id(), layer_ids));
-  const SequenceSnapshot& s = *snap;
+  KVPOOL_ASSIGN_OR_RETURN(ReadSnapshot r,
+                          SnapshotForRead(*ctx->store, tenant, read.sequence_id(), layer_ids,
+                                          read.has_since() ? &read.since() : nullptr));
+  const SequenceSnapshot& s = *r.snap;
   const Model& m = s.model();
   const int bt = m.block_tokens();
-  const SequenceTiers now{s.incarnation(), s.sink(), s.history(), s.recent()};
-  KVPOOL_ASSIGN_OR_RETURN(
-      const ReadStarts starts,
-      PlanRead(read.has_since() ? &read.since() : nullptr, now, m.codec.quant.sink_tokens, bt));
+  const SequenceTiers now = TiersOf(s);
+  const ReadStarts starts = r.starts;
   const int layers = static_cast<int>(s.layers().size());
   KVPOOL_ASSIGN_OR_RETURN(const std::vector<LayerFetchSlots> slots,
                           AssignFetchSlots(request, now, starts, bt, layers));
