@@ -33,6 +33,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <string>
@@ -426,23 +427,28 @@ absl::Status Run(const Options& opt) {
         }
         KVPOOL_RETURN_IF_ERROR(CheckAgainst(ref, out, lse, per_row, m.q_heads, "shm_cpu"));
         const int reps = 300;
-        std::vector<double> shm_us;
-        const double cpu0 = ThreadCpuSeconds(), d0 = ProcessCpuSeconds(daemon->pid());
-        for (int rep = 0; rep < reps; ++rep) {
-          const auto t0 = SteadyClock::now();
-          KVPOOL_RETURN_IF_ERROR(
-              shm->Attend(plan, 0, q, absl::MakeSpan(out), absl::MakeSpan(lse)).status());
-          shm_us.push_back(1e6 * SecondsSince(t0));
-        }
-        const double client_cpu = 1e6 * (ThreadCpuSeconds() - cpu0) / reps;
-        const double daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - d0) / reps;
-        report.Add({"decode_attention_us",
-                    params("shm_cpu"),
-                    Median(shm_us),
-                    "us",
-                    {"kernel", kernel_us}});
-        report.Add({"caller_cpu_us_per_call", params("shm_cpu"), client_cpu, "us", {"", 0}});
-        report.Add({"daemon_cpu_us_per_call", params("shm_cpu"), daemon_cpu, "us", {"", 0}});
+        // `reps` calls of `call` on one path: its p50 beside the kernels, and the CPU per call of
+        // this thread and of kvpoold.
+        auto measure = [&](const std::string& path,
+                           const std::function<absl::Status()>& call) -> absl::Status {
+          std::vector<double> us;
+          const double cpu0 = ThreadCpuSeconds(), d0 = ProcessCpuSeconds(daemon->pid());
+          for (int rep = 0; rep < reps; ++rep) {
+            const auto t0 = SteadyClock::now();
+            KVPOOL_RETURN_IF_ERROR(call());
+            us.push_back(1e6 * SecondsSince(t0));
+          }
+          const double caller_cpu = 1e6 * (ThreadCpuSeconds() - cpu0) / reps;
+          const double daemon_cpu = 1e6 * (ProcessCpuSeconds(daemon->pid()) - d0) / reps;
+          report.Add(
+              {"decode_attention_us", params(path), Median(us), "us", {"kernel", kernel_us}});
+          report.Add({"caller_cpu_us_per_call", params(path), caller_cpu, "us", {"", 0}});
+          report.Add({"daemon_cpu_us_per_call", params(path), daemon_cpu, "us", {"", 0}});
+          return absl::OkStatus();
+        };
+        KVPOOL_RETURN_IF_ERROR(measure("shm_cpu", [&] {
+          return shm->Attend(plan, 0, q, absl::MakeSpan(out), absl::MakeSpan(lse)).status();
+        }));
 
         // Same-host channel, CPU caller with its queries and answers in place (a worker that
         // writes its projections into the slot): no copy on the caller's side.
@@ -453,28 +459,8 @@ absl::Status Run(const Options& opt) {
           KVPOOL_RETURN_IF_ERROR(shm->AttendInPlace(call, 0).status());
           KVPOOL_RETURN_IF_ERROR(
               CheckAgainst(ref, call.out(), call.lse(), per_row, m.q_heads, "shm_cpu_in_place"));
-          std::vector<double> inplace_us;
-          const double icpu0 = ThreadCpuSeconds(), id0 = ProcessCpuSeconds(daemon->pid());
-          for (int rep = 0; rep < reps; ++rep) {
-            const auto t0 = SteadyClock::now();
-            KVPOOL_RETURN_IF_ERROR(shm->AttendInPlace(call, 0).status());
-            inplace_us.push_back(1e6 * SecondsSince(t0));
-          }
-          report.Add({"decode_attention_us",
-                      params("shm_cpu_in_place"),
-                      Median(inplace_us),
-                      "us",
-                      {"kernel", kernel_us}});
-          report.Add({"caller_cpu_us_per_call",
-                      params("shm_cpu_in_place"),
-                      1e6 * (ThreadCpuSeconds() - icpu0) / reps,
-                      "us",
-                      {"", 0}});
-          report.Add({"daemon_cpu_us_per_call",
-                      params("shm_cpu_in_place"),
-                      1e6 * (ProcessCpuSeconds(daemon->pid()) - id0) / reps,
-                      "us",
-                      {"", 0}});
+          KVPOOL_RETURN_IF_ERROR(
+              measure("shm_cpu_in_place", [&] { return shm->AttendInPlace(call, 0).status(); }));
         }
         KVPOOL_RETURN_IF_ERROR(shm->DropPlan(plan));
 
@@ -498,28 +484,7 @@ absl::Status Run(const Options& opt) {
         KVPOOL_RETURN_IF_ERROR(CudaStatus(
             cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost), "lse"));
         KVPOOL_RETURN_IF_ERROR(CheckAgainst(ref, out, lse, per_row, m.q_heads, "shm_gpu"));
-        std::vector<double> gpu_us;
-        const double gcpu0 = ThreadCpuSeconds(), gd0 = ProcessCpuSeconds(daemon->pid());
-        for (int rep = 0; rep < reps; ++rep) {
-          const auto t0 = SteadyClock::now();
-          KVPOOL_RETURN_IF_ERROR(gpu_call());
-          gpu_us.push_back(1e6 * SecondsSince(t0));
-        }
-        report.Add({"decode_attention_us",
-                    params("shm_gpu"),
-                    Median(gpu_us),
-                    "us",
-                    {"kernel", kernel_us}});
-        report.Add({"caller_cpu_us_per_call",
-                    params("shm_gpu"),
-                    1e6 * (ThreadCpuSeconds() - gcpu0) / reps,
-                    "us",
-                    {"", 0}});
-        report.Add({"daemon_cpu_us_per_call",
-                    params("shm_gpu"),
-                    1e6 * (ProcessCpuSeconds(daemon->pid()) - gd0) / reps,
-                    "us",
-                    {"", 0}});
+        KVPOOL_RETURN_IF_ERROR(measure("shm_gpu", gpu_call));
         // Fetch and attend locally: the mirror's tables on the device, kvpool's kernel through its
         // C API on this process's stream.
         KVPOOL_ASSIGN_OR_RETURN(std::unique_ptr<PagedKvTables> tables,
