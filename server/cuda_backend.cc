@@ -451,26 +451,21 @@ class CudaBackend final : public ComputeBackend {
     return Finish(*lane, "checksums");
   }
 
-  // Copy engines, on the lane's stream (cudaMemcpyDefault: the destination may be a peer's
-  // allocation mapped through CUDA IPC); waits for that stream only.
+  // One kernel launch for every range, on the lane's stream (a fetch is many small blocks and
+  // rows, and a copy call per block cost more than its bytes take to move; the destination may
+  // be a peer's allocation mapped through CUDA IPC); waits for that stream only. Empty ranges
+  // are the kernel's to skip.
   absl::Status CopyPoolToDeviceBody(absl::Span<const DeviceCopy> copies) {
-    // One launch for every range: a fetch is many small blocks and rows, and a copy call per
-    // block cost more than its bytes take to move.
-    std::vector<DeviceCopy> ranges;
-    ranges.reserve(copies.size());
-    for (const DeviceCopy& c : copies) {
-      if (c.bytes != 0 && c.rows != 0) ranges.push_back(c);
-    }
-    if (ranges.empty()) return absl::OkStatus();
+    if (copies.empty()) return absl::OkStatus();
     KVPOOL_ASSIGN_OR_RETURN(LaneLease lane, AcquireLane());
-    const size_t bytes = ranges.size() * sizeof(DeviceCopy);
+    const size_t bytes = copies.size() * sizeof(DeviceCopy);
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * host, lane->staging.Reserve(bytes));
-    std::memcpy(host, ranges.data(), bytes);
+    std::memcpy(host, copies.data(), bytes);
     KVPOOL_ASSIGN_OR_RETURN(uint8_t * dev, lane->tables.Reserve(bytes, lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, lane->stream), "copy ranges"));
     KVPOOL_RETURN_IF_ERROR(cuda::CopyRanges(reinterpret_cast<const DeviceCopy*>(dev),
-                                            static_cast<int>(ranges.size()), lane->stream));
+                                            static_cast<int>(copies.size()), lane->stream));
     KVPOOL_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(lane->stream), "D2D pool bytes"));
     lane->dirty = false;
     return absl::OkStatus();

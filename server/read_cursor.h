@@ -2,7 +2,7 @@
 // sequence and the sequence's tiers now, where each tier's data to send begins. A cursor that
 // does not fit the sequence is refused here, before anything is read or sent.
 //
-//   KVPOOL_ASSIGN_OR_RETURN(ReadStarts starts, PlanRead(&cursor, NowOf(*snap), sink_size, bt));
+//   KVPOOL_ASSIGN_OR_RETURN(ReadStarts starts, PlanRead(&cursor, now, sink_size, bt));
 //   // sink rows [starts.sink_token, now.sink), history blocks [starts.history_block, blocks),
 //   // recent positions [starts.recent_token, now.total())
 //

@@ -12,6 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/read_snapshot.h"
 #include "server/server_test_util.h"
 
 namespace kvpool::server {
@@ -156,7 +157,7 @@ TEST(DeviceFetchTest, CopiesPutEveryBlockAndRowWhereTheAnswerSays) {
             cursor.recent_tokens() > 0 && end % bt ? h.recent.at((end - 1) / bt) : -1);
       }
     }
-    const SequenceTiers now{s.incarnation(), s.sink(), s.history(), s.recent()};
+    const SequenceTiers now = TiersOf(s);
     const auto starts = PlanRead(first ? nullptr : &cursor, now, m->codec.quant.sink_tokens, bt);
     ASSERT_TRUE(starts.ok()) << starts.status();
     const auto slots = AssignFetchSlots(request, now, *starts, bt, m->num_layers);
