@@ -77,16 +77,6 @@ __device__ __forceinline__ float WarpSumOverRows(float v) {
   return v;
 }
 
-// Splits x = hi + lo into two fp16 values (hi = fp16(x), lo = fp16(x - hi)), so that two fp16
-// tensor-core products carry about 22 bits of the query: the logits, and so the log-sum-exp,
-// keep fp32-like accuracy although the MMA inputs are fp16.
-__device__ __forceinline__ void SplitHalf2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x0, x1);
-  const float2 back = __half22float2(h);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = PackHalf2(x0 - back.x, x1 - back.y);
-}
-
 // A operands of O^T += V^T (P s)^T for one 16-token tile: from the lane's V code words of tokens
 // 2t, 2t+1, 2t+8, 2t+9 (dims (kD / 8) g + [0, kD / 8): 32 bits at D = 128, the low 16 bits at D =
 // 64), the token pairs (2t, 2t+1) and (2t+8, 2t+9) interleaved in one register each; Tile(mi)

@@ -11,9 +11,10 @@
 //      over the lanes, warp shuffles), and the merged LSE;
 //   b. thread (slice, query, float4 column) sums w_k * part_k over parts k = slice, slice +
 //      slices, ... ; the slices are added in a fixed order through shared memory;
-//   c. out[n][j] = sum_i o'[n][i] * M_V[j][i]: warp w takes rows j of M_V (a coalesced row per
-//      load, prefetched into L1 before the grid-dependency wait), its lanes run along i, and the
-//      8 queries' partial dots are reduced by a halving butterfly (9 shuffles per row, not 40).
+//   c. out^T = M_V o'^T on the tensor cores (UnrotateGroup): warp w takes the 16-row tiles w,
+//      w + warps, ... of M_V (prefetched into L1 before the grid-dependency wait). On CUDA cores
+//      this phase was most of a group's merge: 8 x D x D multiply-adds and a butterfly of
+//      shuffles per row of M_V for one CTA (NOTES.md, run 11).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,30 +23,12 @@
 
 #include "kernels/cuda/attention_params.h"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/mma.cuh"
 
 namespace kvpool::cuda::internal {
 
 inline constexpr int kMergeGroupThreads = 256;
 inline constexpr int kMergeMaxGroup = 8;
-
-// Halving butterfly: lane l holds partial sums d[0..7] of 8 queries; afterwards d[0] of lane l
-// is the warp's total for query (l >> 2) & 7 (each step keeps half of the queries and adds the
-// partner lane's sums of the same half).
-__device__ __forceinline__ float ReduceEightOverWarp(float (&d)[kMergeMaxGroup], int lane) {
-#pragma unroll
-  for (int width = kMergeMaxGroup / 2, mask = 16; width >= 1; width /= 2, mask /= 2) {
-    const bool upper = (lane & mask) != 0;
-#pragma unroll
-    for (int q = 0; q < width; ++q) {
-      const float keep = upper ? d[q + width] : d[q];
-      const float send = upper ? d[q] : d[q + width];
-      d[q] = keep + __shfl_xor_sync(kFullMask, send, mask);
-    }
-  }
-  d[0] += __shfl_xor_sync(kFullMask, d[0], 2);
-  d[0] += __shfl_xor_sync(kFullMask, d[0], 1);
-  return d[0];
-}
 
 // Shared memory of MergeGroup for a CTA of kThreads threads.
 template <int kD, int kThreads>
@@ -55,10 +38,82 @@ struct MergeGroupSmem {
   __align__(16) float o_rot[kMergeMaxGroup][kD];
   __align__(16) float4 slice_acc[kThreads > kItems ? kThreads : kItems];
   float out_s[kMergeMaxGroup][kD];
+  uint32_t o_max_bits[kMergeMaxGroup];  // max |o'[n]| as float bits (non-negative floats order as
+                                        // their bits)
 };
 
-// The rows of M_V that warp `warp` of a kThreads CTA reads in MergeGroup's phase c, into L1
-// (constant input: this may run before the attention kernels finish).
+// out[n][j] = sum_i o'[n][i] M_V[j][i] for the queries n < group of o' (shared memory) into
+// out_s, on the tensor cores: out^T [D x 8] = M_V [D x D] o'^T [D x 8] (mma.m16n8k16, A = 16 rows of
+// M_V, B column n = query n). Both operands are split into fp16 high and low parts (hi hi + hi lo
+// + lo hi) after power-of-two scaling that keeps every part normal: M_V by 2^10 (orthogonal, so
+// |m| <= 1) and o'[n] by 2^(14 - e_n), where max |o'[n]| < 2^e_n. Warp w takes the row tiles w,
+// w + warps, ... Reads M_V through the non-coherent path (constant input).
+template <int kD, int kThreads>
+__device__ __forceinline__ void UnrotateGroup(const AttentionParams& p, int group,
+                                              MergeGroupSmem<kD, kThreads>& sm) {
+  constexpr int kWarps = kThreads / kWarpSize;
+  constexpr int kTiles = kD / 16;  // row tiles of M_V and k-steps over i
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  auto exponent = [&](int n) {  // e_n, 0 for an all-zero o'[n]
+    int e = 0;
+    const float m = __uint_as_float(sm.o_max_bits[n]);
+    if (m > 0.f) frexpf(m, &e);
+    return e;
+  };
+  // B operands of k-step ks: column g = query g (zero past the group), rows 2t, 2t+1 | 2t+8, 2t+9.
+  uint32_t bh[kTiles][2], bl[kTiles][2];
+  const bool g_valid = g < group;
+  const float scale = g_valid ? ldexpf(1.f, 14 - exponent(g)) : 0.f;
+  const float* orow = sm.o_rot[g_valid ? g : 0] + 2 * t;
+#pragma unroll
+  for (int ks = 0; ks < kTiles; ++ks) {
+    const float2 x0 = *reinterpret_cast<const float2*>(orow + 16 * ks);
+    const float2 x1 = *reinterpret_cast<const float2*>(orow + 16 * ks + 8);
+    SplitHalf2(x0.x * scale, x0.y * scale, bh[ks][0], bl[ks][0]);
+    SplitHalf2(x1.x * scale, x1.y * scale, bh[ks][1], bl[ks][1]);
+  }
+  // The accumulator columns 2t, 2t+1 are queries 2t, 2t+1: undo 2^10 and their o' scales.
+  const int n0 = 2 * t;
+  const int n1 = 2 * t + 1;
+  const float unscale0 = n0 < group ? ldexpf(1.f, exponent(n0) - 24) : 0.f;
+  const float unscale1 = n1 < group ? ldexpf(1.f, exponent(n1) - 24) : 0.f;
+  for (int mt = warp; mt < kTiles; mt += kWarps) {
+    // A operand rows g, g + 8 of the tile; columns 2t, 2t+1 | 2t+8, 2t+9 of k-step ks.
+    const float* r0 = p.rotation_v + static_cast<int64_t>(16 * mt + g) * kD + 2 * t;
+    const float* r1 = r0 + 8 * kD;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int ks = 0; ks < kTiles; ++ks) {
+      const float2 m00 = __ldg(reinterpret_cast<const float2*>(r0 + 16 * ks));
+      const float2 m10 = __ldg(reinterpret_cast<const float2*>(r1 + 16 * ks));
+      const float2 m01 = __ldg(reinterpret_cast<const float2*>(r0 + 16 * ks + 8));
+      const float2 m11 = __ldg(reinterpret_cast<const float2*>(r1 + 16 * ks + 8));
+      uint32_t ah[4], al[4];
+      SplitHalf2(m00.x * 1024.f, m00.y * 1024.f, ah[0], al[0]);
+      SplitHalf2(m10.x * 1024.f, m10.y * 1024.f, ah[1], al[1]);
+      SplitHalf2(m01.x * 1024.f, m01.y * 1024.f, ah[2], al[2]);
+      SplitHalf2(m11.x * 1024.f, m11.y * 1024.f, ah[3], al[3]);
+      MmaF16(c, ah, bh[ks]);
+      MmaF16(c, ah, bl[ks]);
+      MmaF16(c, al, bh[ks]);
+    }
+    const int j = 16 * mt + g;
+    if (n0 < group) {
+      sm.out_s[n0][j] = c[0] * unscale0;
+      sm.out_s[n0][j + 8] = c[2] * unscale0;
+    }
+    if (n1 < group) {
+      sm.out_s[n1][j] = c[1] * unscale1;
+      sm.out_s[n1][j + 8] = c[3] * unscale1;
+    }
+  }
+}
+
+// M_V into L1 for MergeGroup's phase c, a share of the rows per warp (constant input: this may
+// run before the attention kernels finish).
 template <int kD, int kThreads>
 __device__ __forceinline__ void PrefetchMergeRows(const AttentionParams& p) {
   constexpr int kRowsPerWarp = kD / (kThreads / kWarpSize);
@@ -80,10 +135,8 @@ __device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head
                                            MergeGroupSmem<kD, kThreads>& sm) {
   constexpr int kWarps = kThreads / kWarpSize;
   constexpr int kVec = kD / 4;               // float4 columns of a row (phase b)
-  constexpr int kPerLane = kD / kWarpSize;   // dims i of a lane (phase c)
-  constexpr int kRowsPerWarp = kD / kWarps;  // rows j of M_V per warp (phase c)
   constexpr int kLsePerLane = kMaxParts / kWarpSize;
-  static_assert(kPerLane == 2 || kPerLane == 4, "head dim 64 or 128");
+  static_assert(kD == 64 || kD == 128, "head dim 64 or 128");
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
@@ -116,7 +169,10 @@ __device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head
       const int k = lane + kWarpSize * r;
       if (k < parts) sm.wts[n][k] = v[r] * inv;
     }
-    if (lane == 0) p.lse[row] = m == kNegInf ? kNegInf : (m + log2f(l)) * 0.69314718055994531f;
+    if (lane == 0) {
+      p.lse[row] = m == kNegInf ? kNegInf : (m + log2f(l)) * 0.69314718055994531f;
+      sm.o_max_bits[n] = 0u;
+    }
   }
   __syncthreads();
 
@@ -147,6 +203,8 @@ __device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head
       AddFloat4(o, x);
     }
     *reinterpret_cast<float4*>(&sm.o_rot[item / kVec][4 * (item % kVec)]) = o;
+    const float mx = fmaxf(fmaxf(fabsf(o.x), fabsf(o.y)), fmaxf(fabsf(o.z), fabsf(o.w)));
+    atomicMax(&sm.o_max_bits[item / kVec], __float_as_uint(mx));
   }
   __syncthreads();
 
@@ -155,43 +213,8 @@ __device__ __forceinline__ void MergeGroup(const AttentionParams& p, int kv_head
     for (int idx = tid; idx < group * kD; idx += kThreads) out[idx] = sm.o_rot[idx / kD][idx % kD];
     return;
   }
-  // c. Un-rotation, out[n][j] = sum_i o'[n][i] M_V[j][i]: warp w takes rows j of M_V (a
-  // coalesced row per load), its lanes dims i = kPerLane * lane + [0, kPerLane), and the 8
-  // queries' partial dots are reduced by a halving butterfly.
-  const float* mv_rows = p.rotation_v + static_cast<int64_t>(warp) * kRowsPerWarp * kD;
-  float o[kMergeMaxGroup][kPerLane];
-#pragma unroll
-  for (int n = 0; n < kMergeMaxGroup; ++n) {
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
-      o[n][e] = n < group ? sm.o_rot[n][kPerLane * lane + e] : 0.f;
-    }
-  }
-  const int my_query = (lane >> 2) & 7;
-#pragma unroll 4
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    float mv[kPerLane];
-    if constexpr (kPerLane == 4) {
-      const float4 x = __ldg(reinterpret_cast<const float4*>(mv_rows + r * kD) + lane);
-      mv[0] = x.x;
-      mv[1] = x.y;
-      mv[2] = x.z;
-      mv[3] = x.w;
-    } else {
-      const float2 x = __ldg(reinterpret_cast<const float2*>(mv_rows + r * kD) + lane);
-      mv[0] = x.x;
-      mv[1] = x.y;
-    }
-    float d[kMergeMaxGroup];
-#pragma unroll
-    for (int n = 0; n < kMergeMaxGroup; ++n) {
-      d[n] = o[n][0] * mv[0];
-#pragma unroll
-      for (int e = 1; e < kPerLane; ++e) d[n] = __fmaf_rn(o[n][e], mv[e], d[n]);
-    }
-    const float total = ReduceEightOverWarp(d, lane);
-    if ((lane & 3) == 0 && my_query < group) sm.out_s[my_query][warp * kRowsPerWarp + r] = total;
-  }
+  // c. Un-rotation on the tensor cores.
+  UnrotateGroup<kD, kThreads>(p, group, sm);
   __syncthreads();
   for (int idx = tid; idx < group * kD; idx += kThreads) out[idx] = sm.out_s[idx / kD][idx % kD];
 }

@@ -51,6 +51,16 @@ __device__ __forceinline__ uint32_t Permute(uint32_t a, uint32_t b, uint32_t sel
   return d;
 }
 
+// Splits x = hi + lo into two fp16 values (hi = fp16(x), lo = fp16(x - hi)): the tensor-core
+// products hi * c + lo * c against exact operands c (codes), or hi hi + hi lo + lo hi between two
+// split operands, carry about 22 bits: fp32-like accuracy although the MMA inputs are fp16.
+__device__ __forceinline__ void SplitHalf2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const float2 back = __half22float2(h);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = PackHalf2(x0 - back.x, x1 - back.y);
+}
+
 __device__ __forceinline__ float FastExp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
