@@ -77,13 +77,31 @@ __device__ __forceinline__ float WarpSumOverRows(float v) {
   return v;
 }
 
-// A operands of O^T += V^T (P s)^T for one 16-token tile: from the lane's V code words of tokens
-// 2t, 2t+1, 2t+8, 2t+9 (dims (kD / 8) g + [0, kD / 8): 32 bits at D = 128, the low 16 bits at D =
-// 64), the token pairs (2t, 2t+1) and (2t+8, 2t+9) interleaved in one register each; Tile(mi)
-// is M-tile mi (rows g, g + 8: the dims of codes mi and mi + kD / 16; columns: the tokens).
+// A operands of O^T += V^T (P s)^T for one 16-token tile: il[pr][h] holds 8 codes (one 16-bit
+// chunk of a V row) of two tokens, token 2t + 8 pr in the low half and the next token in the high
+// half; h picks one of the lane's two chunks at D = 128. Tile(mi) is M-tile mi (rows g, g + 8:
+// codes mi and mi + kD / 16 of the lane's chunks; columns: the tokens).
+//   - From the lane's V code words of tokens 2t, 2t+1, 2t+8, 2t+9 (dims (kD / 8) g + [0, kD / 8):
+//     32 bits at D = 128, the low 16 bits at D = 64), interleaved by byte permutes: chunks 2g and
+//     2g + 1 at D = 128.
+//   - Or as ldmatrix.trans delivers them from a 16-token tile in shared memory
+//     (FromInterleaved): chunks g and g + 8 at D = 128.
 template <int kD>
 struct VCodeOperands {
   uint32_t il[2][kD / 64];
+
+  __device__ __forceinline__ VCodeOperands() = default;
+
+  // il = {{w[0], w[1]}, {w[2], w[3]}} at D = 128, {{w[0]}, {w[1]}} at D = 64.
+  __device__ __forceinline__ static VCodeOperands FromInterleaved(const uint32_t (&w)[4]) {
+    VCodeOperands v;
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+#pragma unroll
+      for (int h = 0; h < kD / 64; ++h) v.il[pr][h] = w[pr * (kD / 64) + h];
+    }
+    return v;
+  }
 
   __device__ __forceinline__ explicit VCodeOperands(const uint32_t (&vw)[4]) {
 #pragma unroll

@@ -344,7 +344,14 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     return corr;
   };
   // The code words of one tile that both layouts read: K of tokens g and g + 8 (the lane's
-  // kD / 4 dims), V of tokens 2t, 2t+1, 2t+8, 2t+9 (dims (kD / 8) g + [0, kD / 8)).
+  // kD / 4 dims); V as the interleaved A operands (VCodeOperands::FromInterleaved) by one
+  // ldmatrix.trans: the 8 x 8 matrices of 16-bit chunks (tokens 0-7 | 8-15) x (chunks 0-7 | 8-15),
+  // lane l addressing row l % 8 of matrix l / 8, so that lane (g, t) receives chunk g (and g + 8
+  // at D = 128) of tokens 2t, 2t+1 and 2t+8, 2t+9 (at D = 128: dims 8 g + [0, 8) and
+  // kD / 2 + 8 g + [0, 8); at D = 64: dims 8 g + [0, 8)). It replaces four loads and four byte
+  // permutes per tile.
+  const int v_row_lane = kD == 128 ? (th.lane % 8 + 8 * (th.lane / 16)) * kRow + 16 * ((th.lane / 8) % 2)
+                                   : (th.lane % 8 + 8 * ((th.lane / 8) % 2)) * kRow;
   auto load_codes = [&](const uint8_t* sb, uint32_t(&kw)[2][kKWords], uint32_t(&vw)[4]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -357,19 +364,20 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
         kw[r][0] = LoadShared<uint32_t>(src);
       }
     }
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint8_t* src = sb + kVOff + (2 * th.t + (c & 1) + 8 * (c >> 1)) * kRow;
-      if constexpr (kD == 128) {
-        vw[c] = LoadShared<uint32_t>(src + 4 * th.g);
-      } else {
-        vw[c] = LoadShared<uint16_t>(src + 2 * th.g);
-      }
+    const uint32_t v_addr = SmemAddress(sb + kVOff + v_row_lane);
+    if constexpr (kD == 128) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(vw[0]), "=r"(vw[1]), "=r"(vw[2]), "=r"(vw[3])
+                   : "r"(v_addr));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                   : "=r"(vw[0]), "=r"(vw[1])
+                   : "r"(v_addr));
     }
   };
   // O^T += V^T (P s)^T for one tile; pb is the B operand of the layout.
   auto accumulate_pv = [&](const uint32_t(&vw)[4], const uint32_t(&pb)[2]) {
-    const VCodeOperands<kD> vo(vw);
+    const VCodeOperands<kD> vo = VCodeOperands<kD>::FromInterleaved(vw);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
       uint32_t a[4];
@@ -560,7 +568,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   auto compute = [&](const uint8_t* sb0, const uint8_t* sb1, int start, auto masked_tag) {
     const uint8_t* const sb[2] = {sb0, sb1};
     uint32_t kw[2][2][kKWords];  // [tile][tokens g | g + 8][word]
-    uint32_t vw[2][4];           // [tile][tokens 2t, 2t+1, 2t+8, 2t+9]
+    uint32_t vw[2][4];           // [tile][V operands as load_codes delivers them]
 #pragma unroll
     for (int e = 0; e < 2; ++e) load_codes(sb[e], kw[e], vw[e]);
     if constexpr (kNarrow) {
@@ -628,20 +636,22 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     sm_l[th.warp * 8 + sq] = l_part;
     sm_pm[th.warp * 8 + sq] = pm_part;
   }
+  // Rows g, g + 8 of M-tile mi are dims 8 g + mi and 8 g + mi + kSecond (load_codes).
+  constexpr int kSecond = kD == 128 ? kD / 2 : kD / 16;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
     const float f0 = static_cast<float>(1 << (24 - CodePos(mi % 8)));
     const float f1 = static_cast<float>(1 << (24 - CodePos((mi + kD / 16) % 8)));
     if constexpr (kNarrow) {  // columns 2t, 2t+1: the two parts of query t
-      float* o = sm_o + (th.warp * 8 + th.t) * kD + th.g * (kD / 8) + mi;
+      float* o = sm_o + (th.warp * 8 + th.t) * kD + 8 * th.g + mi;
       o[0] = (acc[mi][0] + acc[mi][1]) * f0;
-      o[kD / 16] = (acc[mi][2] + acc[mi][3]) * f1;
+      o[kSecond] = (acc[mi][2] + acc[mi][3]) * f1;
     } else {  // columns 2t, 2t+1: queries 2t, 2t+1
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
-        float* o = sm_o + (th.warp * 8 + 2 * th.t + cc) * kD + th.g * (kD / 8) + mi;
+        float* o = sm_o + (th.warp * 8 + 2 * th.t + cc) * kD + 8 * th.g + mi;
         o[0] = acc[mi][cc] * f0;
-        o[kD / 16] = acc[mi][2 + cc] * f1;
+        o[kSecond] = acc[mi][2 + cc] * f1;
       }
     }
   }
