@@ -197,7 +197,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     for (int e = 0; e < 2; ++e) {
       const bool present = left > 16 * e;
       const uint8_t* src =
-          seg_lane + static_cast<uint64_t>(static_cast<uint32_t>(e == 0 ? blk0 : blk1)) * block_bytes;
+          seg_lane +
+          static_cast<uint64_t>(static_cast<uint32_t>(e == 0 ? blk0 : blk1)) * block_bytes;
       const uint32_t dst = dst_lane + ((2 * k + e) % kS) * kTile;
 #pragma unroll
       for (int j = 0; j < kChunksPerLane; ++j) {
@@ -350,8 +351,14 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   // at D = 128) of tokens 2t, 2t+1 and 2t+8, 2t+9 (at D = 128: dims 8 g + [0, 8) and
   // kD / 2 + 8 g + [0, 8); at D = 64: dims 8 g + [0, 8)). It replaces four loads and four byte
   // permutes per tile.
-  const int v_row_lane = kD == 128 ? (th.lane % 8 + 8 * (th.lane / 16)) * kRow + 16 * ((th.lane / 8) % 2)
-                                   : (th.lane % 8 + 8 * ((th.lane / 8) % 2)) * kRow;
+  // The lane's row address relative to a stage. The wide layout keeps it in a register (ptxas
+  // otherwise recomputes it from the thread index every pair); pinned in the narrow layout, it
+  // cost that loop more instructions than it saved.
+  const int v_row_lane = kD == 128
+                             ? (th.lane % 8 + 8 * (th.lane / 16)) * kRow + 16 * ((th.lane / 8) % 2)
+                             : (th.lane % 8 + 8 * ((th.lane / 8) % 2)) * kRow;
+  uint32_t v_row_pinned = v_row_lane + kVOff;
+  if constexpr (!kNarrow) PinRegister(v_row_pinned);
   auto load_codes = [&](const uint8_t* sb, uint32_t(&kw)[2][kKWords], uint32_t(&vw)[4]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -364,7 +371,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
         kw[r][0] = LoadShared<uint32_t>(src);
       }
     }
-    const uint32_t v_addr = SmemAddress(sb + kVOff + v_row_lane);
+    const uint32_t v_addr =
+        kNarrow ? SmemAddress(sb + kVOff + v_row_lane) : SmemAddress(sb) + v_row_pinned;
     if constexpr (kD == 128) {
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(vw[0]), "=r"(vw[1]), "=r"(vw[2]), "=r"(vw[3])
