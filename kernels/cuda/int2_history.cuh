@@ -8,10 +8,13 @@
 //   kHistoryStages / 2 pairs are in flight while a pair computes. With blocks of 16 tokens a head
 //   segment is laid out exactly like a stage, so a copy is the segment base plus an immediate
 //   offset. Block-table entries travel by asynchronous copies too, in the commit group of an
-//   earlier pair, so no warp waits on a table load before a copy. (cp.async.bulk with an
-//   mbarrier costs several times the instructions per tile in SASS.) Other sequences (history
-//   start not a multiple of 16, blocks of other sizes, or AttentionTuning::history_async_copies
-//   off) fill the same ring with ordinary loads instead.
+//   earlier pair, so no warp waits on a table load before a copy. (One cp.async.bulk per tile
+//   from lane 0, counted on an mbarrier, costs the warp more issue slots per pair than the
+//   16-byte copies: NOTES.md, run 11.) Other sequences (history start not a multiple of 16,
+//   blocks of other sizes, or AttentionTuning::history_async_copies off) fill the same ring with
+//   ordinary loads instead.
+// - V codes reach the PV product's A operand by one ldmatrix.trans per tile (load_codes): the
+//   lane receives each 16-bit chunk of two tokens already interleaved.
 // - Wide layout (groups of 5 to 8): queries on the M dimension, S[16 rows x 8 tokens] = Q * K^T
 //   with rows 0..7 the fp16 high parts of the group's 8 queries and rows 8..15 the low parts, so
 //   the hi/lo split costs no extra MMA; the accumulator layout of S (row = query g, columns 2t,
