@@ -12,9 +12,10 @@
 //   b. thread (slice, query, float4 column) sums w_k * part_k over parts k = slice, slice +
 //      slices, ... ; the slices are added in a fixed order through shared memory;
 //   c. out^T = M_V o'^T on the tensor cores (UnrotateGroup): warp w takes the 16-row tiles w,
-//      w + warps, ... of M_V (prefetched into L1 before the grid-dependency wait). On CUDA cores
-//      this phase was most of a group's merge: 8 x D x D multiply-adds and a butterfly of
-//      shuffles per row of M_V for one CTA (NOTES.md, run 11).
+//      w + warps, ... of M_V (prefetched into L1 before the grid-dependency wait). It used to run
+//      on the CUDA cores, 8 x D x D multiply-adds and a butterfly of shuffles per row of M_V in
+//      one CTA (NOTES.md, run 11: the tail merge at batch 32 x 32K 5 % faster on the tensor cores;
+//      at small batches the parts' reads, not this phase, keep a CTA per group slower).
 #pragma once
 
 #include <cuda_runtime.h>
