@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -313,13 +314,15 @@ absl::Status DecodeAttention(const DecodeAttentionShape& shape, const PagedKvBat
   p.history_narrow = plan.history_narrow ? 1 : 0;
   {
     // Asynchronous 16-byte copies of whole head segments: blocks of 16 tokens whose segment
-    // (K codes, V codes, K meta, V meta) is laid out exactly like a stage, 16-byte aligned.
+    // (K codes, V codes, K meta, V meta) is laid out exactly like a stage, 16-byte aligned, in
+    // blocks whose size fits the kernel's 32-bit block offsets.
     const internal::BlockGeometry& g = p.int2_geo;
     const int64_t row = g.head_dim / 4;
     const bool stage_layout = g.tokens == 16 && g.head_segment_bytes == 32 * row + 128 &&
                               g.codes_offset[0] == 0 && g.codes_offset[1] == 16 * row &&
                               g.meta_offset[0] == 32 * row && g.meta_offset[1] == 32 * row + 64;
     p.history_async_copies = stage_layout && Aligned16(p.int2_pool) && g.block_bytes % 16 == 0 &&
+                                     g.block_bytes <= std::numeric_limits<uint32_t>::max() &&
                                      shape.tuning.history_async_copies
                                  ? 1
                                  : 0;

@@ -188,17 +188,16 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   PinRegister(seg_lane);
   PinRegister(dst_lane);
   PinRegister(pair_table);
-  auto tile_present = [&](int k, int e) { return k < n_pairs && pair_start(k) + 16 * e < c1; };
-  // Tile e of pair k is present when c1 - pair_start(k) > 16 e (pair_start(k) < c1 exactly when
-  // k < n_pairs): one subtraction and a compare per tile instead of tile_present's three. Block
-  // offsets in 32 bits (cuda_attention.cc takes this path only for blocks below 4 GiB).
+  // Tile e of pair k holds tokens: pair_start(k) < c1 exactly when k < n_pairs, so one
+  // subtraction and a compare per tile. Block offsets in 32 bits (cuda_attention.cc takes this
+  // path only for blocks below 4 GiB).
+  auto tile_present = [&](int k, int e) { return c1 - pair_start(k) > 16 * e; };
   const uint32_t block_bytes = static_cast<uint32_t>(geo.block_bytes);
   // Copies of pair k (blocks blk0, blk1) into its stages; no commit.
   auto copy_pair = [&](int k, int blk0, int blk1) {
-    const int left = c1 - pair_start(k);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const bool present = left > 16 * e;
+      const bool present = tile_present(k, e);
       const uint8_t* src =
           seg_lane +
           static_cast<uint64_t>(static_cast<uint32_t>(e == 0 ? blk0 : blk1)) * block_bytes;
@@ -217,8 +216,8 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   auto copy_entries = [&](int k0, int pairs) {
     const int k = pairs > 1 ? k0 + th.lane / 2 : k0;  // one pair (the loop's case): warp-uniform
     const int e = th.lane & 1;
-    CpAsync4If(th.lane < 2 * pairs && c1 - pair_start(k) > 16 * e,
-               entries_addr + 8 * (k % kER) + 4 * e, pair_table + 8 * k + e);
+    CpAsync4If(th.lane < 2 * pairs && tile_present(k, e), entries_addr + 8 * (k % kER) + 4 * e,
+               pair_table + 8 * k + e);
   };
   // Ordinary fill of one tile (tokens [ts, ts + 16), zeros past c1): lane (token, half) copies
   // the K (half 0) or V (half 1) code row and meta word of one token.
@@ -347,6 +346,14 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     pm_part *= corr;
     return corr;
   };
+  // The lane's V row address relative to a stage for load_codes' ldmatrix. The wide layout keeps
+  // it in a register (ptxas otherwise recomputes it from the thread index every pair); pinned in
+  // the narrow layout, it cost that loop more instructions than it saved.
+  const int v_row_lane = kD == 128
+                             ? (th.lane % 8 + 8 * (th.lane / 16)) * kRow + 16 * ((th.lane / 8) % 2)
+                             : (th.lane % 8 + 8 * ((th.lane / 8) % 2)) * kRow;
+  uint32_t v_row_pinned = v_row_lane + kVOff;
+  if constexpr (!kNarrow) PinRegister(v_row_pinned);
   // The code words of one tile that both layouts read: K of tokens g and g + 8 (the lane's
   // kD / 4 dims); V as the interleaved A operands (VCodeOperands::FromInterleaved) by one
   // ldmatrix.trans: the 8 x 8 matrices of 16-bit chunks (tokens 0-7 | 8-15) x (chunks 0-7 | 8-15),
@@ -354,14 +361,6 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
   // at D = 128) of tokens 2t, 2t+1 and 2t+8, 2t+9 (at D = 128: dims 8 g + [0, 8) and
   // kD / 2 + 8 g + [0, 8); at D = 64: dims 8 g + [0, 8)). It replaces four loads and four byte
   // permutes per tile.
-  // The lane's row address relative to a stage. The wide layout keeps it in a register (ptxas
-  // otherwise recomputes it from the thread index every pair); pinned in the narrow layout, it
-  // cost that loop more instructions than it saved.
-  const int v_row_lane = kD == 128
-                             ? (th.lane % 8 + 8 * (th.lane / 16)) * kRow + 16 * ((th.lane / 8) % 2)
-                             : (th.lane % 8 + 8 * ((th.lane / 8) % 2)) * kRow;
-  uint32_t v_row_pinned = v_row_lane + kVOff;
-  if constexpr (!kNarrow) PinRegister(v_row_pinned);
   auto load_codes = [&](const uint8_t* sb, uint32_t(&kw)[2][kKWords], uint32_t(&vw)[4]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -45,11 +45,11 @@ struct MergeGroupSmem {
 
 // out[n][j] = sum_i o'[n][i] M_V[j][i] for the queries n < group of o' (shared memory) into
 // out_s, on the tensor cores: out^T [D x 8] = M_V [D x D] o'^T [D x 8] (mma.m16n8k16, A = 16 rows
-// of M_V, B column n = query n). Both operands are split into fp16 high and low parts (hi hi + hi
-// lo
-// + lo hi) after power-of-two scaling that keeps every part normal: M_V by 2^10 (orthogonal, so
-// |m| <= 1) and o'[n] by 2^(14 - e_n), where max |o'[n]| < 2^e_n. Warp w takes the row tiles w,
-// w + warps, ... Reads M_V through the non-coherent path (constant input).
+// of M_V, B column n = query n). Both operands are split into fp16 high and low parts, and the
+// products hi*hi, hi*lo and lo*hi are summed, after power-of-two scaling that keeps every part
+// normal: M_V by 2^10 (orthogonal, so |m| <= 1) and o'[n] by 2^(14 - e_n), where
+// max |o'[n]| < 2^e_n. Warp w takes the row tiles w, w + warps, ... Reads M_V through the
+// non-coherent path (constant input).
 template <int kD, int kThreads>
 __device__ __forceinline__ void UnrotateGroup(const AttentionParams& p, int group,
                                               MergeGroupSmem<kD, kThreads>& sm) {
