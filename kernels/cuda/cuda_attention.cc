@@ -81,8 +81,8 @@ absl::Status CheckShape(const DecodeAttentionShape& s, const PagedKvBatch& b) {
       b.history_pool.block_stride < 0 || b.bf16_pool.block_stride < 0) {
     return absl::InvalidArgumentError("block strides must be 0 or a multiple of 16");
   }
-  if (s.tuning.max_history_chunk_tokens < 0) {
-    return absl::InvalidArgumentError("tuning.max_history_chunk_tokens must be >= 0");
+  if (s.tuning.max_history_chunk_tokens < 0 || s.tuning.min_history_chunk_tokens < 0) {
+    return absl::InvalidArgumentError("tuning's history chunk bounds must be >= 0");
   }
   if (b.num_seqs < 1 || b.max_history_tokens < 0 || b.max_bf16_tokens < 0) {
     return absl::InvalidArgumentError("need num_seqs >= 1 and non-negative token bounds");
@@ -207,10 +207,10 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
                                      : p.history_narrow ? AttentionKernelKind::kHistoryNarrow
                                                         : AttentionKernelKind::kHistory;
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, p.large_group, kind));
-    const Split h = ChooseSplit(b.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                2 * kChunkQuantum, kMaxParts - p.bf16_chunks,
-                                p.large_group ? kChunkQuantum : kHistoryQuantum,
-                                tuning.max_history_chunk_tokens);
+    const Split h = ChooseSplit(
+        b.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+        std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens), kMaxParts - p.bf16_chunks,
+        p.large_group ? kChunkQuantum : kHistoryQuantum, tuning.max_history_chunk_tokens);
     p.history_chunks = h.chunks;
     p.history_chunk_tokens = h.chunk_tokens;
   }
@@ -249,6 +249,13 @@ absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(const DecodeAttentionShape&
                                                      const PagedKvBatch& batch) {
   KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape, batch));
   return plan.total;
+}
+
+absl::StatusOr<DecodeAttentionSplit> DecodeAttentionSplitOf(const DecodeAttentionShape& shape,
+                                                            const PagedKvBatch& batch) {
+  KVPOOL_ASSIGN_OR_RETURN(const Plan plan, MakePlan(shape, batch));
+  return DecodeAttentionSplit{plan.history_chunks, plan.history_chunk_tokens, plan.bf16_chunks,
+                              plan.bf16_chunk_tokens};
 }
 
 absl::Status DecodeAttention(const DecodeAttentionShape& shape, const PagedKvBatch& batch,

@@ -57,6 +57,18 @@ struct DecodeIo {
 [[nodiscard]] absl::StatusOr<size_t> DecodeAttentionWorkspaceBytes(
     const DecodeAttentionShape& shape, const PagedKvBatch& batch);
 
+// How DecodeAttention splits each (sequence, KV head) group's tokens into chunks, one CTA each:
+// the count and length of the INT2 history chunks and of the BF16 tier chunks (0 chunks: the
+// tier has no work). For logs and benchmarks; errors as DecodeAttentionWorkspaceBytes.
+struct DecodeAttentionSplit {
+  int history_chunks = 0;
+  int history_chunk_tokens = 0;
+  int bf16_chunks = 0;
+  int bf16_chunk_tokens = 0;
+};
+[[nodiscard]] absl::StatusOr<DecodeAttentionSplit> DecodeAttentionSplitOf(
+    const DecodeAttentionShape& shape, const PagedKvBatch& batch);
+
 // Enqueues the decode step on `stream` (two to four kernel launches: the query rotation, the
 // INT2 history and BF16 tier kernels of the tiers with work, and a merge kernel unless the
 // attention kernels merge; capturable in a CUDA graph).

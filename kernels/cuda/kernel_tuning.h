@@ -34,6 +34,9 @@ struct AttentionTuning {
   int max_history_chunk_tokens = 16384;
 
   // Benchmark and test fields.
+  // Shortest INT2 history chunk of one CTA, in tokens (0: the kernel's minimum). With
+  // max_history_chunk_tokens equal to it, a benchmark times a split the cost model did not choose.
+  int min_history_chunk_tokens = 0;
   // The BF16 tier kernel runs beside the INT2 history kernel (its programmatic dependent) when
   // both tiers have work; false runs it before, in sequence. Needs programmatic_launch.
   bool tiers_beside_history = true;

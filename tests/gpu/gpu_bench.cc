@@ -9,7 +9,9 @@
 //       ncu)
 //       [--scrub_cost]   (adds decode attention while the scrubber runs, at batch 8 x 32K and
 //                         32 x 128K: seconds of sustained load, so not in A/B runs)
-//       [--programmatic_launch=0|1] [--history_chunk_tokens=N] [--tiers_beside_history=0|1]
+//       [--chunk_sweep=N,N,...]   (adds variant rows "chunk=N": every history chunk N tokens)
+//       [--programmatic_launch=0|1] [--history_chunk_tokens=N] [--min_history_chunk_tokens=N]
+//       [--tiers_beside_history=0|1]
 //       [--history_async_copies=0|1] [--narrow_layout=0|1] [--group_merge=by_shape|always|never]
 //       [--tail_merge=by_shape|always|never] [--arrival_mma_kernel=0|1] [--arrival_fuse_jobs=0|1]
 //
@@ -474,7 +476,8 @@ std::pair<double, double> AttentionWhileScrubbing(cudaStream_t stream,
 
 void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
                     const std::vector<int>& batches, const std::vector<int>& contexts,
-                    const AttentionTuning& base, bool ab, bool scrub_cost) {
+                    const AttentionTuning& base, bool ab, bool scrub_cost,
+                    const std::vector<int>& chunk_sweep) {
   constexpr int kSink = 64, kRecent = 256, kT = 16;
   constexpr int64_t kCapacityTokens = int64_t{32} * 128 * 1024;
   constexpr int kMaxSets = 32;
@@ -587,12 +590,16 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
       }
       if (b == 32) variants.push_back("merge_kernel");
       if (b == 1 || (b == 8 && ctx == 32768)) variants.push_back("tiers_in_sequence");
+      for (const int x : chunk_sweep) {
+        if (x < hist) variants.push_back("chunk=" + std::to_string(x));
+      }
       // Every variant's graphs are captured first and then timed in alternation (default,
       // variant, default, ...): a row measured later in the same process ran up to 15 % slower
       // than the same configuration measured first (kernels/cuda/NOTES.md, run 10), so rows
       // timed one after the other would compare the order, not the variants.
       struct VariantGraphs {
         std::string name;
+        DecodeAttentionSplit split;
         uint8_t* ws = nullptr;
         std::vector<cudaGraphExec_t> graphs;
         std::vector<double> us;
@@ -604,10 +611,20 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
         if (variant == "ordinary_loads") shape.tuning.history_async_copies = false;
         if (variant == "merge_kernel") shape.tuning.tail_merge = PathChoice::kNever;
         if (variant == "tiers_in_sequence") shape.tuning.tiers_beside_history = false;
+        if (variant.rfind("chunk=", 0) == 0) {  // exactly this chunk length, where the parts allow
+          const int x = std::atoi(variant.c_str() + 6);
+          shape.tuning.min_history_chunk_tokens = x;
+          shape.tuning.max_history_chunk_tokens = x;
+        }
+        auto split = DecodeAttentionSplitOf(shape, pools);
+        Check(split.status(), "split");
         auto ws_bytes = DecodeAttentionWorkspaceBytes(shape, pools);
         Check(ws_bytes.status(), "workspace");
-        VariantGraphs run{
-            variant, DeviceAlloc<uint8_t>(*ws_bytes), std::vector<cudaGraphExec_t>(sets), {}};
+        VariantGraphs run{variant,
+                          *split,
+                          DeviceAlloc<uint8_t>(*ws_bytes),
+                          std::vector<cudaGraphExec_t>(sets),
+                          {}};
         for (int s = 0; s < sets; ++s) {
           const size_t off = static_cast<size_t>(s) * b;
           PagedKvBatch batch = pools;
@@ -661,9 +678,10 @@ void BenchAttention(cudaStream_t stream, double copy_gbs, const Model& m,
             {variant.empty() ? "int2_decode_attention" : "int2_decode_attention_variant", params,
              us, "us", "byte_floor_us", floor_us, us / floor_us});
         std::printf(
-            "%-10s Hq=%-2d Hkv=%d D=%-3d B=%-2d ctx=%-6d %9.1f us  floor %8.1f us  (%.2fx) %s\n",
+            "%-10s Hq=%-2d Hkv=%d D=%-3d B=%-2d ctx=%-6d %9.1f us  floor %8.1f us  (%.2fx) "
+            "history %d x %d %s\n",
             m.name, m.q_heads, m.kv_heads, m.head_dim, b, ctx, us, floor_us, us / floor_us,
-            variant.c_str());
+            run.split.history_chunks, run.split.history_chunk_tokens, variant.c_str());
         std::fflush(stdout);
         // What the scrubber costs attention (the bound: at most 1 % at the default pace). Only
         // with --scrub_cost: its seconds of sustained load would slow the rows timed after it.
@@ -728,6 +746,8 @@ bool ApplyTuningFlag(const char* arg, KernelTuning& t) {
     t.attention.programmatic_launch = ParseBool("programmatic_launch", v);
   } else if ((v = FlagValue(arg, "history_chunk_tokens"))) {
     t.attention.max_history_chunk_tokens = std::atoi(v);
+  } else if ((v = FlagValue(arg, "min_history_chunk_tokens"))) {
+    t.attention.min_history_chunk_tokens = std::atoi(v);
   } else if ((v = FlagValue(arg, "tiers_beside_history"))) {
     t.attention.tiers_beside_history = ParseBool("tiers_beside_history", v);
   } else if ((v = FlagValue(arg, "history_async_copies"))) {
@@ -755,6 +775,7 @@ int Main(int argc, char** argv) {
   bool codec = true;
   bool scrub_cost = false;
   std::string only_model;
+  std::vector<int> chunk_sweep;
   std::vector<int> only_batches, only_contexts;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
@@ -771,6 +792,13 @@ int Main(int argc, char** argv) {
       only_batches.push_back(std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--context") == 0 && i + 1 < argc) {
       only_contexts.push_back(std::atoi(argv[++i]));
+    } else if (const char* v = FlagValue(argv[i], "chunk_sweep")) {
+      for (const char* c = v; *c != '\0';) {
+        chunk_sweep.push_back(std::atoi(c));
+        c = std::strchr(c, ',');
+        if (c == nullptr) break;
+        ++c;
+      }
     } else if (ApplyTuningFlag(argv[i], tuning)) {
       continue;
     } else {
@@ -798,7 +826,7 @@ int Main(int argc, char** argv) {
        {Model{"llama70b", 64, 8, 128}, Model{"hq32", 32, 8, 128}, Model{"smollm2", 9, 3, 64}}) {
     if (!only_model.empty() && only_model != m.name) continue;
     BenchAttention(stream, copy_gbs, m, batches, contexts, tuning.attention,
-                   /*ab=*/std::strcmp(m.name, "llama70b") == 0, scrub_cost);
+                   /*ab=*/std::strcmp(m.name, "llama70b") == 0, scrub_cost, chunk_sweep);
   }
   FILE* f = std::fopen(out_path.c_str(), "w");
   if (f == nullptr) Die("cannot write " + out_path);
