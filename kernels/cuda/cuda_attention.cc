@@ -127,9 +127,11 @@ absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, AttentionKernelKind kind) {
 
 // Split of `tokens` per (sequence, KV head) pair into chunks (multiples of `quantum`, at least
 // min_chunk, at most max_chunks of them) for `pairs` pairs on `cap` resident CTA slots:
-// minimizes waves * (chunk + per-CTA overhead) + a small cost per part for the merge, i.e. the
-// length of the longest CTA queue, so that the last wave is not a partial one (NOTES.md, run 1;
-// run 8 checked the choice against forced smaller chunks).
+// minimizes waves * (chunk + per-CTA overhead) + part_cost_tokens per part, i.e. the length of
+// the longest CTA queue, so that the last wave is not a partial one (NOTES.md, run 1), plus what
+// each part adds to the step beyond its own tokens: its CTA's prologue and partial write and the
+// merge's read of it (NOTES.md, run 12, fitted the history's part cost to a sweep of forced
+// chunk lengths).
 struct Split {
   int chunks = 0;
   int chunk_tokens = kChunkQuantum;
@@ -137,9 +139,8 @@ struct Split {
 
 // max_chunk (0: none) bounds the chunk length where max_chunks allows it.
 Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int max_chunks,
-                  int quantum = kChunkQuantum, int max_chunk = 0) {
-  constexpr double kCtaOverheadTokens = 256;  // prologue + partial write, in token-equivalents
-  constexpr double kPartCostTokens = 2;       // merge work per part
+                  double part_cost_tokens, int quantum = kChunkQuantum, int max_chunk = 0) {
+  constexpr double kCtaOverheadTokens = 256;  // per wave, in token-equivalents
   Split best;
   if (tokens <= 0) return best;
   double best_cost = 0;
@@ -152,7 +153,7 @@ Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int
     if (max_chunk > 0 && chunk > max_chunk && c < c_max) continue;
     const int64_t waves = (pairs * actual + cap - 1) / cap;
     const double cost = static_cast<double>(waves) * (chunk + kCtaOverheadTokens) +
-                        static_cast<double>(actual) * kPartCostTokens;
+                        static_cast<double>(actual) * part_cost_tokens;
     if (best.chunks == 0 || cost < best_cost) {
       best.chunks = static_cast<int>(actual);
       best.chunk_tokens = chunk;
@@ -161,6 +162,13 @@ Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int
   }
   return best;
 }
+
+// Part costs of ChooseSplit. The history's: at batch 1 the split into the most chunks that fill
+// one wave (62 x 128 tokens at 8K) was up to 30 % slower than 11 x 768, and 3/8 of the head dim
+// per part picks within 6 % of the fastest forced split at every benchmarked shape (NOTES.md,
+// run 12); the BF16 tiers' (at most a few hundred tokens) was not re-measured.
+constexpr double kHistoryPartCostPerDim = 0.375;
+constexpr double kBf16PartCostTokens = 2;
 
 // Whether a path under `choice` runs, `by_shape` being the measured rule.
 bool Takes(PathChoice choice, bool by_shape) {
@@ -198,7 +206,7 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm,
                             CtasPerSm(head_dim, p.large_group, AttentionKernelKind::kBf16Tiers));
     const Split t = ChooseSplit(b.max_bf16_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                kChunkQuantum, kMaxBf16Parts);
+                                kChunkQuantum, kMaxBf16Parts, kBf16PartCostTokens);
     p.bf16_chunks = t.chunks;
     p.bf16_chunk_tokens = t.chunk_tokens;
   }
@@ -207,10 +215,11 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
                                      : p.history_narrow ? AttentionKernelKind::kHistoryNarrow
                                                         : AttentionKernelKind::kHistory;
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, p.large_group, kind));
-    const Split h = ChooseSplit(
-        b.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-        std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens), kMaxParts - p.bf16_chunks,
-        p.large_group ? kChunkQuantum : kHistoryQuantum, tuning.max_history_chunk_tokens);
+    const Split h = ChooseSplit(b.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
+                                std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens),
+                                kMaxParts - p.bf16_chunks, kHistoryPartCostPerDim * head_dim,
+                                p.large_group ? kChunkQuantum : kHistoryQuantum,
+                                tuning.max_history_chunk_tokens);
     p.history_chunks = h.chunks;
     p.history_chunk_tokens = h.chunk_tokens;
   }
