@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -125,49 +126,91 @@ absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, AttentionKernelKind kind) {
   return n;
 }
 
-// Split of `tokens` per (sequence, KV head) pair into chunks (multiples of `quantum`, at least
-// min_chunk, at most max_chunks of them) for `pairs` pairs on `cap` resident CTA slots:
-// minimizes waves * (chunk + per-CTA overhead) + part_cost_tokens per part, i.e. the length of
+// Split of `tokens` per (sequence, KV head) pair into chunks of one of `lengths` (at most
+// max_chunks of them) for `pairs` pairs on `sms` SMs of `per_sm` resident CTAs each: minimizes
+// waves * (chunk * balance + per-CTA overhead) + part_cost_tokens per part, i.e. the length of
 // the longest CTA queue, so that the last wave is not a partial one (NOTES.md, run 1), plus what
 // each part adds to the step beyond its own tokens: its CTA's prologue and partial write and the
-// merge's read of it (NOTES.md, run 12, fitted the history's part cost to a sweep of forced
-// chunk lengths).
+// merge's read of it. balance = the most CTAs on one SM over the mean (at least one): co-resident
+// CTAs share their SM, so the SMs that hold one CTA more than the others set the time (NOTES.md,
+// run 12: 54 chunks of 2432 tokens, 3 or 4 per SM, were slower than both 64 x 2048 and
+// 43 x 3072).
+// max_chunk (0: none) bounds the chunk length where max_chunks allows it; where it does not, the
+// shortest length that does.
 struct Split {
   int chunks = 0;
   int chunk_tokens = kChunkQuantum;
 };
 
-// max_chunk (0: none) bounds the chunk length where max_chunks allows it.
-Split ChooseSplit(int64_t tokens, int64_t pairs, int64_t cap, int min_chunk, int max_chunks,
-                  double part_cost_tokens, int quantum = kChunkQuantum, int max_chunk = 0) {
+Split ChooseSplit(int64_t tokens, int64_t pairs, int sms, int per_sm,
+                  const std::vector<int>& lengths, int max_chunks, double part_cost_tokens,
+                  int max_chunk) {
   constexpr double kCtaOverheadTokens = 256;  // per wave, in token-equivalents
   Split best;
   if (tokens <= 0) return best;
   double best_cost = 0;
-  const int64_t c_max =
-      std::max<int64_t>(1, std::min<int64_t>(max_chunks, (tokens + quantum - 1) / quantum));
-  for (int64_t c = 1; c <= c_max; ++c) {
-    const int chunk = std::max(min_chunk, RoundUp((tokens + c - 1) / c, quantum));
+  for (const int chunk : lengths) {
     const int64_t actual = (tokens + chunk - 1) / chunk;
-    if (actual > max_chunks) continue;
-    if (max_chunk > 0 && chunk > max_chunk && c < c_max) continue;
-    const int64_t waves = (pairs * actual + cap - 1) / cap;
-    const double cost = static_cast<double>(waves) * (chunk + kCtaOverheadTokens) +
+    if (actual > max_chunks || (max_chunk > 0 && chunk > max_chunk)) continue;
+    const int64_t ctas = pairs * actual;
+    const int64_t waves = (ctas + int64_t{sms} * per_sm - 1) / (int64_t{sms} * per_sm);
+    const double mean = std::max(1.0, static_cast<double>(ctas) / sms);
+    const double balance = static_cast<double>((ctas + sms - 1) / sms) / mean;
+    const double cost = static_cast<double>(waves) * (chunk * balance + kCtaOverheadTokens) +
                         static_cast<double>(actual) * part_cost_tokens;
-    if (best.chunks == 0 || cost < best_cost) {
+    if (best.chunks == 0 || cost <= best_cost) {  // a tie: the longer chunk, fewer parts
       best.chunks = static_cast<int>(actual);
       best.chunk_tokens = chunk;
       best_cost = cost;
     }
   }
+  if (best.chunks == 0) {
+    for (const int chunk : lengths) {  // ascending
+      const int64_t actual = (tokens + chunk - 1) / chunk;
+      if (actual <= max_chunks) return Split{static_cast<int>(actual), chunk};
+    }
+  }
   return best;
 }
 
+// Candidate lengths, ascending, each a multiple of `quantum` and at least min_chunk, including
+// the shortest that needs at most max_chunks chunks. Even: the length of c equal chunks for every
+// c (the BF16 tiers). Ladder: 2^k and 3 * 2^k times kHistoryQuantum, and min_chunk itself (the
+// history: no length between two rungs measured faster than both, and the model's errors are
+// largest there: NOTES.md, run 12).
+std::vector<int> EvenLengths(int64_t tokens, int min_chunk, int max_chunks, int quantum) {
+  std::vector<int> out;
+  const int64_t c_max =
+      std::max<int64_t>(1, std::min<int64_t>(max_chunks, (tokens + quantum - 1) / quantum));
+  for (int64_t c = c_max; c >= 1; --c) {
+    const int chunk = std::max(min_chunk, RoundUp((tokens + c - 1) / c, quantum));
+    if (out.empty() || chunk > out.back()) out.push_back(chunk);
+  }
+  return out;
+}
+
+std::vector<int> LadderLengths(int64_t tokens, int min_chunk, int max_chunks, int quantum) {
+  const int64_t whole = RoundUp(tokens, quantum);
+  std::vector<int> out{
+      RoundUp(min_chunk, quantum),
+      RoundUp(std::max<int64_t>(min_chunk, (tokens + max_chunks - 1) / max_chunks), quantum)};
+  for (int64_t rung = kHistoryQuantum; rung < whole; rung *= 2) {
+    for (const int64_t len : {rung, 3 * rung / 2}) {
+      if (len > min_chunk && len < whole) out.push_back(RoundUp(len, quantum));
+    }
+  }
+  out.push_back(static_cast<int>(std::max<int64_t>(whole, out.front())));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
 // Part costs of ChooseSplit. The history's: at batch 1 the split into the most chunks that fill
-// one wave (62 x 128 tokens at 8K) was up to 30 % slower than 11 x 768, and 3/8 of the head dim
-// per part picks within 6 % of the fastest forced split at every benchmarked shape (NOTES.md,
-// run 12); the BF16 tiers' (at most a few hundred tokens) was not re-measured.
-constexpr double kHistoryPartCostPerDim = 0.375;
+// one wave (62 x 128 tokens at 8K) was up to 30 % slower than 11 x 768; with half the head dim
+// per part the ladder's choice was at most 11 % slower than the fastest forced split at the
+// benchmarked shapes, and faster than or within 2 % of the previous model's choice (NOTES.md,
+// run 12). The BF16 tiers' (at most a few hundred tokens) was not re-measured.
+constexpr double kHistoryPartCostPerDim = 0.5;
 constexpr double kBf16PartCostTokens = 2;
 
 // Whether a path under `choice` runs, `by_shape` being the measured rule.
@@ -205,8 +248,10 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
   if (b.max_bf16_tokens > 0) {
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm,
                             CtasPerSm(head_dim, p.large_group, AttentionKernelKind::kBf16Tiers));
-    const Split t = ChooseSplit(b.max_bf16_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                kChunkQuantum, kMaxBf16Parts, kBf16PartCostTokens);
+    const Split t =
+        ChooseSplit(b.max_bf16_tokens, pairs, sms, per_sm,
+                    EvenLengths(b.max_bf16_tokens, kChunkQuantum, kMaxBf16Parts, kChunkQuantum),
+                    kMaxBf16Parts, kBf16PartCostTokens, /*max_chunk=*/0);
     p.bf16_chunks = t.chunks;
     p.bf16_chunk_tokens = t.chunk_tokens;
   }
@@ -215,11 +260,13 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
                                      : p.history_narrow ? AttentionKernelKind::kHistoryNarrow
                                                         : AttentionKernelKind::kHistory;
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, p.large_group, kind));
-    const Split h = ChooseSplit(b.max_history_tokens, pairs, static_cast<int64_t>(sms) * per_sm,
-                                std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens),
-                                kMaxParts - p.bf16_chunks, kHistoryPartCostPerDim * head_dim,
-                                p.large_group ? kChunkQuantum : kHistoryQuantum,
-                                tuning.max_history_chunk_tokens);
+    const int max_chunks = kMaxParts - p.bf16_chunks;
+    const Split h =
+        ChooseSplit(b.max_history_tokens, pairs, sms, per_sm,
+                    LadderLengths(b.max_history_tokens,
+                                  std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens),
+                                  max_chunks, p.large_group ? kChunkQuantum : kHistoryQuantum),
+                    max_chunks, kHistoryPartCostPerDim * head_dim, tuning.max_history_chunk_tokens);
     p.history_chunks = h.chunks;
     p.history_chunk_tokens = h.chunk_tokens;
   }

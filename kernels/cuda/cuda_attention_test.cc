@@ -795,5 +795,54 @@ TEST_F(CudaAttentionTest, Batch32At128KGroup16LargeGroupKernel) { CheckBatch32At
 
 TEST_F(CudaAttentionTest, Batch32At128KGroup4NarrowLayout) { CheckBatch32At128K(32); }
 
+// The split covers every history token within the part and length bounds, and the benchmark's
+// bounds force a length (NOTES.md, run 12's sweep relies on it).
+TEST_F(CudaAttentionTest, SplitCoversTheHistoryWithinItsBounds) {
+  QuantConfig cfg;
+  cfg.block_tokens = 16;
+  QuantConfig bypass = cfg;
+  bypass.method = QuantMethod::kBypass;
+  DeviceArray<uint8_t> pool(4096);
+  PagedKvBatch batch;
+  batch.history_pool =
+      PagedKvView{pool.get(), BlockLayout::ForModel(cfg, 8, 128), cfg.scale_dtype, 1};
+  batch.bf16_pool =
+      PagedKvView{pool.get(), BlockLayout::ForModel(bypass, 8, 128), cfg.scale_dtype, 1};
+  batch.max_bf16_tokens = 320;
+  DecodeAttentionShape shape;
+  shape.cfg = cfg;
+  shape.q_heads = 64;
+  for (const int seqs : {1, 8, 32}) {
+    for (const int tokens : {100, 7872, 32448, 130752, 4000000}) {
+      batch.num_seqs = seqs;
+      batch.max_history_tokens = tokens;
+      auto split = DecodeAttentionSplitOf(shape, batch);
+      ASSERT_TRUE(split.ok()) << split.status();
+      const std::string at = absl::StrCat(seqs, " x ", tokens);
+      EXPECT_GE(static_cast<int64_t>(split->history_chunks) * split->history_chunk_tokens, tokens)
+          << at;
+      EXPECT_LT(static_cast<int64_t>(split->history_chunks - 1) * split->history_chunk_tokens,
+                tokens)
+          << at;
+      EXPECT_EQ(split->history_chunk_tokens % 128, 0) << at;
+      EXPECT_LE(split->history_chunks + split->bf16_chunks, 256) << at;
+      if (static_cast<int64_t>(split->history_chunks) * 16384 >= tokens) {
+        EXPECT_LE(split->history_chunk_tokens, 16384) << at;
+      }
+      EXPECT_GE(static_cast<int64_t>(split->bf16_chunks) * split->bf16_chunk_tokens, 320) << at;
+    }
+  }
+  batch.num_seqs = 1;
+  batch.max_history_tokens = 7872;
+  shape.tuning.min_history_chunk_tokens = shape.tuning.max_history_chunk_tokens = 640;
+  auto forced = DecodeAttentionSplitOf(shape, batch);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->history_chunk_tokens, 640);
+  EXPECT_EQ(forced->history_chunks, 13);
+  shape.tuning.min_history_chunk_tokens = -1;
+  EXPECT_EQ(DecodeAttentionSplitOf(shape, batch).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvpool::cuda
