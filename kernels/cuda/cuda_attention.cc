@@ -261,14 +261,17 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
                                                         : AttentionKernelKind::kHistory;
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm, CtasPerSm(head_dim, p.large_group, kind));
     const int max_chunks = kMaxParts - p.bf16_chunks;
+    const int min_chunk = std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens);
+    const int quantum = p.large_group ? kChunkQuantum : kHistoryQuantum;
     const Split h =
         ChooseSplit(b.max_history_tokens, pairs, sms, per_sm,
-                    LadderLengths(b.max_history_tokens,
-                                  std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens),
-                                  max_chunks, p.large_group ? kChunkQuantum : kHistoryQuantum),
-                    max_chunks, kHistoryPartCostPerDim * head_dim, tuning.max_history_chunk_tokens);
+                    LadderLengths(b.max_history_tokens, min_chunk, max_chunks, quantum), max_chunks,
+                    kHistoryPartCostPerDim * head_dim, tuning.max_history_chunk_tokens);
+    // The ladder chose the count; the chunks share the tokens evenly (2 x 3968 rather than
+    // 4096 + 3776 at 7872 tokens: the longest chunk sets the time).
     p.history_chunks = h.chunks;
-    p.history_chunk_tokens = h.chunk_tokens;
+    p.history_chunk_tokens =
+        std::max(min_chunk, RoundUp((b.max_history_tokens + h.chunks - 1) / h.chunks, quantum));
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
   p.tail_merge = !p.large_group && p.num_parts > 0 && Takes(tuning.tail_merge, groups_fill_sms);
