@@ -136,7 +136,9 @@ absl::StatusOr<int> CtasPerSm(int d, bool two_tiles, AttentionKernelKind kind) {
 // run 12: 54 chunks of 2432 tokens, 3 or 4 per SM, were slower than both 64 x 2048 and
 // 43 x 3072).
 // max_chunk (0: none) bounds the chunk length where max_chunks allows it; where it does not, the
-// shortest length that does.
+// shortest length that does. The chosen count's chunks then share the tokens evenly, in multiples
+// of `quantum` and at least min_chunk (2 x 3968 rather than 4096 + 3776 at 7872 tokens: the
+// longest chunk sets the time).
 struct Split {
   int chunks = 0;
   int chunk_tokens = kChunkQuantum;
@@ -144,7 +146,7 @@ struct Split {
 
 Split ChooseSplit(int64_t tokens, int64_t pairs, int sms, int per_sm,
                   const std::vector<int>& lengths, int max_chunks, double part_cost_tokens,
-                  int max_chunk) {
+                  int max_chunk, int quantum, int min_chunk) {
   constexpr double kCtaOverheadTokens = 256;  // per wave, in token-equivalents
   Split best;
   if (tokens <= 0) return best;
@@ -164,11 +166,13 @@ Split ChooseSplit(int64_t tokens, int64_t pairs, int sms, int per_sm,
       best_cost = cost;
     }
   }
-  if (best.chunks == 0) {
-    for (const int chunk : lengths) {  // ascending
-      const int64_t actual = (tokens + chunk - 1) / chunk;
-      if (actual <= max_chunks) return Split{static_cast<int>(actual), chunk};
-    }
+  for (auto it = lengths.begin(); best.chunks == 0 && it != lengths.end(); ++it) {  // ascending
+    const int64_t actual = (tokens + *it - 1) / *it;
+    if (actual <= max_chunks) best.chunks = static_cast<int>(actual);
+  }
+  if (best.chunks > 0) {
+    best.chunk_tokens =
+        std::max(min_chunk, RoundUp((tokens + best.chunks - 1) / best.chunks, quantum));
   }
   return best;
 }
@@ -248,10 +252,10 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
   if (b.max_bf16_tokens > 0) {
     KVPOOL_ASSIGN_OR_RETURN(const int per_sm,
                             CtasPerSm(head_dim, p.large_group, AttentionKernelKind::kBf16Tiers));
-    const Split t =
-        ChooseSplit(b.max_bf16_tokens, pairs, sms, per_sm,
-                    EvenLengths(b.max_bf16_tokens, kChunkQuantum, kMaxBf16Parts, kChunkQuantum),
-                    kMaxBf16Parts, kBf16PartCostTokens, /*max_chunk=*/0);
+    const Split t = ChooseSplit(
+        b.max_bf16_tokens, pairs, sms, per_sm,
+        EvenLengths(b.max_bf16_tokens, kChunkQuantum, kMaxBf16Parts, kChunkQuantum), kMaxBf16Parts,
+        kBf16PartCostTokens, /*max_chunk=*/0, kChunkQuantum, kChunkQuantum);
     p.bf16_chunks = t.chunks;
     p.bf16_chunk_tokens = t.chunk_tokens;
   }
@@ -263,15 +267,12 @@ absl::StatusOr<Plan> MakePlan(const DecodeAttentionShape& s, const PagedKvBatch&
     const int max_chunks = kMaxParts - p.bf16_chunks;
     const int min_chunk = std::max(2 * kChunkQuantum, tuning.min_history_chunk_tokens);
     const int quantum = p.large_group ? kChunkQuantum : kHistoryQuantum;
-    const Split h =
-        ChooseSplit(b.max_history_tokens, pairs, sms, per_sm,
-                    LadderLengths(b.max_history_tokens, min_chunk, max_chunks, quantum), max_chunks,
-                    kHistoryPartCostPerDim * head_dim, tuning.max_history_chunk_tokens);
-    // The ladder chose the count; the chunks share the tokens evenly (2 x 3968 rather than
-    // 4096 + 3776 at 7872 tokens: the longest chunk sets the time).
+    const Split h = ChooseSplit(b.max_history_tokens, pairs, sms, per_sm,
+                                LadderLengths(b.max_history_tokens, min_chunk, max_chunks, quantum),
+                                max_chunks, kHistoryPartCostPerDim * head_dim,
+                                tuning.max_history_chunk_tokens, quantum, min_chunk);
     p.history_chunks = h.chunks;
-    p.history_chunk_tokens =
-        std::max(min_chunk, RoundUp((b.max_history_tokens + h.chunks - 1) / h.chunks, quantum));
+    p.history_chunk_tokens = h.chunk_tokens;
   }
   p.num_parts = p.history_chunks + p.bf16_chunks;
   p.tail_merge = !p.large_group && p.num_parts > 0 && Takes(tuning.tail_merge, groups_fill_sms);

@@ -35,6 +35,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "kernels/block_layout.h"
 #include "kernels/codec_config.h"
 #include "kernels/cuda/cuda_attention.h"
@@ -793,11 +796,10 @@ int Main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--context") == 0 && i + 1 < argc) {
       only_contexts.push_back(std::atoi(argv[++i]));
     } else if (const char* v = FlagValue(argv[i], "chunk_sweep")) {
-      for (const char* c = v; *c != '\0';) {
-        chunk_sweep.push_back(std::atoi(c));
-        c = std::strchr(c, ',');
-        if (c == nullptr) break;
-        ++c;
+      for (const absl::string_view n : absl::StrSplit(v, ',')) {
+        int x = 0;
+        if (!absl::SimpleAtoi(n, &x) || x <= 0) Die("--chunk_sweep takes positive token counts");
+        chunk_sweep.push_back(x);
       }
     } else if (ApplyTuningFlag(argv[i], tuning)) {
       continue;
