@@ -42,6 +42,7 @@
 
 #include "kernels/cuda/codec_params.h"
 #include "kernels/cuda/device_common.cuh"
+#include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/page_checksum_accumulate.cuh"
 
 namespace kvpool::cuda::internal {
@@ -60,14 +61,6 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], u
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Transposes the 8 x 8 matrix of 16-bit values whose row l / 4 holds, in lane l, elements
-// 2 (l % 4) and 2 (l % 4) + 1.
-__device__ __forceinline__ uint32_t Transpose8x8(uint32_t v) {
-  uint32_t d;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(v));
-  return d;
 }
 
 __device__ __forceinline__ uint32_t Bf16x2Bits(__nv_bfloat162 v) {
@@ -98,13 +91,6 @@ __device__ __forceinline__ uint32_t MaxBf16x2(uint32_t a, uint32_t b) {
 __device__ __forceinline__ uint32_t MaxU16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("max.u16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-// Byte permute with sign replication: selector nibble 8 + b gives 0xff or 0x00 from bit 7 of
-// byte b.
-__device__ __forceinline__ uint32_t PermuteBytes(uint32_t a, uint32_t b, uint32_t selector) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
   return d;
 }
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
@@ -317,7 +303,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
 #pragma unroll
         for (int L = 0; L < kNT; ++L) {
           const int w = 8 * (L / 8) + (L % 8) / 2;
-          ob[r][L] = PermuteBytes(v[w], v[w + 4], L % 2 == 0 ? 0x5410u : 0x7632u);
+          ob[r][L] = Permute(v[w], v[w + 4], L % 2 == 0 ? 0x5410u : 0x7632u);
         }
       }
     }
@@ -328,7 +314,7 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
       for (int w = 0; w < kLaneWords * 8; ++w) {
         const int j = 2 * (w % 8);  // dim of the pair within its code word's 16
         const int L = 8 * (w / 8) + j % 8;
-        v[w] = PermuteBytes(ob[r][L], ob[r][L + 1], j < 8 ? 0x5410u : 0x7632u);
+        v[w] = Permute(ob[r][L], ob[r][L + 1], j < 8 ? 0x5410u : 0x7632u);
       }
     };
 
@@ -465,7 +451,9 @@ __global__ void __launch_bounds__(kArrivalThreads) ArrivalMmaKernel(const Arriva
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
           const uint32_t x = ob[r][nt];
-          const uint32_t above = PermuteBytes((x & 0x7fff7fffu) + gt_bias, 0u, 0xbb99u);
+          // Selector nibbles 8 + b replicate bit 7 of byte b: each half 0xffff where its key
+          // exceeds tau (the bias carried into bit 15), else 0.
+          const uint32_t above = Permute((x & 0x7fff7fffu) + gt_bias, 0u, 0xbb99u);
           const uint32_t clipped = (x & 0x80008000u) | tau2;
           ob[r][nt] = (above & clipped) | (~above & x);
         }

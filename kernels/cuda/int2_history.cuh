@@ -375,15 +375,7 @@ __global__ void __launch_bounds__(kAttnThreads, 4) Int2HistoryKernel(const Atten
     }
     const uint32_t v_addr =
         kNarrow ? SmemAddress(sb + kVOff + v_row_lane) : SmemAddress(sb) + v_row_pinned;
-    if constexpr (kD == 128) {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(vw[0]), "=r"(vw[1]), "=r"(vw[2]), "=r"(vw[3])
-                   : "r"(v_addr));
-    } else {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
-                   : "=r"(vw[0]), "=r"(vw[1])
-                   : "r"(v_addr));
-    }
+    LoadMatricesTransposed<kD == 128 ? 4 : 2>(v_addr, vw);
   };
   // O^T += V^T (P s)^T for one tile; pb is the B operand of the layout.
   auto accumulate_pv = [&](const uint32_t(&vw)[4], const uint32_t(&pb)[2]) {

@@ -39,6 +39,23 @@ __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
   return y;
 }
 
+// ldmatrix.trans of kMatrices (2 or 4) 8x8 matrices of 16-bit values from shared memory: lane l
+// addresses row l % 8 of matrix l / 8 and receives, in register m, the transpose's positions of
+// Transpose8x8's layout in matrix m.
+template <int kMatrices>
+__device__ __forceinline__ void LoadMatricesTransposed(uint32_t smem_addr, uint32_t (&r)[4]) {
+  static_assert(kMatrices == 2 || kMatrices == 4);
+  if constexpr (kMatrices == 4) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr));
+  }
+}
+
 __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
