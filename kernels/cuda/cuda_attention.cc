@@ -30,6 +30,9 @@ constexpr int kMaxHistoryGroup = 8;  // int2_history.cuh and merge_group.cuh: gr
 constexpr int kMaxNarrowGroup = 4;   // the INT2 history kernel's narrow layout
 constexpr int kMaxParts = 256;       // decode_attention.cuh kMaxParts (merge kernels)
 constexpr int kMaxBf16Parts = 32;    // at most this many chunks of the BF16 tiers
+// The largest min_history_chunk_tokens: far above any context, and far from int overflow when
+// the chunk lengths are rounded up.
+constexpr int kMaxMinHistoryChunkTokens = 1 << 24;
 
 using internal::AttentionKernelKind;
 
@@ -82,8 +85,11 @@ absl::Status CheckShape(const DecodeAttentionShape& s, const PagedKvBatch& b) {
       b.history_pool.block_stride < 0 || b.bf16_pool.block_stride < 0) {
     return absl::InvalidArgumentError("block strides must be 0 or a multiple of 16");
   }
-  if (s.tuning.max_history_chunk_tokens < 0 || s.tuning.min_history_chunk_tokens < 0) {
-    return absl::InvalidArgumentError("tuning's history chunk bounds must be >= 0");
+  if (s.tuning.max_history_chunk_tokens < 0 || s.tuning.min_history_chunk_tokens < 0 ||
+      s.tuning.min_history_chunk_tokens > kMaxMinHistoryChunkTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tuning's history chunk bounds must be >= 0, the shortest at most ",
+                     kMaxMinHistoryChunkTokens));
   }
   if (b.num_seqs < 1 || b.max_history_tokens < 0 || b.max_bf16_tokens < 0) {
     return absl::InvalidArgumentError("need num_seqs >= 1 and non-negative token bounds");

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -839,9 +840,12 @@ TEST_F(CudaAttentionTest, SplitCoversTheHistoryWithinItsBounds) {
   ASSERT_TRUE(forced.ok()) << forced.status();
   EXPECT_EQ(forced->history_chunk_tokens, 640);
   EXPECT_EQ(forced->history_chunks, 13);
-  shape.tuning.min_history_chunk_tokens = -1;
-  EXPECT_EQ(DecodeAttentionSplitOf(shape, batch).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  for (const int bad : {-1, (1 << 24) + 1, std::numeric_limits<int>::max()}) {
+    shape.tuning.min_history_chunk_tokens = bad;
+    EXPECT_EQ(DecodeAttentionSplitOf(shape, batch).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
 }
 
 }  // namespace
